@@ -1,0 +1,1 @@
+"""Engine discovery: sources of endpoints (static, Kubernetes) and the registry that tracks them."""
