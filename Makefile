@@ -1,0 +1,58 @@
+# vllm-stack developer entry points. `make run` and `make test` each do their own set-up.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.vllm-stack-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast test-engine lint format bench clean help
+
+help:
+	@echo "make run        run the local stack (2 real vLLM engines + router) until Ctrl-C"
+	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
+	@echo "make test-fast  tests that need no engine"
+	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
+	@echo "make lint       ruff check + format check"
+	@echo "make bench      run the benchmarks under benchmarks/"
+
+# The project environment; re-installed only when pyproject.toml changes. uv does the installing.
+$(STAMP): pyproject.toml
+	@echo "==> project environment ($(VENV))"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet --disable-pip-version-check uv
+	@$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
+	@touch $@
+
+install: $(STAMP)
+	@$(BIN)/python -m vllm_stack.devsetup
+
+# `make run` needs only the two environments, not the test tools.
+install-run: $(STAMP)
+	@$(BIN)/python -m vllm_stack.devsetup engine
+
+run: install-run
+	@$(BIN)/vllm-stack run
+
+test: install
+	@$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	@$(BIN)/pytest -m "not engine" $(PYTEST_ARGS)
+
+test-engine: install
+	@$(BIN)/pytest -m engine $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	@$(BIN)/ruff check router tests benchmarks observability
+	@$(BIN)/ruff format --check router tests benchmarks observability
+
+format: $(STAMP)
+	@$(BIN)/ruff format router tests benchmarks observability
+	@$(BIN)/ruff check --fix router tests benchmarks observability
+
+bench: install
+	@$(BIN)/python benchmarks/router/run.py
+
+clean:
+	rm -rf $(VENV) .venv-engine .tools .cache .pytest_cache .ruff_cache

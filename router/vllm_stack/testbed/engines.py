@@ -1,0 +1,332 @@
+"""Start and stop real vLLM engines (the CPU build) as local processes.
+
+Used by the tests, the benchmarks and `make run`. Each engine is the real OpenAI server
+(`python -m vllm.entrypoints.openai.api_server`) from the separate engine environment, started in its
+own process group so that stopping it also stops vLLM's engine-core child. Engines are stopped when the
+group is stopped, when the interpreter exits, and (through PR_SET_PDEATHSIG) when the parent process dies
+abruptly, so no engine outlives the test session that started it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_stack.paths import engine_python
+
+DEFAULT_READY_TIMEOUT = 300.0
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or did not become ready in time; the message carries its log tail."""
+
+
+def free_port() -> int:
+    """Ask the kernel for a free TCP port on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the launching process dies (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class EngineSpec:
+    """What to start: one model, served under one name, with the test bed's defaults.
+
+    `args` replaces the generated server arguments entirely when given (used to start the exact
+    arguments a Helm chart renders); `extra_args` are appended to the generated ones.
+    """
+
+    model_dir: Path | str
+    served_model_name: str = "tiny-llama"
+    kv_cache_gib: int = 1
+    enable_lora: bool = True
+    max_loras: int = 4
+    max_lora_rank: int = 8
+    kv_events: bool = True
+    runner: str | None = None  # e.g. "pooling" (with convert="embed") for an embedding engine
+    convert: str | None = None
+    max_model_len: int | None = 2048
+    extra_args: Sequence[str] = ()
+    args: Sequence[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Engine:
+    """A running engine: where it listens and how to reach its log."""
+
+    name: str
+    port: int
+    kv_events_port: int | None
+    served_model_name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    cpu: int | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def metrics(self, timeout: float = 5.0) -> str:
+        """The engine's Prometheus exposition text."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout) as response:
+            return response.read().decode()
+
+    def metric_value(self, name: str) -> float:
+        """Sum of every sample of `name` (e.g. `vllm:num_requests_running`) in the engine's metrics."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith(name) and line[len(name)] in "{ ":
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the engine's process group, then SIGKILL what is left after `timeout` seconds."""
+        if self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        # The engine-core child may linger after the API server exits: sweep the whole group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL the engine at once (failure-injection tests)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list[str]:
+    """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
+    if spec.args is not None:
+        return [*spec.args, "--host", "127.0.0.1", "--port", str(port)]
+    args = [
+        "--model", str(spec.model_dir),
+        "--served-model-name", spec.served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--load-format", "dummy",
+        "--enable-prefix-caching",
+        "--disable-log-stats",
+        "--seed", "0",
+    ]  # fmt: skip
+    if spec.max_model_len:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.runner:
+        args += ["--runner", spec.runner]
+    if spec.convert:
+        args += ["--convert", spec.convert]
+    if spec.enable_lora and not spec.runner:
+        args += [
+            "--enable-lora",
+            "--max-loras",
+            str(spec.max_loras),
+            "--max-lora-rank",
+            str(spec.max_lora_rank),
+        ]
+    if kv_events_port is not None:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}
+        args += ["--kv-events-config", json.dumps(config)]
+    return [*args, *spec.extra_args]
+
+
+def engine_env(spec: EngineSpec, cpu: int | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(int(spec.kv_cache_gib)),
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+        PYTHONHASHSEED="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        LMCACHE_TRACK_USAGE="false",
+        PYTHONUNBUFFERED="1",
+    )
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    # The engine runs in its own environment; the caller's virtualenv must not leak into it.
+    for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(key, None)
+    env.update(spec.env)
+    return env
+
+
+def _probe(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class EngineGroup:
+    """Engines started together and stopped together (also at interpreter exit)."""
+
+    def __init__(self, engines: Iterable[Engine] = ()) -> None:
+        self.engines: list[Engine] = list(engines)
+        self._lock = threading.Lock()
+        atexit.register(self.stop)
+
+    def __iter__(self):
+        return iter(self.engines)
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __getitem__(self, index: int) -> Engine:
+        return self.engines[index]
+
+    def __enter__(self) -> EngineGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def urls(self) -> list[str]:
+        return [engine.url for engine in self.engines]
+
+    def add(self, engine: Engine) -> None:
+        with self._lock:
+            self.engines.append(engine)
+
+    def stop(self) -> None:
+        """Stop every engine in parallel (each may take seconds to shut down)."""
+        threads = [threading.Thread(target=engine.stop) for engine in self.engines]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
+def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path) -> Engine:
+    """Start one engine process (does not wait for readiness)."""
+    port = free_port()
+    kv_port = free_port() if spec.kv_events and spec.args is None and not spec.runner else None
+    command = [
+        str(engine_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *server_args(spec, port, kv_port),
+    ]
+    if cpu is not None:
+        command = ["taskset", "-c", str(cpu), *command]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(command) + "\n").encode())
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=engine_env(spec, cpu),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu)
+
+
+def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT) -> None:
+    """Block until every engine answers `/v1/models`; raise EngineStartError with the log tail otherwise."""
+    deadline = time.monotonic() + timeout
+    pending = list(engines)
+    while pending:
+        for engine in list(pending):
+            if not engine.is_running():
+                raise EngineStartError(
+                    f"engine {engine.name} exited with code {engine.process.returncode} while starting; "
+                    f"log {engine.log_path}:\n{engine.log_tail()}"
+                )
+            if _probe(f"{engine.url}/v1/models"):
+                pending.remove(engine)
+        if pending and time.monotonic() > deadline:
+            engine = pending[0]
+            raise EngineStartError(
+                f"engine {engine.name} not ready after {timeout:.0f} s; log {engine.log_path}:\n{engine.log_tail()}"
+            )
+        if pending:
+            time.sleep(0.5)
+
+
+def default_cpus(count: int) -> list[int | None]:
+    """Spread engines over the cores this process may use (one core each, round-robin)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[i % len(cores)] for i in range(count)]
+
+
+def start_engines(
+    count: int,
+    model_dir: Path | str | None = None,
+    served_model_name: str = "tiny-llama",
+    *,
+    spec: EngineSpec | None = None,
+    log_dir: Path | str | None = None,
+    ready_timeout: float = DEFAULT_READY_TIMEOUT,
+    cpus: Sequence[int | None] | None = None,
+    name_prefix: str = "engine",
+    **spec_fields: object,
+) -> EngineGroup:
+    """Start `count` engines in parallel and wait until all serve; stop them all if any fails.
+
+    Either pass `spec`, or `model_dir` plus any EngineSpec field as a keyword (e.g. `kv_cache_gib=1`,
+    `extra_args=[...]`, `runner="pooling"`).
+    """
+    if spec is None:
+        if model_dir is None:
+            raise ValueError("start_engines needs model_dir or spec")
+        spec = EngineSpec(model_dir=model_dir, served_model_name=served_model_name, **spec_fields)  # type: ignore[arg-type]
+    log_path = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-stack-engines-"))
+    cpu_list = list(cpus) if cpus is not None else default_cpus(count)
+    group = EngineGroup()
+    try:
+        for index in range(count):
+            group.add(launch(spec, name=f"{name_prefix}-{index}", cpu=cpu_list[index], log_dir=log_path))
+        wait_ready(group.engines, ready_timeout)
+    except BaseException:
+        group.stop()
+        raise
+    return group
