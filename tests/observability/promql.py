@@ -1,0 +1,254 @@
+"""Helpers for the observability tests: every query we ship, and a real Prometheus to run them on.
+
+The queries are taken from what is committed, not re-typed: dashboard panel targets from the
+generated JSON, recording and alert rules from the rule file, the KEDA trigger from its example
+ScaledObject and the prometheus-adapter rule from its config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+OBS = REPO / "observability"
+RULES = OBS / "prometheus" / "rules.yaml"
+RULES_TEST = OBS / "prometheus" / "rules_test.yaml"
+CHART_RULES = REPO / "helm" / "files" / "prometheus-rules.yaml"
+CHART_DASHBOARDS = REPO / "helm" / "files" / "dashboards"
+KEDA_EXAMPLE = OBS / "keda" / "scaledobject.yaml"
+ADAPTER_RULES = OBS / "prometheus-adapter" / "rules.yaml"
+CRDS = REPO.parent / "shared" / "crds"
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def load_build_module():
+    """observability/dashboards/build.py, imported by path (observability/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "vllm_stack_dashboards_build", OBS / "dashboards" / "build.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Query:
+    kind: str  # "panel", "variable", "record", "alert", "keda", "adapter"
+    name: str  # where it comes from, for messages
+    expr: str  # as shipped (may hold template variables)
+
+
+def committed_dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(CHART_DASHBOARDS.glob("*.json"))}
+
+
+def _panels(dashboard: dict):
+    for panel in dashboard.get("panels", []):
+        yield panel
+        yield from panel.get("panels", [])  # panels inside collapsed rows
+
+
+def panel_queries(dashboard_file: str, dashboard: dict) -> list[Query]:
+    out = []
+    for panel in _panels(dashboard):
+        for target in panel.get("targets") or []:
+            out.append(
+                Query("panel", f"{dashboard_file} / {panel['title']} / {target['refId']}", target["expr"])
+            )
+    return out
+
+
+def variable_queries(dashboard_file: str, dashboard: dict) -> list[Query]:
+    out = []
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":
+            query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+            out.append(Query("variable", f"{dashboard_file} / ${var['name']}", query))
+    return out
+
+
+_LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$", re.S)
+
+
+def label_values_as_promql(query: str) -> tuple[str, str]:
+    """Grafana's ``label_values(selector, label)`` as a PromQL query listing the values, and the label."""
+    m = _LABEL_VALUES.match(query.strip())
+    assert m, f"not a label_values() query: {query}"
+    return f"count by ({m['label']}) ({m['selector']})", m["label"]
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Replace Grafana template variables (``$name`` and ``${name}``) with concrete values."""
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace("${" + name + "}", values[name]).replace("$" + name, values[name])
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def rule_queries(path: Path = RULES) -> list[Query]:
+    out = []
+    for group in yaml.safe_load(path.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "record" in rule:
+                out.append(Query("record", rule["record"], rule["expr"]))
+            else:
+                out.append(Query("alert", rule["alert"], rule["expr"]))
+    return out
+
+
+_THRESHOLD = re.compile(
+    r"^(?P<base>.+?)\s*(==|!=|>=|<=|>|<)\s*(bool\s+)?[-+]?[0-9.]+(e[-+]?[0-9]+)?\s*$", re.S
+)
+_ABSENT = re.compile(r"^absent\((?P<inner>.+)\)$", re.S)
+
+
+def alert_base(expr: str) -> str:
+    """The query an alert compares with its threshold.
+
+    Alerts are written as ``<query> <op> <threshold>`` or ``absent(<query>)`` (rules.yaml says so).
+    Whether an alert *can* fire depends on ``<query>`` returning series: ``<query>`` is what the live
+    test requires to return data, since the full expression is empty whenever the system is healthy.
+    """
+    expr = " ".join(expr.split())
+    if m := _ABSENT.match(expr):
+        return m["inner"]
+    m = _THRESHOLD.match(expr)
+    assert m, f"alert expression not of the form '<query> <op> <threshold>': {expr}"
+    return m["base"]
+
+
+def keda_query(model: str, namespace: str) -> str:
+    """The KEDA trigger query of the example ScaledObject, for another model/namespace."""
+    doc = yaml.safe_load(KEDA_EXAMPLE.read_text())
+    (trigger,) = [t for t in doc["spec"]["triggers"] if t["type"] == "prometheus"]
+    query = trigger["metadata"]["query"]
+    example_model = re.search(r'model_name="([^"]+)"', query)[1]
+    example_ns = doc["metadata"]["namespace"]
+    return query.replace(f'model_name="{example_model}"', f'model_name="{model}"').replace(
+        f'namespace="{example_ns}"', f'namespace="{namespace}"'
+    )
+
+
+def adapter_query(model: str, namespace: str) -> str:
+    """The prometheus-adapter external rule's metricsQuery as the adapter renders it for an HPA in
+    ``namespace`` selecting ``model_name=model``."""
+    (rule,) = yaml.safe_load(ADAPTER_RULES.read_text())["external"]
+    series = rule["seriesQuery"].split("{", 1)[0]
+    return (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", series)
+        .replace("<<.LabelMatchers>>", f'namespace="{namespace}",model_name="{model}"')
+        .replace("<<.GroupBy>>", "namespace")
+    )
+
+
+# ---------------------------------------------------------------------------------------------- promtool
+def promtool_check_expressions(queries: list[Query], tmp: Path) -> subprocess.CompletedProcess:
+    """Parse expressions with ``promtool check rules`` (each becomes a recording rule)."""
+    rules = [{"record": f"check:expr_{i}", "expr": q.expr} for i, q in enumerate(queries)]
+    path = tmp / "exprs.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "exprs", "rules": rules}]}))
+    return subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
+
+
+# ---------------------------------------------------------------------------------------------- server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Target:
+    job: str
+    address: str  # host:port
+    labels: dict[str, str]
+
+
+class Prometheus:
+    """A real Prometheus (Debian package) in a temporary directory, scraping the given targets every
+    second and evaluating ``rule_files`` every second."""
+
+    def __init__(self, targets: list[Target], rule_files: list[Path], log_dir: Path | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="vllm-stack-prom-"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        jobs: dict[str, list[dict]] = {}
+        for t in targets:
+            jobs.setdefault(t.job, []).append({"targets": [t.address], "labels": t.labels})
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [{"job_name": job, "static_configs": sc} for job, sc in jobs.items()],
+        }
+        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log_path = (log_dir or self.dir) / "prometheus.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={self.dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if self.client.get("/-/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prometheus did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def query(self, expr: str, at: float | None = None) -> dict:
+        """``/api/v1/query``; returns the whole JSON answer (status, errorType, data)."""
+        params = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        return self.client.get("/api/v1/query", params=params).json()
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> dict:
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step}"}
+        return self.client.get("/api/v1/query_range", params=params).json()
+
+    def targets_up(self) -> dict[str, str]:
+        active = self.client.get("/api/v1/targets").json()["data"]["activeTargets"]
+        return {t["scrapeUrl"]: t["health"] for t in active}
+
+    def rule_health(self) -> dict[str, str]:
+        groups = self.client.get("/api/v1/rules").json()["data"]["groups"]
+        return {r["name"]: r["health"] for g in groups for r in g["rules"]}
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
