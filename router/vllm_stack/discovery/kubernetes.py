@@ -1,0 +1,286 @@
+"""Kubernetes discovery: the engine pods of one namespace and label selector, by list + watch.
+
+Why it is built this way:
+
+- **A full re-list before every watch.** A watch only reports changes; whatever happened while no watch
+  was open (a dropped connection, an API server restart, a 410 Gone after compaction) is only learnt by
+  listing again. production-stack's router re-opened its watch without re-listing, and a deleted pod kept
+  receiving traffic for hours. Here every watch, including the one after a normal server-side timeout,
+  starts from a fresh list and from that list's resourceVersion, and the list *replaces* the known set,
+  so a pod deleted while disconnected disappears.
+- **Only routable pods are reported** (a choice; the interface allows ``ready=False`` entries): a pod is
+  reported when its phase is Running, it has a pod IP, its ``Ready`` condition is True and it is not
+  terminating. The registry learns model names from each reported pod's ``/v1/models``; reporting pods it
+  may not route to would only make it probe engines that are still loading. Readiness already includes
+  the engine's readiness probe.
+- **Terminating pods go at once.** ``metadata.deletionTimestamp`` is set (a MODIFIED event) as soon as
+  deletion starts, while the pod is still Ready and before the endpoints controller reacts; new requests
+  must stop then, not when the pod finally disappears.
+- **Bounded memory.** Only routable pods of this namespace and selector are held, one small
+  :class:`EndpointInfo` each; the API objects are dropped as soon as they are read.
+- **Bounded exponential backoff with jitter** between failed attempts, so that a broken API server is not
+  hammered by every router replica in step, and a recovered one is found again within ``backoff_max``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, V1Pod
+
+from vllm_stack.discovery.base import EndpointInfo, SnapshotSink
+
+logger = logging.getLogger(__name__)
+
+_LIST_TIMEOUT_S = 30.0  # a list of one namespace's engine pods is small; longer means the server is stuck
+_CONNECT_TIMEOUT_S = 10.0
+_WATCH_GRACE_S = 30.0  # past timeoutSeconds + this, a silent watch connection is considered dead
+
+
+async def default_api_client() -> ApiClient:
+    """An API client from the in-cluster service account, or else from the local kubeconfig.
+
+    The configuration is a private :class:`Configuration` object, never the library's global default, so
+    that two discoveries (or a test) in one process do not share or overwrite each other's settings.
+    """
+    configuration = Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        await config.load_kube_config(client_configuration=configuration, persist_config=False)
+    return ApiClient(configuration=configuration)
+
+
+def pod_endpoint(pod: V1Pod, port: int) -> EndpointInfo | None:
+    """The endpoint of a pod that may receive traffic now, or None (see the module docstring)."""
+    meta, status = pod.metadata, pod.status
+    if meta is None or not meta.name or meta.deletion_timestamp is not None:
+        return None
+    if status is None or status.phase != "Running" or not status.pod_ip:
+        return None
+    if not any(c.type == "Ready" and c.status == "True" for c in status.conditions or ()):
+        return None
+    host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip  # IPv6 pod IPs
+    return EndpointInfo(name=meta.name, url=f"http://{host}:{port}", ready=True)
+
+
+class _WatchProtocolError(Exception):
+    """The watch stream carried something that is not a watch event (e.g. a proxy's error page)."""
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """What one list + watch attempt achieved, kept even when it ends in an exception."""
+
+    listed: bool = False
+    events: int = 0  # watch events received, bookmarks included
+    watch_started: float = 0.0
+
+
+class _EndpointSet:
+    """The routable pods of one run, and the last snapshot given to the sink."""
+
+    def __init__(self, sink: SnapshotSink, port: int) -> None:
+        self._sink = sink
+        self._port = port
+        self._endpoints: dict[str, EndpointInfo] = {}
+        self._emitted: list[EndpointInfo] | None = None
+
+    def replace(self, pods: list[V1Pod]) -> None:
+        """A fresh list: whatever it does not contain is gone."""
+        self._endpoints = {ep.name: ep for pod in pods if (ep := pod_endpoint(pod, self._port)) is not None}
+
+    def upsert(self, pod: V1Pod) -> None:
+        name = pod.metadata.name if pod.metadata else None
+        if not name:
+            return
+        endpoint = pod_endpoint(pod, self._port)
+        if endpoint is None:
+            self._endpoints.pop(name, None)
+        else:
+            self._endpoints[name] = endpoint
+
+    def remove(self, pod: V1Pod) -> None:
+        if pod.metadata and pod.metadata.name:
+            self._endpoints.pop(pod.metadata.name, None)
+
+    async def publish(self) -> None:
+        """Give the sink the full list if it changed (and always the first time)."""
+        snapshot = sorted(self._endpoints.values(), key=lambda ep: ep.name)
+        if snapshot == self._emitted:
+            return
+        previous = {ep.name for ep in self._emitted or ()}
+        current = {ep.name for ep in snapshot}
+        logger.info(
+            "kubernetes discovery: %d endpoint(s); joined %s; left %s",
+            len(snapshot),
+            sorted(current - previous) or "-",
+            sorted(previous - current) or "-",
+        )
+        await self._sink(list(snapshot))
+        self._emitted = snapshot  # only once delivered: a failed sink call is retried after the re-list
+
+
+class KubernetesDiscovery:
+    """Reports the ready engine pods of one namespace and label selector (see the module docstring).
+
+    ``api_client_factory`` builds the API client once per :meth:`run` (default: in-cluster service
+    account, falling back to the kubeconfig); tests pass one pointed at a fake API server.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        label_selector: str,
+        port: int,
+        *,
+        api_client_factory: Callable[[], Awaitable[ApiClient]] | None = None,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        watch_timeout_seconds: int = 300,
+    ) -> None:
+        if not namespace:
+            raise ValueError("namespace is required")
+        if not 0 < port < 65536:
+            raise ValueError(f"port out of range: {port}")
+        if not 0 < backoff_initial <= backoff_max:
+            raise ValueError("need 0 < backoff_initial <= backoff_max")
+        if watch_timeout_seconds < 1:
+            raise ValueError("watch_timeout_seconds must be >= 1")
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.port = port
+        self._api_client_factory = api_client_factory or default_api_client
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._watch_timeout_seconds = watch_timeout_seconds
+        self._rng = random.Random()
+
+    async def run(self, sink: SnapshotSink) -> None:
+        """List, report, watch, and on any end of the watch start again from a list; until cancelled.
+
+        Failures (API server unreachable, HTTP errors, 410 Gone, a dropped stream) never end the loop;
+        they are logged and retried after a backoff. A failure to build the API client (no in-cluster
+        service account and no kubeconfig) is a configuration error and is raised.
+        """
+        api_client = await self._api_client_factory()
+        try:
+            api = client.CoreV1Api(api_client)
+            endpoints = _EndpointSet(sink, self.port)
+            failures = 0
+            while True:
+                attempt = _Attempt()
+                error: Exception | None = None
+                try:
+                    await self._list_and_watch(api, endpoints, attempt)
+                except Exception as exc:  # noqa: BLE001 - discovery must outlive any failure; re-list
+                    error = exc
+                if self._made_progress(attempt, error):
+                    failures = 0
+                if error is None and failures == 0:
+                    continue  # the watch ran its course: re-list at once
+                failures += 1
+                delay = self._backoff_delay(failures)
+                self._log_failure(error, attempt, failures, delay)
+                await asyncio.sleep(delay)
+        finally:
+            await api_client.close()
+
+    async def _list_and_watch(
+        self, api: client.CoreV1Api, endpoints: _EndpointSet, attempt: _Attempt
+    ) -> None:
+        pods = await api.list_namespaced_pod(
+            self.namespace,
+            label_selector=self.label_selector,
+            _request_timeout=aiohttp.ClientTimeout(total=_LIST_TIMEOUT_S, sock_connect=_CONNECT_TIMEOUT_S),
+        )
+        attempt.listed = True
+        endpoints.replace(pods.items or [])
+        await endpoints.publish()
+        resource_version = pods.metadata.resource_version if pods.metadata else None
+
+        attempt.watch_started = time.monotonic()
+        async with watch.Watch() as stream:
+            events = stream.stream(
+                api.list_namespaced_pod,
+                self.namespace,
+                label_selector=self.label_selector,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                # With timeout_seconds set, the library ends the stream instead of silently re-opening
+                # it without a list; the re-list is ours to do.
+                timeout_seconds=self._watch_timeout_seconds,
+                _request_timeout=aiohttp.ClientTimeout(
+                    total=self._watch_timeout_seconds + _WATCH_GRACE_S, sock_connect=_CONNECT_TIMEOUT_S
+                ),
+            )
+            async for event in events:
+                if not isinstance(event, dict) or "type" not in event:
+                    raise _WatchProtocolError(f"not a watch event: {str(event)[:200]!r}")
+                attempt.events += 1
+                kind, obj = event["type"], event.get("object")
+                if kind == "BOOKMARK":
+                    continue
+                if not isinstance(obj, V1Pod):
+                    raise _WatchProtocolError(f"{kind} event without a pod")
+                if kind == "DELETED":
+                    endpoints.remove(obj)
+                else:  # ADDED, MODIFIED
+                    endpoints.upsert(obj)
+                await endpoints.publish()
+
+    def _made_progress(self, attempt: _Attempt, error: Exception | None) -> bool:
+        """Did the watch work (so that the backoff starts again from ``backoff_initial``)?
+
+        It did if it delivered an event, or if it ended cleanly after at least half its timeout. A watch
+        that a proxy closes at once without an error would otherwise make a tight list/watch loop.
+        """
+        if attempt.events > 0:
+            return True
+        if error is None and attempt.watch_started:
+            return time.monotonic() - attempt.watch_started >= self._watch_timeout_seconds / 2
+        return False
+
+    def _backoff_delay(self, failures: int) -> float:
+        """Exponential in the number of consecutive failures, capped, with "equal jitter": a uniformly
+        random delay in [cap/2, cap], so replicas spread out yet never retry in a tight loop."""
+        cap = min(self._backoff_max, self._backoff_initial * 2 ** min(failures - 1, 30))
+        return cap / 2 + self._rng.uniform(0, cap / 2)
+
+    def _log_failure(self, error: Exception | None, attempt: _Attempt, failures: int, delay: float) -> None:
+        where = "watch" if attempt.listed else "list"
+        if isinstance(error, ApiException) and error.status == 410:
+            logger.info(
+                "kubernetes discovery: resourceVersion expired (410 Gone); re-listing in %.2fs", delay
+            )
+        elif error is None:
+            logger.info("kubernetes discovery: watch closed early by the server; re-listing in %.2fs", delay)
+        else:
+            expected = isinstance(
+                error, ApiException | aiohttp.ClientError | TimeoutError | _WatchProtocolError
+            )
+            logger.warning(
+                "kubernetes discovery: %s of pods in %s (selector %r) failed (%d in a row): %s: %s; retrying in %.2fs",
+                where,
+                self.namespace,
+                self.label_selector,
+                failures,
+                type(error).__name__,
+                _describe(error),
+                delay,
+                exc_info=None if expected else error,  # an unexpected error gets its traceback
+            )
+
+
+def _describe(error: Exception) -> str:
+    """One line about an error (an ApiException's str() spans headers and body over many lines)."""
+    if isinstance(error, ApiException):
+        return f"HTTP {error.status} {error.reason}"
+    return " ".join(str(error).split())[:300]

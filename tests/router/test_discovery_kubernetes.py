@@ -1,0 +1,345 @@
+"""Kubernetes discovery against a local fake of the Kubernetes API server.
+
+The API server is a local fake (``tests/fakes/k8s_api.py``) because no Kubernetes API server can run on
+this machine. Everything else is real: ``KubernetesDiscovery`` talks to it through ``kubernetes_asyncio``
+over HTTP on 127.0.0.1, with the list/watch semantics a watcher depends on (resourceVersions, replay,
+410 Gone, selector transitions, dropped connections, an unreachable server).
+
+Every wait is on a condition with a timeout, never a fixed sleep, except where the scenario itself is
+"the API server stays down for a while".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from kubernetes_asyncio.client import ApiClient, Configuration
+
+from tests.fakes.k8s_api import FakeKubeApi
+from vllm_stack.discovery.base import EndpointInfo
+from vllm_stack.discovery.kubernetes import KubernetesDiscovery
+
+NS = "llm"
+LABELS = {"app.kubernetes.io/name": "vllm", "vllm-stack/model": "tiny"}
+SELECTOR = "app.kubernetes.io/name=vllm,vllm-stack/model=tiny"
+PORT = 8000
+WAIT_S = 3.0
+
+Snapshot = list[EndpointInfo]
+
+
+def names(snapshot: Snapshot) -> list[str]:
+    return [ep.name for ep in snapshot]
+
+
+async def eventually(predicate: Callable[[], bool], within: float = WAIT_S) -> None:
+    """Wait until ``predicate()`` holds (for observations of the fake, which has no change signal)."""
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+class Recorder:
+    """The sink: records every snapshot and lets a test await one that satisfies a condition."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[Snapshot] = []
+        self._changed = asyncio.Condition()
+        self.task: asyncio.Task[None] | None = None
+
+    async def __call__(self, endpoints: Snapshot) -> None:
+        async with self._changed:
+            self.snapshots.append(endpoints)
+            self._changed.notify_all()
+
+    @property
+    def history(self) -> list[list[str]]:
+        return [names(s) for s in self.snapshots]
+
+    async def wait_for(self, predicate: Callable[[Snapshot], bool], within: float = WAIT_S) -> Snapshot:
+        """The latest snapshot once it satisfies ``predicate``; fails fast if discovery itself died."""
+
+        async def satisfied() -> None:
+            async with self._changed:
+                await self._changed.wait_for(lambda: bool(self.snapshots) and predicate(self.snapshots[-1]))
+
+        waiter = asyncio.ensure_future(satisfied())
+        assert self.task is not None
+        done, _ = await asyncio.wait({waiter, self.task}, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in done:
+            waiter.cancel()
+            if self.task in done:
+                self.task.result()  # re-raises why discovery stopped
+            raise AssertionError(f"no matching snapshot within {within}s; history: {self.history}")
+        return self.snapshots[-1]
+
+    async def wait_names(self, *expected: str) -> Snapshot:
+        return await self.wait_for(lambda s: names(s) == sorted(expected))
+
+
+Start = Callable[..., Awaitable[Recorder]]
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeKubeApi]:
+    async with FakeKubeApi(namespace=NS) as fake:
+        yield fake
+
+
+@pytest.fixture
+async def start(api: FakeKubeApi) -> AsyncIterator[Start]:
+    """Start a discovery against the fake (small backoff so that reconnects take milliseconds)."""
+    recorders: list[Recorder] = []
+
+    async def api_client() -> ApiClient:
+        return ApiClient(configuration=Configuration(host=api.url))
+
+    async def _start(selector: str = SELECTOR, **options: float) -> Recorder:
+        options = {"backoff_initial": 0.02, "backoff_max": 0.1, **options}
+        discovery = KubernetesDiscovery(NS, selector, PORT, api_client_factory=api_client, **options)  # type: ignore[arg-type]
+        recorder = Recorder()
+        recorder.task = asyncio.create_task(discovery.run(recorder))
+        recorders.append(recorder)
+        return recorder
+
+    yield _start
+    for recorder in recorders:
+        assert recorder.task is not None
+        recorder.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await recorder.task
+
+
+async def test_initial_list_reports_only_ready_running_pods_of_the_namespace_and_selector(
+    api: FakeKubeApi, start: Start
+) -> None:
+    api.add_pod("ready", labels=LABELS, ip="10.1.2.3")
+    api.add_pod("not-ready", labels=LABELS, ready=False)
+    api.add_pod("pending", labels=LABELS, ready=False, phase="Pending", ip=None)
+    api.add_pod("terminating", labels=LABELS)
+    api.set_terminating("terminating")
+    api.add_pod("other-model", labels={**LABELS, "vllm-stack/model": "mid"})
+    api.add_pod("elsewhere", labels=LABELS, namespace="other-namespace")
+
+    recorder = await start()
+
+    snapshot = await recorder.wait_for(lambda s: True)
+    assert snapshot == [EndpointInfo(name="ready", url="http://10.1.2.3:8000", ready=True)]
+    assert len(recorder.snapshots) == 1
+    assert {r.params.get("labelSelector") for r in api.requests} == {SELECTOR}  # filtered by the server
+
+
+async def test_empty_initial_list_is_reported_once(api: FakeKubeApi, start: Start) -> None:
+    recorder = await start()
+
+    assert await recorder.wait_for(lambda s: True) == []
+    await eventually(lambda: api.open_watches == 1)
+    assert recorder.snapshots == [[]]
+
+
+async def test_pod_joins_when_it_becomes_ready(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a")
+
+    api.add_pod("b", labels=LABELS, ready=False, phase="Pending", ip=None)
+    api.set_running("b", "10.9.9.9")
+    api.annotate("a", "note", "changes nothing for routing")
+    api.set_ready("b", True)
+
+    snapshot = await recorder.wait_names("a", "b")
+    assert snapshot[1] == EndpointInfo(name="b", url="http://10.9.9.9:8000", ready=True)
+    # No snapshot for the steps that changed nothing routable, and no re-list: the watch delivered it.
+    assert recorder.history == [["a"], ["a", "b"]]
+    assert api.list_count == 1
+
+
+async def test_readiness_flip_removes_and_restores_a_pod(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    api.add_pod("b", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a", "b")
+
+    api.send_bookmarks()
+    api.set_ready("b", False)
+    await recorder.wait_names("a")
+    api.set_ready("b", True)
+    await recorder.wait_names("a", "b")
+
+    assert recorder.history == [["a", "b"], ["a"], ["a", "b"]]
+    assert api.list_count == 1
+
+
+async def test_terminating_pod_is_excluded_as_soon_as_deletion_starts(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    api.add_pod("b", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a", "b")
+
+    # A MODIFIED event with deletionTimestamp set; the pod is still Running and Ready.
+    api.set_terminating("b")
+    await recorder.wait_names("a")
+
+    api.delete_pod("b")  # the final DELETED changes nothing more
+    api.add_pod("c", labels=LABELS)
+    await recorder.wait_names("a", "c")
+    assert recorder.history == [["a", "b"], ["a"], ["a", "c"]]
+
+
+async def test_deleted_pod_leaves(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    api.add_pod("b", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a", "b")
+
+    api.delete_pod("a")
+
+    await recorder.wait_names("b")
+    assert api.list_count == 1
+
+
+async def test_label_selector_filtering_follows_relabelled_pods(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a")
+
+    api.add_pod("stranger", labels={"app.kubernetes.io/name": "vllm"})  # lacks the model label
+    api.add_pod("b", labels=LABELS, namespace="other-namespace")
+    api.set_labels("stranger", LABELS)  # now it matches: the watch reports ADDED
+    await recorder.wait_names("a", "stranger")
+    api.set_labels("a", {"app.kubernetes.io/name": "vllm"})  # no longer matches: the watch reports DELETED
+    await recorder.wait_names("stranger")
+
+    assert recorder.history == [["a"], ["a", "stranger"], ["stranger"]]
+
+
+async def test_dropped_watch_relists_and_sees_changes_made_while_disconnected(
+    api: FakeKubeApi, start: Start
+) -> None:
+    """The production-stack bug: a pod deleted while the watch was down kept receiving traffic."""
+    api.add_pod("a", labels=LABELS)
+    api.add_pod("b", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a", "b")
+    await eventually(lambda: api.open_watches == 1)
+    seen_before = len(api.requests)
+
+    async with api.holding_requests():  # the reconnect cannot get through until the changes are made
+        await api.drop_watches()
+        api.delete_pod("a")
+        api.add_pod("c", labels=LABELS)
+        rv_after_changes = api.resource_version
+        await eventually(lambda: api.held_requests >= 1)
+
+    await recorder.wait_names("b", "c")
+    await eventually(lambda: api.open_watches == 1)
+    # The reconnect was a list, and the new watch starts from that list, after the missed changes.
+    reconnect = list(api.requests)[seen_before:]
+    assert [r.kind for r in reconnect] == ["list", "watch"]
+    assert reconnect[1].params["resourceVersion"] == str(rv_after_changes)
+
+    api.add_pod("d", labels=LABELS)  # and the new watch carries live changes again
+    await recorder.wait_names("b", "c", "d")
+
+
+async def test_410_gone_relists(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+
+    def changes_the_expired_watch_never_reports() -> None:
+        api.delete_pod("a")
+        api.add_pod("b", labels=LABELS)
+
+    api.expire_next_watch(before=changes_the_expired_watch_never_reports)
+    recorder = await start()
+
+    await recorder.wait_names("b")
+    assert recorder.history == [["a"], ["b"]]
+    assert api.gone_served == 1
+    assert api.list_count == 2
+
+    api.add_pod("c", labels=LABELS)
+    await recorder.wait_names("b", "c")
+
+
+async def test_api_server_down_for_a_while_then_back_recovers(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    api.add_pod("b", labels=LABELS)
+    recorder = await start()
+    await recorder.wait_names("a", "b")
+
+    async with api.down():  # connection refused on the same port
+        api.delete_pod("a")
+        api.add_pod("c", labels=LABELS)
+        await asyncio.sleep(0.4)  # the outage itself: several reconnect attempts (backoff <= 0.1 s)
+        # While the API server is unreachable the last known endpoints stay: no engine is dropped
+        # because the control plane is away.
+        assert recorder.history == [["a", "b"]]
+        assert not recorder.task.done()  # type: ignore[union-attr]
+
+    await recorder.wait_names("b", "c")
+    api.add_pod("d", labels=LABELS)
+    await recorder.wait_names("b", "c", "d")
+
+
+async def test_retries_back_off_exponentially_up_to_the_cap(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    api.fail_requests(503)
+    recorder = await start(backoff_initial=0.02, backoff_max=0.16)
+
+    await eventually(lambda: api.list_count >= 9)
+    times = [r.at for r in api.requests if r.kind == "list"][:9]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    # Delays are drawn from [cap/2, cap], cap = min(0.16, 0.02 * 2**(n-1)): never a tight loop, the
+    # later ones at least half the cap (so the delay did grow), and bounded by the cap (plus slack for
+    # a loaded machine; without the cap the 8th delay alone would be 2.56 s).
+    assert min(gaps) >= 0.01 * 0.95, gaps
+    assert min(gaps[4:]) >= 0.08 * 0.95, gaps
+    assert max(gaps) <= 0.16 + 0.5, gaps
+    assert recorder.snapshots == []
+
+    api.fail_requests(None)
+    await recorder.wait_names("a")
+
+
+async def test_watch_that_ends_normally_is_restarted_from_a_fresh_list(
+    api: FakeKubeApi, start: Start
+) -> None:
+    api.add_pod("a", labels=LABELS)
+    recorder = await start(watch_timeout_seconds=1)
+    await recorder.wait_names("a")
+
+    await eventually(lambda: api.list_count >= 2)  # the server ended the watch after 1 s
+    watches = [r for r in api.requests if r.kind == "watch"]
+    assert {w.params["timeoutSeconds"] for w in watches} == {"1"}
+    assert {w.params["allowWatchBookmarks"].lower() for w in watches} == {"true"}
+    api.add_pod("b", labels=LABELS)
+    await recorder.wait_names("a", "b")
+    assert recorder.history == [["a"], ["a", "b"]]  # the re-list alone emits nothing
+
+
+async def test_cancel_stops_discovery_and_closes_the_watch(api: FakeKubeApi, start: Start) -> None:
+    recorder = await start()
+    await recorder.wait_for(lambda s: True)
+    await eventually(lambda: api.open_watches == 1)
+
+    assert recorder.task is not None
+    recorder.task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await recorder.task
+    assert recorder.task.cancelled()
+    await eventually(lambda: api.open_watches == 0)
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        KubernetesDiscovery(NS, SELECTOR, 0)
+    with pytest.raises(ValueError):
+        KubernetesDiscovery(NS, SELECTOR, PORT, backoff_initial=5, backoff_max=1)
+    with pytest.raises(ValueError):
+        KubernetesDiscovery("", SELECTOR, PORT)
