@@ -1,0 +1,48 @@
+"""Client API keys: ``Authorization: Bearer KEY`` (OpenAI) or ``x-api-key: KEY`` (Anthropic).
+
+Comparison hashes the offered key and compares digests with :func:`hmac.compare_digest` against every
+configured key, so timing reveals neither which key matched nor how much of one did. Keys are never
+logged; the object's repr hides them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+
+class ApiKeyAuth:
+    """Checks client keys; disabled (everything allowed) when no key is configured."""
+
+    __slots__ = ("_digests",)
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def __repr__(self) -> str:
+        return f"ApiKeyAuth(keys={len(self._digests)})"
+
+    def check(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        """True when auth is disabled or the request carries a configured key."""
+        if not self._digests:
+            return True
+        offered: bytes | None = None
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    offered = token.strip()
+            elif name == b"x-api-key" and offered is None:
+                offered = value.strip()
+        if not offered:
+            return False
+        digest = hashlib.sha256(offered).digest()
+        ok = False
+        for known in self._digests:  # no early exit: constant work whatever matches
+            ok |= hmac.compare_digest(digest, known)
+        return ok

@@ -1,0 +1,168 @@
+"""Router settings from the command line and a YAML file (production-stack flag names accepted).
+
+Precedence: built-in defaults < YAML file < flags given on the command line. The YAML file uses the
+flag names with ``-`` or ``_`` (``routing-logic: session`` or ``routing_logic: session``); lists may be
+YAML lists or comma-separated strings. :func:`load_config` is pure, so the hot-reload watcher can
+call it again and swap the result in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
+DISCOVERY_KINDS = ("static", "k8s")
+UPSTREAM_CLIENTS = ("aiohttp", "httpx")
+JSON_PARSERS = ("msgspec", "orjson")
+
+
+class ConfigError(ValueError):
+    """Invalid router configuration (reported to the operator, never to API clients)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Every router setting. Immutable: a reload builds a new one and swaps it in."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    config_file: str | None = None
+    service_discovery: str = "static"
+    static_backends: tuple[str, ...] = ()
+    static_models: tuple[str, ...] = ()
+    k8s_namespace: str = "default"
+    k8s_label_selector: str = ""
+    k8s_port: int = 8000
+    routing_logic: str = "roundrobin"
+    session_key: str = "x-session-id"
+    session_balance_epsilon: float = 0.25  # bounded loads: no engine above (1 + e) x mean load
+    prefix_chars: int = 256  # prefixaware: characters of the prompt hashed for affinity
+    engine_scrape_interval: float = 1.0
+    health_check_interval: float = 5.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    circuit_failure_threshold: int = 5
+    circuit_open_seconds: float = 10.0
+    request_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    retries: int = 2  # extra attempts on another engine before any byte reached the client
+    api_keys_file: str | None = None
+    api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+    upstream_client: str = "aiohttp"
+    json_parser: str = "msgspec"
+    log_level: str = "info"
+    access_log: bool = False
+
+    def validate(self) -> RouterConfig:
+        """Raise :class:`ConfigError` on settings that cannot work; return self for chaining."""
+        if self.service_discovery not in DISCOVERY_KINDS:
+            raise ConfigError(f"service_discovery must be one of {DISCOVERY_KINDS}")
+        if self.routing_logic not in ROUTING_LOGICS:
+            raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS}")
+        if self.upstream_client not in UPSTREAM_CLIENTS:
+            raise ConfigError(f"upstream_client must be one of {UPSTREAM_CLIENTS}")
+        if self.json_parser not in JSON_PARSERS:
+            raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
+        if self.service_discovery == "static" and not self.static_backends:
+            raise ConfigError("static discovery needs static_backends")
+        if self.static_models and len(self.static_models) != len(self.static_backends):
+            raise ConfigError("static_models must have one entry per static backend")
+        for backend in self.static_backends:
+            if not backend.startswith(("http://", "https://")):
+                raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
+        if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
+            raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
+        if self.engine_scrape_interval <= 0 or self.health_check_interval <= 0:
+            raise ConfigError("scrape and health-check intervals must be > 0")
+        if self.session_balance_epsilon <= 0:
+            raise ConfigError("session_balance_epsilon must be > 0")
+        return self
+
+
+_FIELD_TYPES = {f.name: f.type for f in fields(RouterConfig)}
+_TUPLE_FIELDS = {"static_backends", "static_models"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert a YAML/CLI value to the field's type."""
+    if name in _TUPLE_FIELDS:
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return tuple(str(v) for v in value)
+    kind = _FIELD_TYPES[name]
+    if value is None:
+        return None
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "bool":
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+    if kind.startswith("str"):
+        return str(value)
+    return value
+
+
+def _normalise(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name in ("api_keys", "config_file"):
+            raise ConfigError(f"{source}: {key!r} cannot be set here (use api_keys_file / --config)")
+        if name not in _FIELD_TYPES:
+            raise ConfigError(f"{source}: unknown setting {key!r}")
+        try:
+            out[name] = _coerce(name, value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: bad value for {key!r}: {exc}") from exc
+    return out
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML config file into normalised settings (``ConfigError`` when unreadable)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping")
+    data = data.get("router", data) if isinstance(data.get("router"), dict) else data
+    return _normalise(data, str(path))
+
+
+def load_api_keys(path: str | None, environ: Mapping[str, str]) -> frozenset[str]:
+    """Client API keys from a file (one per line, ``#`` comments) plus ``VLLM_STACK_API_KEYS`` (comma list)."""
+    keys: set[str] = set()
+    if path:
+        try:
+            for line in Path(path).read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.add(line)
+        except OSError as exc:
+            raise ConfigError(f"cannot read api keys file {path}: {exc}") from exc
+    keys.update(k.strip() for k in environ.get("VLLM_STACK_API_KEYS", "").split(",") if k.strip())
+    return frozenset(keys)
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RouterConfig:
+    """Build a validated config: defaults < YAML ``config_file`` < explicit ``cli`` settings."""
+    environ = os.environ if environ is None else environ
+    settings: dict[str, Any] = {}
+    if config_file:
+        settings.update(read_yaml(config_file))
+    settings.update(_normalise({k: v for k, v in (cli or {}).items() if v is not None}, "command line"))
+    config = replace(RouterConfig(), **settings, config_file=config_file)
+    config = replace(config, api_keys=load_api_keys(config.api_keys_file, environ))
+    return config.validate()

@@ -1,0 +1,251 @@
+"""The engine registry: diffs discovery snapshots, learns models, tracks health, indexes candidates.
+
+Discovery sources only say where engines are. The registry asks each engine's ``/v1/models`` which
+base models and LoRA adapters it serves (this doubles as the active health check), applies
+failure/success thresholds, ejects an engine at once on a connection error (passive check) and keeps
+a per-model index of healthy engines so the hot path is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from vllm_stack.discovery.base import EndpointInfo
+from vllm_stack.discovery.circuit import BreakerState, CircuitBreaker
+from vllm_stack.discovery.engine import Engine
+from vllm_stack.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+#: Fetches an engine's ``/v1/models`` ``data`` list; raises on any failure.
+ModelsFetcher = Callable[[Engine], Awaitable[list[dict[str, Any]]]]
+
+MAX_MODELS_PER_ENGINE = 1024  # bound on what one engine can make us store
+_CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission")
+
+
+class EngineRegistry:
+    """All known engines and the per-model index of healthy ones."""
+
+    def __init__(
+        self,
+        fetch_models: ModelsFetcher,
+        metrics: RouterMetrics,
+        *,
+        failure_threshold: int = 3,
+        success_threshold: int = 2,
+        breaker_failures: int = 5,
+        breaker_open_seconds: float = 10.0,
+        stale_after: float = 3.0,
+        static_models: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        self._fetch_models = fetch_models
+        self._metrics = metrics
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self.breaker_failures = breaker_failures
+        self.breaker_open_seconds = breaker_open_seconds
+        self.stale_after = stale_after
+        self.static_models = static_models or {}
+        self._engines: dict[str, Engine] = {}
+        self._by_model: dict[str, tuple[Engine, ...]] = {}
+        self._known_models: frozenset[str] = frozenset()
+        self._healthy_count = 0
+        self.snapshots_seen = 0
+        self._probe_tasks: set[asyncio.Task[None]] = set()
+        self._health_series: set[tuple[str, str]] = set()
+        self.changed = asyncio.Event()  # set on every index rebuild (tests and /ready waiters)
+
+    # ---- read side (hot path) -------------------------------------------------------------------
+    def candidates(self, model: str) -> tuple[Engine, ...]:
+        """Healthy, ready engines serving ``model`` (a base model or a LoRA adapter)."""
+        return self._by_model.get(model, ())
+
+    def is_known(self, model: str) -> bool:
+        """Served by some engine, healthy or not (decides 503 versus 404)."""
+        return model in self._known_models
+
+    @property
+    def healthy_count(self) -> int:
+        return self._healthy_count
+
+    def engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    def get(self, name: str) -> Engine | None:
+        return self._engines.get(name)
+
+    def available_models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def base_models(self) -> list[str]:
+        """Served base models (cards without a ``parent``), healthy engines only."""
+        return sorted(c["id"] for c in self.model_cards() if not c.get("parent"))
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The union of ``/v1/models`` entries over healthy engines, deduplicated by id."""
+        seen: dict[str, dict[str, Any]] = {}
+        for engine in self._engines.values():
+            if not engine.routable():
+                continue
+            for card in engine.model_cards:
+                seen.setdefault(card["id"], card)
+            for model in engine.static_models:
+                seen.setdefault(
+                    model, {"id": model, "object": "model", "owned_by": "vllm", "root": model, "parent": None}
+                )
+        return [seen[k] for k in sorted(seen)]
+
+    # ---- discovery side -------------------------------------------------------------------------
+    async def apply_snapshot(self, endpoints: list[EndpointInfo]) -> None:
+        """Discovery sink: add new engines (probed at once), drop missing ones, update readiness."""
+        self.snapshots_seen += 1
+        current = {e.name: e for e in endpoints}
+        for name in list(self._engines):
+            engine = self._engines[name]
+            info = current.get(name)
+            if info is None or info.url.rstrip("/") != engine.url:
+                del self._engines[name]
+                self._metrics.forget_engine(name)
+                log.info("engine %s left", name)
+        for name, info in current.items():
+            engine = self._engines.get(name)
+            if engine is None:
+                engine = self._new_engine(info)
+                self._engines[name] = engine
+                log.info("engine %s joined at %s", name, info.url)
+                self._spawn_probe(engine)
+            engine.ready = info.ready
+        self._rebuild()
+
+    def _new_engine(self, info: EndpointInfo) -> Engine:
+        url = info.url.rstrip("/")
+        gauge = self._metrics.circuit_breaker_state.labels(info.name)
+        gauge.set(0)
+        breaker = CircuitBreaker(
+            self.breaker_failures, self.breaker_open_seconds, on_change=lambda s, g=gauge: g.set(int(s))
+        )
+        return Engine(info.name, url, breaker, self.static_models.get(url, ()), stale_after=self.stale_after)
+
+    def _spawn_probe(self, engine: Engine) -> None:
+        task = asyncio.ensure_future(self.probe(engine))
+        self._probe_tasks.add(task)
+        task.add_done_callback(self._probe_tasks.discard)
+
+    # ---- health ---------------------------------------------------------------------------------
+    async def probe(self, engine: Engine) -> bool:
+        """Active check: fetch ``/v1/models``; updates thresholds, models and the index."""
+        try:
+            cards = await self._fetch_models(engine)
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed check
+            self.record_check(engine, ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
+            return False
+        self._learn_models(engine, cards)
+        self.record_check(engine, ok=True)
+        return True
+
+    async def check_all(self) -> None:
+        """One active health-check round over every engine, concurrently."""
+        engines = list(self._engines.values())
+        if engines:
+            await asyncio.gather(*(self.probe(e) for e in engines))
+
+    async def run_health_checks(self, interval: float) -> None:
+        """Run :meth:`check_all` every ``interval`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.check_all()
+            except Exception:  # pragma: no cover - never let the loop die
+                log.exception("health-check round failed")
+
+    def record_check(self, engine: Engine, *, ok: bool, error: str | None = None) -> None:
+        engine.last_check = time.monotonic()
+        if engine.name not in self._engines or self._engines[engine.name] is not engine:
+            return  # left while the probe was running
+        if ok:
+            engine.successes += 1
+            engine.failures = 0
+            engine.last_error = None
+            if not engine.healthy and (not engine.ever_healthy or engine.successes >= self.success_threshold):
+                engine.healthy = True
+                engine.ever_healthy = True
+                engine.ejected_reason = None
+                log.info("engine %s healthy", engine.name)
+                self._rebuild()
+        else:
+            engine.failures += 1
+            engine.successes = 0
+            engine.last_error = error
+            if engine.healthy and engine.failures >= self.failure_threshold:
+                engine.healthy = False
+                engine.ejected_reason = "health_check"
+                log.warning("engine %s unhealthy: %s", engine.name, error)
+                self._rebuild()
+
+    def eject(self, engine: Engine, reason: str) -> None:
+        """Passive check: a connection error takes the engine out at once; active checks bring it back."""
+        engine.successes = 0
+        engine.last_error = reason
+        if engine.healthy:
+            engine.healthy = False
+            engine.ejected_reason = reason
+            log.warning("engine %s ejected: %s", engine.name, reason)
+            self._rebuild()
+
+    def _learn_models(self, engine: Engine, cards: Iterable[dict[str, Any]]) -> None:
+        kept: list[dict[str, Any]] = []
+        for card in cards:
+            if isinstance(card, dict) and isinstance(card.get("id"), str):
+                kept.append({k: card[k] for k in _CARD_FIELDS if k in card})
+                if len(kept) >= MAX_MODELS_PER_ENGINE:
+                    break
+        models = frozenset(c["id"] for c in kept) | frozenset(engine.static_models)
+        engine.model_cards = tuple(kept)
+        if models != engine.models:
+            engine.models = models
+            self._rebuild()
+
+    def refresh_soon(self, engines: Iterable[Engine]) -> None:
+        """Re-probe engines now (e.g. after a LoRA adapter was loaded) instead of at the next round."""
+        for engine in engines:
+            self._spawn_probe(engine)
+
+    # ---- index ----------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        by_model: dict[str, list[Engine]] = {}
+        known: set[str] = set()
+        healthy = 0
+        for engine in self._engines.values():
+            known.update(engine.models)
+            ok = engine.routable()
+            healthy += ok
+            for model in engine.models:
+                if ok:
+                    by_model.setdefault(model, []).append(engine)
+                self._metrics.engine_healthy.labels(engine.name, model).set(1 if ok else 0)
+        series = {(e.name, m) for e in self._engines.values() for m in e.models}
+        for stale in self._health_series - series:
+            try:
+                self._metrics.engine_healthy.remove(*stale)
+            except KeyError:
+                pass
+        self._health_series = series
+        self._by_model = {m: tuple(es) for m, es in by_model.items()}
+        self._known_models = frozenset(known)
+        self._healthy_count = healthy
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def close(self) -> None:
+        for task in list(self._probe_tasks):
+            task.cancel()
+        if self._probe_tasks:
+            await asyncio.gather(*self._probe_tasks, return_exceptions=True)
+
+
+__all__ = ["EngineRegistry", "BreakerState"]

@@ -1,0 +1,79 @@
+"""``vllm-stack router``: command line (production-stack's flag names) -> uvicorn serving the router."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vllm_stack.config import ROUTING_LOGICS, ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of docs/contracts.md (plus a few extras). Defaults are None so the YAML file can set them."""
+    p = argparse.ArgumentParser(
+        prog="vllm-stack router", description="OpenAI-compatible router for vLLM engines."
+    )
+    p.add_argument("--host", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--config", dest="config_file", help="YAML configuration file; reloaded on change")
+    p.add_argument("--service-discovery", choices=("static", "k8s"))
+    p.add_argument("--static-backends", help="comma-separated engine URLs")
+    p.add_argument("--static-models", help="comma-separated model names, one per static backend (optional)")
+    p.add_argument("--k8s-namespace")
+    p.add_argument("--k8s-label-selector")
+    p.add_argument("--k8s-port", type=int)
+    p.add_argument("--routing-logic", choices=ROUTING_LOGICS)
+    p.add_argument("--session-key", help="header holding the session id (falls back to the body's 'user')")
+    p.add_argument(
+        "--engine-scrape-interval", type=float, help="seconds between /metrics scrapes (default 1)"
+    )
+    p.add_argument("--health-check-interval", type=float, help="seconds between health checks (default 5)")
+    p.add_argument("--request-timeout", type=float, help="seconds an engine may stay silent (default 600)")
+    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 32 MiB)")
+    p.add_argument("--api-keys-file", help="client API keys, one per line (or env VLLM_STACK_API_KEYS)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"))
+    # Extras.
+    p.add_argument("--retries", type=int, help="extra attempts on another engine (default 2)")
+    p.add_argument("--upstream-client", choices=("aiohttp", "httpx"))
+    p.add_argument("--json-parser", choices=("msgspec", "orjson"))
+    p.add_argument("--session-balance-epsilon", type=float, help="bounded-load factor e of session affinity")
+    p.add_argument("--access-log", action="store_const", const=True, help="log every request")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    cli = {k: v for k, v in vars(args).items() if k != "config_file" and v is not None}
+
+    import uvicorn
+
+    from vllm_stack.app import build_router
+
+    try:
+        router = build_router(cli, args.config_file)
+    except ConfigError as exc:
+        print(f"vllm-stack router: {exc}", file=sys.stderr)
+        return 2
+    config = router.config
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        router,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level=config.log_level,
+        access_log=config.access_log,
+        server_header=False,  # pass the engine's headers through, not ours
+        date_header=False,
+        timeout_keep_alive=75,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Scheduling plugins, one per file: filters, scorers and pickers."""

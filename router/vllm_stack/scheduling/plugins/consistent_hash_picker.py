@@ -1,0 +1,94 @@
+"""Picker: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018).
+
+A key (session id, or a prompt prefix) maps to a point on a hash ring of virtual nodes; the request
+goes to the first engine clockwise whose in-flight count stays within ``ceil((1 + e) * (m + 1) / n)``
+(m requests in flight over n engines). Sticky while loads are even, and no engine ever takes more than
+(1 + e) x the mean. Hashes are stable across processes (blake2b), so router replicas agree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+
+from vllm_stack.discovery.engine import Engine
+from vllm_stack.scheduling.framework import RequestContext
+
+VNODES = 64
+_MAX_RINGS = 64  # rings cached per candidate set; bounded
+
+
+def stable_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class _Ring:
+    __slots__ = ("points", "owners")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        pairs = sorted(
+            (stable_hash(f"{name}#{v}".encode()), i) for i, name in enumerate(names) for v in range(VNODES)
+        )
+        self.points = [p for p, _ in pairs]
+        self.owners = [i for _, i in pairs]
+
+
+class ConsistentHashPicker:
+    """``key_of`` extracts the affinity key; requests without one go to the least in-flight engine."""
+
+    def __init__(
+        self, name: str, key_of: Callable[[RequestContext], bytes | None], epsilon: float = 0.25
+    ) -> None:
+        self.name = name
+        self._key_of = key_of
+        self.epsilon = epsilon
+        self._rings: dict[tuple[str, ...], _Ring] = {}
+        self._fallback_turn = 0
+
+    def _ring(self, engines: Sequence[Engine]) -> _Ring:
+        names = tuple(e.name for e in engines)
+        ring = self._rings.get(names)
+        if ring is None:
+            if len(self._rings) >= _MAX_RINGS:
+                self._rings.clear()
+            ring = self._rings[names] = _Ring(names)
+        return ring
+
+    def pick(
+        self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None
+    ) -> tuple[Engine, str]:
+        key = self._key_of(ctx)
+        n = len(engines)
+        if key is None:
+            low = min(e.in_flight for e in engines)
+            least = [e for e in engines if e.in_flight == low]
+            self._fallback_turn += 1
+            return least[self._fallback_turn % len(least)], f"{self.name}_no_key"
+        if n == 1:
+            return engines[0], f"{self.name}_hit"
+        ring = self._ring(engines)
+        capacity = math.ceil((1.0 + self.epsilon) * (sum(e.in_flight for e in engines) + 1) / n)
+        start = bisect.bisect(ring.points, stable_hash(key)) % len(ring.points)
+        seen: set[int] = set()
+        first = True
+        for step in range(len(ring.points)):
+            owner = ring.owners[(start + step) % len(ring.points)]
+            if owner in seen:
+                continue
+            seen.add(owner)
+            if engines[owner].in_flight < capacity:
+                return engines[owner], f"{self.name}_hit" if first else f"{self.name}_overflow"
+            first = False
+            if len(seen) == n:
+                break
+        return engines[ring.owners[start]], f"{self.name}_overflow"  # unreachable: capacity >= mean
+
+
+def session_key(ctx: RequestContext) -> bytes | None:
+    return ctx.session_key.encode() if ctx.session_key else None
+
+
+def prefix_key(ctx: RequestContext) -> bytes | None:
+    return ctx.prefix or None

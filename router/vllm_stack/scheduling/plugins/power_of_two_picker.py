@@ -1,0 +1,32 @@
+"""Picker: power of two choices: sample two engines at random, take the less loaded.
+
+Nearly as good as least-loaded at balancing, without every router replica herding onto the same
+"least loaded" engine between two scrapes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from vllm_stack.discovery.engine import Engine
+from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.load import engine_loads
+
+
+class PowerOfTwoPicker:
+    name = "p2c"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(
+        self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None
+    ) -> tuple[Engine, str]:
+        if len(engines) == 1:
+            return engines[0], "p2c_single"
+        a, b = self._rng.sample(range(len(engines)), 2)
+        la, lb = engine_loads([engines[a], engines[b]])
+        if la == lb:
+            return engines[a], "p2c_tie"
+        return (engines[a] if la < lb else engines[b]), "p2c"

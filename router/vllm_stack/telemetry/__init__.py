@@ -1,0 +1,1 @@
+"""Engine telemetry (``/metrics`` scraping) and the router's own request tracking."""

@@ -1,0 +1,93 @@
+"""Scrapes every engine's ``/metrics`` concurrently and keeps the load figures routing uses.
+
+Only the few vLLM 0.32 series routing needs are parsed (a line-prefix test before any split), summed
+over ``model_name``. A failed scrape clears the figures and counts an error: stale or missing data is
+*unknown* to the scheduler, never zero (a dead engine must not look idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from vllm_stack.discovery.engine import Engine, EngineTelemetry
+from vllm_stack.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+#: Fetches an engine's ``/metrics`` text; raises on failure.
+MetricsFetcher = Callable[[Engine], Awaitable[str]]
+
+_WANTED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv",
+    "vllm:prefix_cache_queries_total": "pq",
+    "vllm:prefix_cache_hits_total": "ph",
+}
+
+
+def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry:
+    """Sum the wanted series over their labels. Raises ``ValueError`` when the load series are absent."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = len(line)
+        for sep in ("{", " "):
+            i = line.find(sep)
+            if i != -1 and i < name_end:
+                name_end = i
+        key = _WANTED.get(line[:name_end])
+        if key is None:
+            continue
+        try:
+            value = (
+                float(line.rsplit(" ", 1)[1]) if "}" not in line else float(line.rsplit("}", 1)[1].split()[0])
+            )
+        except (IndexError, ValueError):
+            continue
+        sums[key] = sums.get(key, 0.0) + value
+    if "running" not in sums or "waiting" not in sums:
+        raise ValueError("engine /metrics lacks vllm:num_requests_running / vllm:num_requests_waiting")
+    return EngineTelemetry(
+        running=sums["running"],
+        waiting=sums["waiting"],
+        kv_cache_usage=sums.get("kv"),
+        prefix_cache_queries=sums.get("pq"),
+        prefix_cache_hits=sums.get("ph"),
+        scraped_at=time.monotonic() if now is None else now,
+    )
+
+
+class EngineScraper:
+    """Periodic concurrent scrape of every engine known to a registry."""
+
+    def __init__(
+        self, engines: Callable[[], list[Engine]], fetch: MetricsFetcher, metrics: RouterMetrics
+    ) -> None:
+        self._engines = engines
+        self._fetch = fetch
+        self._metrics = metrics
+
+    async def scrape(self, engine: Engine) -> None:
+        try:
+            engine.telemetry = parse_engine_metrics(await self._fetch(engine))
+        except Exception as exc:  # noqa: BLE001 - any failure makes the data unknown
+            engine.telemetry = None
+            self._metrics.engine_scrape_errors.labels(engine.name).inc()
+            log.debug("scrape of %s failed: %s", engine.name, exc)
+
+    async def scrape_all(self) -> None:
+        engines = self._engines()
+        if engines:
+            await asyncio.gather(*(self.scrape(e) for e in engines))
+
+    async def run(self, interval: float) -> None:
+        """Scrape every ``interval`` seconds until cancelled (a slow round delays, never overlaps, the next)."""
+        while True:
+            started = time.monotonic()
+            await self.scrape_all()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
