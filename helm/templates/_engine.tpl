@@ -1,0 +1,175 @@
+{{/* ---------------------------------------------------------------------------------------------
+The vLLM command line (vLLM 0.32 flag names) and the engine environment.
+Call with (dict "root" $ "model" $modelSpec).
+--------------------------------------------------------------------------------------------- */}}
+
+{{- define "vllm-stack.engine.args" -}}
+{{- $root := .root -}}
+{{- $m := .model -}}
+{{- $vc := $m.vllmConfig | default dict -}}
+{{- $args := list ($m.modelURL | default $m.name) "--host" "0.0.0.0" "--port" (toString $root.Values.servingEngineSpec.containerPort) "--served-model-name" (include "vllm-stack.model.servedName" .) -}}
+{{- range $key, $flag := dict "enablePrefixCaching" "enable-prefix-caching" "enableChunkedPrefill" "enable-chunked-prefill" "enforceEager" "enforce-eager" "trustRemoteCode" "trust-remote-code" -}}
+{{- if hasKey $vc $key -}}
+{{- $args = append $args (printf "--%s%s" (ternary "" "no-" (get $vc $key)) $flag) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key, $flag := dict "maxModelLen" "max-model-len" "dtype" "dtype" "tensorParallelSize" "tensor-parallel-size" "pipelineParallelSize" "pipeline-parallel-size" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" "gpuMemoryUtilization" "gpu-memory-utilization" "quantization" "quantization" "kvCacheDtype" "kv-cache-dtype" -}}
+{{- if and (hasKey $vc $key) (not (kindIs "invalid" (get $vc $key))) -}}
+{{- $args = append (append $args (printf "--%s" $flag)) (include "vllm-stack.str" (get $vc $key)) -}}
+{{- end -}}
+{{- end -}}
+{{- /* LoRA: production-stack files give only maxLoras; vLLM ignores it without --enable-lora. */ -}}
+{{- if or $vc.enableLoRA $vc.maxLoras $vc.loraModules -}}
+{{- $args = append $args "--enable-lora" -}}
+{{- with $vc.maxLoras }}{{ $args = append (append $args "--max-loras") (include "vllm-stack.str" .) }}{{ end -}}
+{{- with $vc.maxLoraRank }}{{ $args = append (append $args "--max-lora-rank") (include "vllm-stack.str" .) }}{{ end -}}
+{{- with $vc.maxCpuLoras }}{{ $args = append (append $args "--max-cpu-loras") (include "vllm-stack.str" .) }}{{ end -}}
+{{- range $vc.loraModules }}{{ $args = append (append $args "--lora-modules") (printf "%s=%s" .name .path) }}{{ end -}}
+{{- end -}}
+{{- if eq (include "vllm-stack.kvEvents.enabled" $root) "true" -}}
+{{- $kv := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $root.Values.servingEngineSpec.kvEvents.port)) -}}
+{{- $args = append (append $args "--kv-events-config") (toJson $kv) -}}
+{{- end -}}
+{{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" -}}
+{{- $role := "kv_both" -}}
+{{- with $m.lmcacheConfig.pd }}{{ if .role }}{{ $role = ternary "kv_producer" "kv_consumer" (eq .role "sender") }}{{ end }}{{ end -}}
+{{- $args = append (append $args "--kv-transfer-config") (toJson (dict "kv_connector" "LMCacheConnectorV1" "kv_role" $role)) -}}
+{{- end -}}
+{{- range $vc.extraArgs }}{{ $args = append $args (include "vllm-stack.str" .) }}{{ end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* A Secret reference for a value that is either a literal (stored in the chart's Secret under
+     `key`) or {secretName, secretKey}. Call with (dict "root" $ "value" V "key" K). */}}
+{{- define "vllm-stack.secretKeyRef" -}}
+{{- if kindIs "map" .value -}}
+secretKeyRef:
+  name: {{ .value.secretName }}
+  key: {{ .value.secretKey }}
+{{- else -}}
+secretKeyRef:
+  name: {{ include "vllm-stack.secret.fullname" .root }}
+  key: {{ .key }}
+{{- end -}}
+{{- end -}}
+
+{{- define "vllm-stack.engine.lmcacheEnv" -}}
+{{- $root := .root -}}
+{{- $lc := .model.lmcacheConfig -}}
+- name: LMCACHE_TRACK_USAGE
+  value: "false"
+{{- with $lc.chunkSize }}
+- name: LMCACHE_CHUNK_SIZE
+  value: {{ . | quote }}
+{{- end }}
+- name: LMCACHE_LOCAL_CPU
+  value: {{ ternary "true" "false" (and (not (kindIs "invalid" $lc.cpuOffloadingBufferSize)) (ne (toString $lc.cpuOffloadingBufferSize) "0") (ne (toString $lc.cpuOffloadingBufferSize) "")) | quote }}
+{{- with $lc.cpuOffloadingBufferSize }}
+- name: LMCACHE_MAX_LOCAL_CPU_SIZE
+  value: {{ include "vllm-stack.str" . | quote }}
+{{- end }}
+{{- with $lc.diskOffloadingBufferSize }}
+- name: LMCACHE_LOCAL_DISK
+  value: {{ printf "file://%s/" (trimSuffix "/" ($lc.diskPath | default "/lmcache/disk")) | quote }}
+- name: LMCACHE_MAX_LOCAL_DISK_SIZE
+  value: {{ include "vllm-stack.str" . | quote }}
+{{- end }}
+{{- $remote := $lc.remoteUrl -}}
+{{- if and (not $remote) (eq (include "vllm-stack.cacheserver.enabled" $root) "true") -}}
+{{- $remote = printf "lm://%s:%d" (include "vllm-stack.cacheserver.fullname" $root) (int $root.Values.cacheserverSpec.servicePort) -}}
+{{- end }}
+{{- with $remote }}
+- name: LMCACHE_REMOTE_URL
+  value: {{ . | quote }}
+- name: LMCACHE_REMOTE_SERDE
+  value: {{ $lc.remoteSerde | default $root.Values.cacheserverSpec.serde | quote }}
+{{- end }}
+{{- if $lc.enableController }}
+- name: LMCACHE_ENABLE_CONTROLLER
+  value: "true"
+- name: LMCACHE_LMCACHE_INSTANCE_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: LMCACHE_CONTROLLER_PULL_URL
+  value: {{ required "lmcacheConfig.controllerPullUrl is required with enableController" $lc.controllerPullUrl | quote }}
+- name: LMCACHE_CONTROLLER_REPLY_URL
+  value: {{ required "lmcacheConfig.controllerReplyUrl is required with enableController" $lc.controllerReplyUrl | quote }}
+{{- with $lc.workerPorts }}
+- name: LMCACHE_LMCACHE_WORKER_PORTS
+  value: {{ join "," . | quote }}
+{{- end }}
+{{- end }}
+{{- if $lc.enableP2P }}
+- name: LMCACHE_ENABLE_P2P
+  value: "true"
+- name: LMCACHE_P2P_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: LMCACHE_P2P_INIT_PORTS
+  value: {{ join "," ($lc.p2pInitPorts | default (list 8200)) | quote }}
+- name: LMCACHE_P2P_LOOKUP_PORTS
+  value: {{ join "," ($lc.p2pLookupPorts | default (list 8201)) | quote }}
+{{- end }}
+{{- with $lc.pd }}
+{{- if .role }}
+- name: LMCACHE_ENABLE_PD
+  value: "true"
+- name: LMCACHE_PD_ROLE
+  value: {{ .role | quote }}
+- name: LMCACHE_TRANSFER_CHANNEL
+  value: {{ .transferChannel | default "nixl" | quote }}
+- name: LMCACHE_NIXL_BACKENDS
+  value: {{ join "," (.nixlBackends | default (list "UCX")) | quote }}
+- name: LMCACHE_PD_BUFFER_SIZE
+  value: {{ .bufferSize | default 2147483648 | int64 | toString | quote }}
+- name: LMCACHE_PD_BUFFER_DEVICE
+  value: {{ .bufferDevice | default "cuda" | quote }}
+{{- if eq .role "sender" }}
+- name: LMCACHE_PD_PROXY_HOST
+  value: {{ required "lmcacheConfig.pd.proxyHost is required for pd.role sender" .proxyHost | quote }}
+- name: LMCACHE_PD_PROXY_PORT
+  value: {{ include "vllm-stack.str" (.proxyPort | default 7500) | quote }}
+{{- else }}
+- name: LMCACHE_PD_PEER_HOST
+  value: {{ .peerHost | default "0.0.0.0" | quote }}
+- name: LMCACHE_PD_PEER_INIT_PORT
+  value: {{ include "vllm-stack.str" (.peerInitPort | default 7300) | quote }}
+- name: LMCACHE_PD_PEER_ALLOC_PORT
+  value: {{ include "vllm-stack.str" (.peerAllocPort | default 7400) | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "vllm-stack.engine.env" -}}
+{{- $root := .root -}}
+{{- $m := .model -}}
+{{- $vc := $m.vllmConfig | default dict -}}
+- name: PYTHONHASHSEED
+  value: {{ include "vllm-stack.str" $root.Values.servingEngineSpec.pythonHashSeed | quote }}
+- name: HF_HOME
+  value: {{ $root.Values.servingEngineSpec.modelCacheMountPath | quote }}
+{{- with $m.hf_token }}
+- name: HF_TOKEN
+  valueFrom:
+    {{- include "vllm-stack.secretKeyRef" (dict "root" $root "value" . "key" (printf "hfToken-%s" $m.name)) | nindent 4 }}
+{{- end }}
+{{- with (include "vllm-stack.vllmApiKeyRef" $root) }}
+- name: VLLM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      {{- . | nindent 6 }}
+{{- end }}
+{{- if $vc.allowRuntimeLoraUpdating }}
+- name: VLLM_ALLOW_RUNTIME_LORA_UPDATING
+  value: "True"
+{{- end }}
+{{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" }}
+{{ include "vllm-stack.engine.lmcacheEnv" . }}
+{{- end }}
+{{- with $m.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,194 @@
+{{/* ---------------------------------------------------------------------------------------------
+Names, labels and selectors (Bitnami / prometheus-community style).
+--------------------------------------------------------------------------------------------- */}}
+
+{{- define "vllm-stack.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "vllm-stack.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "vllm-stack.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels shared by every component: stable across upgrades. */}}
+{{- define "vllm-stack.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "vllm-stack.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "vllm-stack.labels" -}}
+helm.sh/chart: {{ include "vllm-stack.chart" . }}
+{{ include "vllm-stack.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: vllm-stack
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Engines: call with (dict "root" $ "model" $modelSpec). */}}
+{{- define "vllm-stack.engine.fullname" -}}
+{{- printf "%s-%s" (include "vllm-stack.fullname" .root) .model.name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "vllm-stack.engine.selectorLabels" -}}
+{{ include "vllm-stack.selectorLabels" .root }}
+app.kubernetes.io/component: engine
+vllm-stack.io/model: {{ .model.name }}
+{{- end -}}
+
+{{- define "vllm-stack.engine.labels" -}}
+{{ include "vllm-stack.labels" .root }}
+app.kubernetes.io/component: engine
+vllm-stack.io/model: {{ .model.name }}
+{{- end -}}
+
+{{/* The label selector the router discovers engines with: this release's engines only. */}}
+{{- define "vllm-stack.engine.discoverySelector" -}}
+{{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/component=engine" .Release.Name -}}
+{{- end -}}
+
+{{- define "vllm-stack.router.fullname" -}}
+{{- printf "%s-router" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "vllm-stack.router.selectorLabels" -}}
+{{ include "vllm-stack.selectorLabels" . }}
+app.kubernetes.io/component: router
+{{- end -}}
+
+{{- define "vllm-stack.router.labels" -}}
+{{ include "vllm-stack.labels" . }}
+app.kubernetes.io/component: router
+{{- end -}}
+
+{{- define "vllm-stack.cacheserver.fullname" -}}
+{{- printf "%s-cache-server" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "vllm-stack.cacheserver.selectorLabels" -}}
+{{ include "vllm-stack.selectorLabels" . }}
+app.kubernetes.io/component: cache-server
+{{- end -}}
+
+{{- define "vllm-stack.cacheserver.labels" -}}
+{{ include "vllm-stack.labels" . }}
+app.kubernetes.io/component: cache-server
+{{- end -}}
+
+{{- define "vllm-stack.secret.fullname" -}}
+{{- printf "%s-secrets" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------------------------------------
+Decisions shared by several templates.
+--------------------------------------------------------------------------------------------- */}}
+
+{{/* Image pins (README "Images"): the vLLM release the project tests against, and LMCache on it. */}}
+{{- define "vllm-stack.defaultEngineRepository" -}}vllm/vllm-openai{{- end -}}
+{{- define "vllm-stack.defaultEngineTag" -}}v0.32.0{{- end -}}
+{{- define "vllm-stack.defaultLMCacheRepository" -}}lmcache/vllm-openai{{- end -}}
+{{- define "vllm-stack.defaultLMCacheTag" -}}v0.5.6{{- end -}}
+
+{{/* "true" when the model is deployed: engines on and the entry not disabled. */}}
+{{- define "vllm-stack.model.enabled" -}}
+{{- if and .root.Values.servingEngineSpec.enableEngine (ne (toString .model.enabled) "false") -}}true{{- end -}}
+{{- end -}}
+
+{{- define "vllm-stack.model.lmcacheEnabled" -}}
+{{- if and .model.lmcacheConfig .model.lmcacheConfig.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when the model gets a ScaledObject: it has a keda block that is not `enabled: false`. */}}
+{{- define "vllm-stack.model.kedaEnabled" -}}
+{{- if and .model.keda (ne (toString .model.keda.enabled) "false") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The model name clients use and vLLM reports in `model_name`. */}}
+{{- define "vllm-stack.model.servedName" -}}
+{{- $vc := .model.vllmConfig | default dict -}}
+{{- $vc.servedModelName | default .model.modelURL | default .model.name -}}
+{{- end -}}
+
+{{- define "vllm-stack.model.image" -}}
+{{- $lm := include "vllm-stack.model.lmcacheEnabled" . -}}
+{{- $repo := .model.repository | default (ternary (include "vllm-stack.defaultLMCacheRepository" .) (include "vllm-stack.defaultEngineRepository" .) (eq $lm "true")) -}}
+{{- $tag := .model.tag | default (ternary (include "vllm-stack.defaultLMCacheTag" .) (include "vllm-stack.defaultEngineTag" .) (eq $lm "true")) -}}
+{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- end -}}
+
+{{- define "vllm-stack.cacheserver.enabled" -}}
+{{- $c := .Values.cacheserverSpec -}}
+{{- if eq (toString $c.enabled) "true" -}}true
+{{- else if and (eq (toString $c.enabled) "<nil>") $c.repository -}}true
+{{- end -}}
+{{- end -}}
+
+{{- define "vllm-stack.cacheserver.image" -}}
+{{- $c := .Values.cacheserverSpec -}}
+{{- printf "%s:%s" ($c.repository | default (include "vllm-stack.defaultLMCacheRepository" .)) (toString ($c.tag | default (include "vllm-stack.defaultLMCacheTag" .))) -}}
+{{- end -}}
+
+{{/* "true" when engines publish KV events (the router subscribes for prefix-aware routing). */}}
+{{- define "vllm-stack.kvEvents.enabled" -}}
+{{- $e := .Values.servingEngineSpec.kvEvents.enabled -}}
+{{- if eq (toString $e) "true" -}}true
+{{- else if and (eq (toString $e) "<nil>") .Values.routerSpec.enableRouter (eq .Values.routerSpec.routingLogic "prefixaware") -}}true
+{{- end -}}
+{{- end -}}
+
+{{/* Secret holding VLLM_API_KEY: (dict name key) or empty when no key is configured. */}}
+{{- define "vllm-stack.vllmApiKeyRef" -}}
+{{- $k := .Values.servingEngineSpec.vllmApiKey -}}
+{{- if kindIs "string" $k -}}
+{{- if $k }}name: {{ include "vllm-stack.secret.fullname" . }}
+key: vllmApiKey{{ end -}}
+{{- else if kindIs "map" $k -}}
+name: {{ $k.secretName }}
+key: {{ $k.secretKey }}
+{{- end -}}
+{{- end -}}
+
+{{/* Resource quantities given as numbers in production-stack files (requestCPU: 10). */}}
+{{/* A scalar as text; whole floats (YAML numbers) without exponent: 1000000 -> "1000000", not "1e+06". */}}
+{{- define "vllm-stack.str" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
+{{- end -}}
+
+{{/* Required node affinity from production-stack `nodeSelectorTerms`. */}}
+{{- define "vllm-stack.nodeAffinity" -}}
+{{- if . }}
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        {{- toYaml . | nindent 8 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pull secrets: chart-wide names plus an optional per-component name. */}}
+{{- define "vllm-stack.imagePullSecrets" -}}
+{{- $names := list -}}
+{{- range .root.Values.imagePullSecrets }}{{ if kindIs "map" . }}{{ $names = append $names .name }}{{ else }}{{ $names = append $names . }}{{ end }}{{ end -}}
+{{- with .extra }}{{ $names = append $names . }}{{ end -}}
+{{- if $names -}}
+imagePullSecrets:
+{{- range $names | uniq }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}

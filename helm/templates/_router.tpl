@@ -1,0 +1,18 @@
+{{/* The router's command line: exactly the flags of docs/contracts.md. */}}
+{{- define "vllm-stack.router.args" -}}
+{{- $r := .Values.routerSpec -}}
+{{- $args := list "--host" "0.0.0.0" "--port" (include "vllm-stack.str" $r.containerPort) -}}
+{{- if eq $r.serviceDiscovery "k8s" -}}
+{{- $args = concat $args (list "--service-discovery" "k8s" "--k8s-namespace" .Release.Namespace "--k8s-label-selector" (include "vllm-stack.engine.discoverySelector" .) "--k8s-port" (include "vllm-stack.str" .Values.servingEngineSpec.containerPort)) -}}
+{{- else -}}
+{{- $args = concat $args (list "--service-discovery" "static" "--static-backends" (required "routerSpec.staticBackends is required with serviceDiscovery: static" $r.staticBackends)) -}}
+{{- with $r.staticModels }}{{ $args = concat $args (list "--static-models" .) }}{{ end -}}
+{{- end -}}
+{{- $args = concat $args (list "--routing-logic" $r.routingLogic) -}}
+{{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
+{{- $args = concat $args (list "--engine-scrape-interval" (include "vllm-stack.str" $r.engineScrapeInterval) "--health-check-interval" (include "vllm-stack.str" $r.healthCheckInterval) "--request-timeout" (include "vllm-stack.str" $r.requestTimeout) "--max-body-bytes" (include "vllm-stack.str" $r.maxBodyBytes) "--log-level" $r.logLevel) -}}
+{{- if $r.config }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
+{{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
+{{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end -}}
+{{- toYaml $args -}}
+{{- end -}}
