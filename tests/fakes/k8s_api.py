@@ -13,8 +13,9 @@ real server honours for list and watch (``labelSelector``, ``watch``, ``resource
 - a label-selector watch sees ``DELETED`` when an object stops matching and ``ADDED`` when it starts.
 
 Test controls: add/update/delete pods, set ready / running / terminating, send bookmarks, drop every
-watch connection, make the next watch fail with 410 Gone, answer every request with an error status,
-hold requests (a slow network), and take the whole server down and bring it back on the same port.
+watch connection, make the next watch fail with 410 Gone, cut watches short, answer every request with
+an error status, hold requests (a slow network), and take the whole server down and bring it back on
+the same port.
 State lives in the :class:`FakeKubeApi` instance, so two fakes can run in one process.
 """
 
@@ -156,6 +157,7 @@ class FakeKubeApi:
         self._next_ip = 1
         self._expire_next: list[Callable[[], None] | None] = []
         self._fail_status: int | None = None
+        self._cut_watches_after: float | None = None
         self._gate: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
         self._port = 0
@@ -330,6 +332,11 @@ class FakeKubeApi:
         self._history.clear()
         self._compacted_rv = self._rv
 
+    def cut_watches_after(self, seconds: float | None) -> None:
+        """End every new watch cleanly after ``seconds`` whatever its timeoutSeconds (a proxy that cuts
+        long streams; 0 closes them at once), or honour timeoutSeconds again (None)."""
+        self._cut_watches_after = seconds
+
     def fail_requests(self, status: int | None) -> None:
         """Answer every request with this HTTP status (a Status body), or serve normally again (None)."""
         self._fail_status = status
@@ -402,6 +409,8 @@ class FakeKubeApi:
     ) -> web.StreamResponse:
         query = request.query
         timeout = float(query.get("timeoutSeconds", "1800"))
+        if self._cut_watches_after is not None:
+            timeout = min(timeout, self._cut_watches_after)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import pathlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -307,6 +309,19 @@ async def test_retries_back_off_exponentially_up_to_the_cap(api: FakeKubeApi, st
     await recorder.wait_names("a")
 
 
+async def test_watches_closed_at_once_do_not_make_a_tight_loop(api: FakeKubeApi, start: Start) -> None:
+    api.add_pod("a", labels=LABELS)
+    api.cut_watches_after(0)  # every watch ends cleanly, with no event, as soon as it opens
+    recorder = await start(backoff_initial=0.02, backoff_max=0.16)
+    await recorder.wait_names("a")
+
+    await eventually(lambda: api.list_count >= 7)
+    times = [r.at for r in api.requests if r.kind == "list"][:7]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert min(gaps[4:]) >= 0.08 * 0.95, gaps  # backed off like failures, not re-listed at once
+    assert recorder.history == [["a"]]
+
+
 async def test_watch_that_ends_normally_is_restarted_from_a_fresh_list(
     api: FakeKubeApi, start: Start
 ) -> None:
@@ -321,6 +336,37 @@ async def test_watch_that_ends_normally_is_restarted_from_a_fresh_list(
     api.add_pod("b", labels=LABELS)
     await recorder.wait_names("a", "b")
     assert recorder.history == [["a"], ["a", "b"]]  # the re-list alone emits nothing
+
+
+async def test_default_client_falls_back_to_kubeconfig(
+    api: FakeKubeApi, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside a cluster (no service account), the client comes from $KUBECONFIG."""
+    api.add_pod("a", labels=LABELS, ip="10.3.3.3")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "users": [{"name": "tester", "user": {"token": "not-checked"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    recorder = Recorder()
+    discovery = KubernetesDiscovery(NS, SELECTOR, PORT, backoff_initial=0.02, backoff_max=0.1)
+    recorder.task = asyncio.create_task(discovery.run(recorder))
+    try:
+        assert await recorder.wait_names("a") == [EndpointInfo("a", "http://10.3.3.3:8000")]
+    finally:
+        recorder.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await recorder.task
 
 
 async def test_cancel_stops_discovery_and_closes_the_watch(api: FakeKubeApi, start: Start) -> None:

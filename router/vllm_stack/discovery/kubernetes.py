@@ -18,6 +18,8 @@ Why it is built this way:
   must stop then, not when the pod finally disappears.
 - **Bounded memory.** Only routable pods of this namespace and selector are held, one small
   :class:`EndpointInfo` each; the API objects are dropped as soon as they are read.
+- **The last known endpoints stay while the API server is unreachable.** Engines keep serving when the
+  control plane is away (an upgrade, an outage); the set is corrected by the list that follows.
 - **Bounded exponential backoff with jitter** between failed attempts, so that a broken API server is not
   hammered by every router replica in step, and a recovered one is found again within ``backoff_max``.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -54,7 +57,12 @@ async def default_api_client() -> ApiClient:
     try:
         config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        await config.load_kube_config(client_configuration=configuration, persist_config=False)
+        # $KUBECONFIG is read now (the library reads it once, at import); None means ~/.kube/config.
+        await config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG") or None,
+            client_configuration=configuration,
+            persist_config=False,
+        )
     return ApiClient(configuration=configuration)
 
 
@@ -182,10 +190,11 @@ class KubernetesDiscovery:
                     await self._list_and_watch(api, endpoints, attempt)
                 except Exception as exc:  # noqa: BLE001 - discovery must outlive any failure; re-list
                     error = exc
-                if self._made_progress(attempt, error):
+                progressed = self._made_progress(attempt)
+                if progressed:
                     failures = 0
-                if error is None and failures == 0:
-                    continue  # the watch ran its course: re-list at once
+                    if error is None:
+                        continue  # the watch ran its course: re-list at once
                 failures += 1
                 delay = self._backoff_delay(failures)
                 self._log_failure(error, attempt, failures, delay)
@@ -236,17 +245,20 @@ class KubernetesDiscovery:
                     endpoints.upsert(obj)
                 await endpoints.publish()
 
-    def _made_progress(self, attempt: _Attempt, error: Exception | None) -> bool:
-        """Did the watch work (so that the backoff starts again from ``backoff_initial``)?
+    def _made_progress(self, attempt: _Attempt) -> bool:
+        """Did the watch work, so that the backoff starts again from ``backoff_initial``?
 
-        It did if it delivered an event, or if it ended cleanly after at least half its timeout. A watch
-        that a proxy closes at once without an error would otherwise make a tight list/watch loop.
+        It did if it delivered an event (bookmarks count), or if it stayed open for at least
+        ``min(watch_timeout_seconds / 2, backoff_max)``, however it ended. A successful list alone does
+        not count: a watch that fails or is closed at once (no watch permission, a proxy that cuts
+        streams) would otherwise make a tight list/watch loop.
         """
         if attempt.events > 0:
             return True
-        if error is None and attempt.watch_started:
-            return time.monotonic() - attempt.watch_started >= self._watch_timeout_seconds / 2
-        return False
+        if not attempt.watch_started:
+            return False
+        threshold = min(self._watch_timeout_seconds / 2, self._backoff_max)
+        return time.monotonic() - attempt.watch_started >= threshold
 
     def _backoff_delay(self, failures: int) -> float:
         """Exponential in the number of consecutive failures, capped, with "equal jitter": a uniformly
