@@ -75,7 +75,9 @@ def render(
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def render_error(values: list[Path | str] | None = None, sets: list[str] | None = None, *, helm: str = "helm4") -> str:
+def render_error(
+    values: list[Path | str] | None = None, sets: list[str] | None = None, *, helm: str = "helm4"
+) -> str:
     """The error text of a render that must fail."""
     proc = run_helm(helm, *_template_args(tuple(str(v) for v in values or []), tuple(sets or []), RELEASE))
     assert proc.returncode != 0, f"render unexpectedly succeeded: {values} {sets}"
@@ -94,7 +96,9 @@ def find(objs: list[dict], kind: str, name: str | None = None) -> list[dict]:
 
 def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
     found = find(objs, kind, name)
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
+    assert len(found) == 1, (
+        f"expected one {kind} {name or ''}, found {[o['metadata']['name'] for o in found]}"
+    )
     return found[0]
 
 

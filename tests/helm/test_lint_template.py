@@ -43,6 +43,16 @@ def test_helm3_and_helm4_render_the_same(values):
 
 def test_example_files_cover_the_edge_cases():
     names = {f.stem for f in values_files()}
-    for case in ["seed-mistral", "seed-keda", "no-models", "disabled-model", "multi-model", "lora",
-                 "cache-server", "pd-roles", "keda-scale-from-zero", "monitoring"]:
+    for case in [
+        "seed-mistral",
+        "seed-keda",
+        "no-models",
+        "disabled-model",
+        "multi-model",
+        "lora",
+        "cache-server",
+        "pd-roles",
+        "keda-scale-from-zero",
+        "monitoring",
+    ]:
         assert case in names, case

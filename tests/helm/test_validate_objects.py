@@ -81,13 +81,27 @@ def test_every_object_validates(values):
         except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
             raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']}: {exc}") from None
         except kubernetes_validate.SchemaNotFoundError:
-            raise AssertionError(f"{obj['apiVersion']} {obj['kind']}: no schema (not built in, no CRD in ../shared/crds)") from None
+            raise AssertionError(
+                f"{obj['apiVersion']} {obj['kind']}: no schema (not built in, no CRD in ../shared/crds)"
+            ) from None
 
 
 def test_custom_resources_are_checked_against_their_crds():
     """Guard: the CRD path is really taken for each custom kind the chart renders."""
-    kinds = {o["kind"] for f in values_files() for o in render([f]) if (o["apiVersion"], o["kind"]) in crd_schemas()}
-    assert kinds == {"ScaledObject", "ServiceMonitor", "PrometheusRule", "HTTPRoute", "InferencePool", "InferenceObjective"}
+    kinds = {
+        o["kind"]
+        for f in values_files()
+        for o in render([f])
+        if (o["apiVersion"], o["kind"]) in crd_schemas()
+    }
+    assert kinds == {
+        "ScaledObject",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "HTTPRoute",
+        "InferencePool",
+        "InferenceObjective",
+    }
 
 
 def test_crd_validation_rejects_unknown_fields():

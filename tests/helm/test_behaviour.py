@@ -1,0 +1,560 @@
+"""Behaviour of the rendered objects: names, labels, selectors, args, env, probes, volumes, security."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.helm.chart import (
+    CHART,
+    EXAMPLES,
+    NAMESPACE,
+    RELEASE,
+    container,
+    env_of,
+    find,
+    flag,
+    one,
+    render,
+    values_file,
+)
+
+pytestmark = pytest.mark.helm
+
+SEED = EXAMPLES / "seed-mistral.yaml"
+SEED_KEDA = EXAMPLES / "seed-keda.yaml"
+
+
+def engine(objs, model):
+    return one(objs, "Deployment", f"{RELEASE}-{model}")
+
+
+# --- the user's production-stack values file -------------------------------------------------------------
+
+
+def test_seed_engine_command_uses_vllm_032_flags():
+    c = container(engine(render([SEED]), "mistral"))
+    assert c["image"] == "lmcache/vllm-openai:latest"
+    assert c["command"] == ["vllm", "serve"]
+    args = c["args"]
+    assert args[0] == "mistralai/Mistral-7B-Instruct-v0.2"
+    assert flag(args, "--port") == "8000" and flag(args, "--host") == "0.0.0.0"
+    assert flag(args, "--served-model-name") == "mistralai/Mistral-7B-Instruct-v0.2"
+    assert "--no-enable-prefix-caching" in args and "--no-enable-chunked-prefill" in args
+    assert flag(args, "--max-model-len") == "16384"
+    assert flag(args, "--dtype") == "bfloat16"
+    assert flag(args, "--max-num-seqs") == "32"
+    assert flag(args, "--gpu-memory-utilization") == "0.95"
+    # maxLoras alone is production-stack's way to ask for LoRA; vLLM ignores --max-loras without --enable-lora.
+    assert "--enable-lora" in args and flag(args, "--max-loras") == "4"
+    assert json.loads(flag(args, "--kv-transfer-config")) == {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+    }
+
+
+def test_seed_engine_env_resources_volumes_probes():
+    d = engine(render([SEED]), "mistral")
+    c = container(d)
+    env = env_of(c)
+    assert env["PYTHONHASHSEED"]["value"] == "0"
+    assert env["LMCACHE_TRACK_USAGE"]["value"] == "false"
+    assert env["LMCACHE_LOCAL_CPU"]["value"] == "true"
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"]["value"] == "30"
+    res = c["resources"]
+    assert res["requests"] == {"cpu": "10", "memory": "64Gi", "nvidia.com/gpu": "1"}
+    assert res["limits"]["nvidia.com/gpu"] == "1" and res["limits"]["memory"] == "64Gi"
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert (
+        c["startupProbe"]["initialDelaySeconds"],
+        c["startupProbe"]["periodSeconds"],
+        c["startupProbe"]["failureThreshold"],
+    ) == (15, 10, 60)
+    assert c["livenessProbe"]["failureThreshold"] == 3
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == f"{RELEASE}-mistral"
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts == {"model-cache": "/data", "dshm": "/dev/shm"}
+    pvc = one(render([SEED]), "PersistentVolumeClaim", f"{RELEASE}-mistral")
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert d["spec"]["replicas"] == 1
+
+
+def test_seed_names_labels_selectors():
+    objs = render([SEED])
+    d = engine(objs, "mistral")
+    sel = d["spec"]["selector"]["matchLabels"]
+    assert sel == {
+        "app.kubernetes.io/name": "vllm-stack",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "engine",
+        "vllm-stack.io/model": "mistral",
+    }
+    assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    svc = one(objs, "Service", f"{RELEASE}-mistral")
+    assert svc["spec"]["selector"] == sel
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    for o in objs:
+        assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE, o["metadata"]["name"]
+        assert o["metadata"].get("namespace") == NAMESPACE
+
+
+def test_router_args_follow_the_contract():
+    objs = render([SEED])
+    d = one(objs, "Deployment", f"{RELEASE}-router")
+    c = container(d)
+    assert "command" not in c  # the image's entrypoint is `vllm-stack router`
+    assert c["image"] == "lmcache/lmstack-router:latest"
+    assert c["args"] == [
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--service-discovery",
+        "k8s",
+        "--k8s-namespace",
+        NAMESPACE,
+        "--k8s-label-selector",
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=engine",
+        "--k8s-port",
+        "8000",
+        "--routing-logic",
+        "roundrobin",
+        "--engine-scrape-interval",
+        "1",
+        "--health-check-interval",
+        "5",
+        "--request-timeout",
+        "600",
+        "--max-body-bytes",
+        "33554432",
+        "--log-level",
+        "info",
+    ]
+
+
+def test_two_releases_never_see_each_others_engines():
+    a, b = render([SEED], release="team-a"), render([SEED], release="team-b")
+    sel_a = flag(container(one(a, "Deployment", "team-a-vllm-stack-router"))["args"], "--k8s-label-selector")
+    sel_b = flag(container(one(b, "Deployment", "team-b-vllm-stack-router"))["args"], "--k8s-label-selector")
+    labels_b = one(b, "Deployment", "team-b-vllm-stack-mistral")["spec"]["template"]["metadata"]["labels"]
+    labels_a = one(a, "Deployment", "team-a-vllm-stack-mistral")["spec"]["template"]["metadata"]["labels"]
+
+    def matches(selector, labels):
+        return all(labels.get(k) == v for k, v in (kv.split("=") for kv in selector.split(",")))
+
+    assert matches(sel_a, labels_a) and matches(sel_b, labels_b)
+    assert not matches(sel_a, labels_b) and not matches(sel_b, labels_a)
+    names_a = {(o["kind"], o["metadata"]["name"]) for o in a}
+    names_b = {(o["kind"], o["metadata"]["name"]) for o in b}
+    assert not names_a & names_b
+
+
+def test_router_security_rbac_and_service():
+    objs = render([SEED])
+    d = one(objs, "Deployment", f"{RELEASE}-router")
+    pod = d["spec"]["template"]["spec"]
+    c = container(d)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    assert pod["serviceAccountName"] == f"{RELEASE}-router" and pod["automountServiceAccountToken"] is True
+    role = one(objs, "Role", f"{RELEASE}-router")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    rb = one(objs, "RoleBinding", f"{RELEASE}-router")
+    assert rb["roleRef"]["name"] == role["metadata"]["name"]
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-router", "namespace": NAMESPACE}]
+    assert not find(objs, "ClusterRole") and not find(objs, "ClusterRoleBinding")
+    assert one(objs, "PodDisruptionBudget", f"{RELEASE}-router")["spec"]["maxUnavailable"] == 1
+    assert one(objs, "Service", f"{RELEASE}-router")["spec"]["ports"][0]["port"] == 80
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+
+
+def test_static_discovery_has_no_rbac_and_no_token(tmp_path):
+    v = values_file(
+        tmp_path,
+        {
+            "routerSpec": {
+                "serviceDiscovery": "static",
+                "staticBackends": "http://a:8000,http://b:8000",
+                "staticModels": "m",
+            }
+        },
+    )
+    objs = render([v])
+    c = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    assert flag(c["args"], "--service-discovery") == "static"
+    assert flag(c["args"], "--static-backends") == "http://a:8000,http://b:8000"
+    assert flag(c["args"], "--static-models") == "m"
+    assert "--k8s-label-selector" not in c["args"]
+    assert not find(objs, "Role") and not find(objs, "RoleBinding")
+    assert (
+        one(objs, "Deployment", f"{RELEASE}-router")["spec"]["template"]["spec"][
+            "automountServiceAccountToken"
+        ]
+        is False
+    )
+
+
+def test_every_container_has_requests_and_limits():
+    from tests.helm.chart import values_files
+
+    for f in values_files():
+        for o in render([f]):
+            spec = (
+                o["spec"]["template"]["spec"]
+                if o["kind"] == "Deployment"
+                else o["spec"]
+                if o["kind"] == "Pod"
+                else None
+            )
+            if spec is None:
+                continue
+            for c in spec["containers"]:
+                r = c.get("resources", {})
+                for part in ("requests", "limits"):
+                    assert {"cpu", "memory"} <= r.get(part, {}).keys(), (
+                        f"{f.name}: {o['metadata']['name']}/{c['name']} {part}"
+                    )
+
+
+def test_no_secret_value_in_plain_env():
+    from tests.helm.chart import values_files
+
+    for f in values_files():
+        for o in render([f]):
+            if o["kind"] not in ("Deployment", "Pod"):
+                continue
+            spec = o["spec"]["template"]["spec"] if o["kind"] == "Deployment" else o["spec"]
+            for c in spec["containers"]:
+                for e in c.get("env", []):
+                    if any(word in e["name"] for word in ("KEY", "TOKEN", "PASSWORD", "SECRET")):
+                        assert "value" not in e and "secretKeyRef" in e["valueFrom"], (f.name, e)
+
+
+# --- models: enabled, several, none ----------------------------------------------------------------------
+
+
+def test_multi_model_secrets_api_key_and_kv_events():
+    objs = render([EXAMPLES / "multi-model.yaml"])
+    llama, qwen = engine(objs, "llama3"), engine(objs, "qwen")
+    secret = one(objs, "Secret", f"{RELEASE}-secrets")
+    assert set(secret["data"]) == {"vllmApiKey"}  # hf_token of llama3 is an existing Secret reference
+    for d in (llama, qwen, one(objs, "Deployment", f"{RELEASE}-router")):
+        ref = env_of(container(d))["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": f"{RELEASE}-secrets", "key": "vllmApiKey"}
+    assert env_of(container(llama))["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "hf-token",
+        "key": "token",
+    }
+    # prefixaware routing turns KV-event publishing on
+    for d in (llama, qwen):
+        c = container(d)
+        cfg = json.loads(flag(c["args"], "--kv-events-config"))
+        assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+        assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in c["ports"]
+    assert flag(container(qwen)["args"], "--served-model-name") == "qwen-small"
+    assert flag(container(qwen)["args"], "--max-num-batched-tokens") == "1000000"
+    assert container(qwen)["args"][-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert container(qwen)["image"] == "vllm/vllm-openai:v0.32.0"
+    vols = {v["name"]: v for v in qwen["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == "shared-models"
+    assert not find(objs, "PersistentVolumeClaim", f"{RELEASE}-qwen")
+    assert llama["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    terms = llama["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["key"] == "nvidia.com/gpu.product"
+    assert one(objs, "PodDisruptionBudget", f"{RELEASE}-llama3")["spec"]["maxUnavailable"] == "25%"
+    router = one(objs, "Deployment", f"{RELEASE}-router")
+    assert "replicas" not in router["spec"]  # the HPA owns it
+    assert one(objs, "HorizontalPodAutoscaler")["spec"]["maxReplicas"] == 6
+    args = container(router)["args"]
+    assert (
+        flag(args, "--routing-logic") == "prefixaware"
+        and flag(args, "--api-keys-file") == "/etc/vllm-stack/api-keys/keys"
+    )
+
+
+def test_round_robin_engines_publish_no_kv_events():
+    c = container(engine(render([SEED]), "mistral"))
+    assert "--kv-events-config" not in c["args"]
+    assert [p["name"] for p in c["ports"]] == ["http"]
+
+
+def test_disabled_model_renders_nothing():
+    objs = render([EXAMPLES / "disabled-model.yaml"])
+    assert engine(objs, "active")
+    for o in objs:
+        assert o["metadata"]["labels"].get("vllm-stack.io/model") != "parked", (
+            o["kind"],
+            o["metadata"]["name"],
+        )
+        assert "parked" not in o["metadata"]["name"]
+    assert not find(objs, "Secret")  # the disabled model's token is not stored either
+
+
+def test_no_models_renders_router_only():
+    objs = render([EXAMPLES / "no-models.yaml"])
+    assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objs} == {"router", "test"}
+
+
+def test_engines_off_removes_every_engine_object(tmp_path):
+    v = values_file(tmp_path, {"servingEngineSpec": {"enableEngine": False}})
+    objs = render([SEED, v])
+    assert not [o for o in objs if o["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
+
+
+# --- LoRA, LMCache, cache server, PD ---------------------------------------------------------------------
+
+
+def test_lora_flags_and_runtime_updating():
+    objs = render([EXAMPLES / "lora.yaml"])
+    c = container(engine(objs, "llama3-lora"))
+    args = c["args"]
+    assert "--enable-lora" in args
+    assert (flag(args, "--max-loras"), flag(args, "--max-lora-rank"), flag(args, "--max-cpu-loras")) == (
+        "4",
+        "16",
+        "8",
+    )
+    mods = [args[i + 1] for i, a in enumerate(args) if a == "--lora-modules"]
+    assert mods == ["sql=/data/adapters/sql", "summarize=/data/adapters/summarize"]
+    assert env_of(c)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]["value"] == "True"
+    r = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+    assert flag(r, "--routing-logic") == "session" and flag(r, "--session-key") == "x-user-id"
+
+
+def test_cache_server_and_lmcache_offload():
+    objs = render([EXAMPLES / "cache-server.yaml"])
+    cs = one(objs, "Deployment", f"{RELEASE}-cache-server")
+    c = container(cs)
+    assert c["command"] == ["lmcache_server", "0.0.0.0", "8080"]
+    assert c["image"] == "lmcache/vllm-openai:v0.5.6"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["tcpSocket"]["port"] == "lm"
+    assert c["resources"]["limits"]["memory"] == "32Gi"
+    svc = one(objs, "Service", f"{RELEASE}-cache-server")
+    assert svc["spec"]["ports"][0]["port"] == 81
+    e = container(engine(objs, "mistral"))
+    env = env_of(e)
+    assert env["LMCACHE_REMOTE_URL"]["value"] == f"lm://{RELEASE}-cache-server:81"
+    assert env["LMCACHE_REMOTE_SERDE"]["value"] == "naive"
+    assert env["LMCACHE_LOCAL_DISK"]["value"] == "file:///lmcache/disk/"
+    assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"]["value"] == "100"
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"]["value"] == "20"
+    assert env["LMCACHE_CHUNK_SIZE"]["value"] == "256"
+    assert e["image"] == "lmcache/vllm-openai:v0.5.6"  # LMCache image by default when lmcacheConfig.enabled
+    vols = {v["name"]: v for v in engine(objs, "mistral")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["lmcache-disk"]["emptyDir"]["sizeLimit"] == "100Gi"
+    nps = {n["metadata"]["name"]: n for n in find(objs, "NetworkPolicy")}
+    cs_np = nps[f"{RELEASE}-cache-server"]
+    assert (
+        cs_np["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        == "engine"
+    )
+
+
+def test_cache_server_off_by_default():
+    objs = render([SEED])
+    assert not find(objs, "Deployment", f"{RELEASE}-cache-server")
+    assert "LMCACHE_REMOTE_URL" not in env_of(container(engine(objs, "mistral")))
+
+
+LMCACHE_05_KEYS = {
+    "chunk_size",
+    "local_cpu",
+    "max_local_cpu_size",
+    "local_disk",
+    "max_local_disk_size",
+    "remote_url",
+    "remote_serde",
+    "enable_controller",
+    "lmcache_instance_id",
+    "controller_pull_url",
+    "controller_reply_url",
+    "lmcache_worker_ports",
+    "enable_p2p",
+    "p2p_host",
+    "p2p_init_ports",
+    "p2p_lookup_ports",
+    "enable_pd",
+    "pd_role",
+    "pd_buffer_size",
+    "pd_buffer_device",
+    "pd_peer_host",
+    "pd_peer_init_port",
+    "pd_peer_alloc_port",
+    "pd_proxy_host",
+    "pd_proxy_port",
+    "transfer_channel",
+    "nixl_backends",
+}
+
+
+def test_pd_roles_use_lmcache_05_names_only():
+    objs = render([EXAMPLES / "pd-roles.yaml"])
+    pre, dec = container(engine(objs, "prefill")), container(engine(objs, "decode"))
+    for c in (pre, dec):
+        for name in env_of(c):
+            if name.startswith("LMCACHE_") and name != "LMCACHE_TRACK_USAGE":
+                assert name.removeprefix("LMCACHE_").lower() in LMCACHE_05_KEYS, name
+    assert json.loads(flag(pre["args"], "--kv-transfer-config"))["kv_role"] == "kv_producer"
+    assert json.loads(flag(dec["args"], "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    p, d = env_of(pre), env_of(dec)
+    assert (p["LMCACHE_ENABLE_PD"]["value"], p["LMCACHE_PD_ROLE"]["value"]) == ("true", "sender")
+    assert (
+        p["LMCACHE_PD_PROXY_HOST"]["value"] == "vllm-stack-pd-proxy"
+        and p["LMCACHE_PD_PROXY_PORT"]["value"] == "7500"
+    )
+    assert p["LMCACHE_TRANSFER_CHANNEL"]["value"] == "nixl" and p["LMCACHE_NIXL_BACKENDS"]["value"] == "UCX"
+    assert p["LMCACHE_LOCAL_CPU"]["value"] == "false"
+    assert d["LMCACHE_PD_ROLE"]["value"] == "receiver"
+    assert (d["LMCACHE_PD_PEER_INIT_PORT"]["value"], d["LMCACHE_PD_PEER_ALLOC_PORT"]["value"]) == (
+        "7300",
+        "7400",
+    )
+    assert d["LMCACHE_PD_BUFFER_SIZE"]["value"] == "2147483648"
+    assert d["LMCACHE_P2P_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert d["LMCACHE_P2P_INIT_PORTS"]["value"] == "8200"
+    assert d["LMCACHE_LMCACHE_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert d["LMCACHE_CONTROLLER_PULL_URL"]["value"] == "tcp://lmcache-controller:8300"
+    assert d["LMCACHE_LMCACHE_WORKER_PORTS"]["value"] == "8500"
+
+
+# --- KEDA ------------------------------------------------------------------------------------------------
+
+
+def test_seed_keda_block_scales_llama3_with_one_element_query():
+    objs = render([SEED_KEDA])
+    so = one(objs, "ScaledObject", f"{RELEASE}-llama3")
+    spec = so["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": f"{RELEASE}-llama3",
+    }
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 3)
+    assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (15, 360)
+    assert spec["advanced"] == {"restoreToOriginalReplicaCount": False}
+    assert isinstance(spec["triggers"], list) and len(spec["triggers"]) == 1
+    t = spec["triggers"][0]
+    assert t["type"] == "prometheus"
+    assert (
+        t["metadata"]["query"]
+        == f'sum(vllm:num_requests_waiting{{model_name="llama3",namespace="{NAMESPACE}"}})'
+    )
+    assert t["metadata"]["threshold"] == "5"
+    assert t["metadata"]["serverAddress"] == "http://prometheus:9090"  # from the chart-wide trigger
+    assert "replicas" not in engine(objs, "llama3")["spec"]  # KEDA owns the replica count
+
+
+def test_keda_default_trigger_and_scale_from_zero():
+    objs = render([EXAMPLES / "keda-scale-from-zero.yaml"])
+    so = one(objs, "ScaledObject", f"{RELEASE}-llama3")["spec"]
+    assert so["minReplicaCount"] == 0 and so["maxReplicaCount"] == 4
+    queue, wake = so["triggers"]
+    assert queue["metadata"] == {
+        "query": f'sum(vllm:num_requests_waiting{{model_name="meta-llama/Llama-3.1-8B-Instruct",namespace="{NAMESPACE}"}})',
+        "threshold": "5",
+        "serverAddress": "http://prometheus-operated.monitoring.svc:9090",
+    }
+    assert wake["metadata"]["query"] == (
+        f'sum(rate(vllm_stack_router_requests_total{{model="meta-llama/Llama-3.1-8B-Instruct",namespace="{NAMESPACE}"}}[2m]))'
+    )
+    assert wake["metadata"]["activationThreshold"] == "0"
+    assert not find(objs, "ScaledObject", f"{RELEASE}-qwen")  # keda.enabled: false
+    assert engine(objs, "qwen")["spec"]["replicas"] == 1
+
+
+def test_user_promql_is_kept_as_written(tmp_path):
+    q = 'sum(rate(vllm:num_requests_running{model_name="x"}[1m]))'
+    v = values_file(
+        tmp_path,
+        {
+            "servingEngineSpec": {
+                "modelSpec": [
+                    {
+                        "name": "x",
+                        "keda": {
+                            "triggers": [
+                                {
+                                    "type": "prometheus",
+                                    "metadata": {
+                                        "query": q,
+                                        "threshold": 2,
+                                        "serverAddress": "http://p:9090",
+                                    },
+                                },
+                                {"type": "cpu", "metricType": "Utilization", "metadata": {"value": "80"}},
+                            ]
+                        },
+                    }
+                ]
+            }
+        },
+    )
+    t = one(render([v]), "ScaledObject")["spec"]["triggers"]
+    assert t[0]["metadata"] == {"query": q, "threshold": "2", "serverAddress": "http://p:9090"}
+    assert t[1] == {"type": "cpu", "metricType": "Utilization", "metadata": {"value": "80"}}
+
+
+# --- observability, exposure, network policy, helm test --------------------------------------------------
+
+
+def test_monitoring_objects():
+    objs = render([EXAMPLES / "monitoring.yaml"])
+    sms = {s["metadata"]["name"]: s for s in find(objs, "ServiceMonitor")}
+    eng, rt = sms[f"{RELEASE}-engines"], sms[f"{RELEASE}-router"]
+    assert eng["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert eng["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    assert eng["spec"]["endpoints"][0]["relabelings"][0]["replacement"] == "vllm-stack-engine"
+    assert rt["spec"]["endpoints"][0]["relabelings"][0]["replacement"] == "vllm-stack-router"
+    assert eng["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rule = one(objs, "PrometheusRule")
+    assert (
+        rule["spec"]["groups"]
+        == yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())["groups"]
+    )
+    cms = [c for c in find(objs, "ConfigMap") if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    files = sorted((CHART / "files" / "dashboards").glob("*.json"))
+    assert len(cms) == len(files) and files
+    for cm in cms:
+        ((name, body),) = cm["data"].items()
+        assert json.loads(body) == json.loads((CHART / "files" / "dashboards" / name).read_text())
+
+
+def test_exposure_objects():
+    objs = render([EXAMPLES / "monitoring.yaml"])
+    ing = one(objs, "Ingress")
+    assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == f"{RELEASE}-router"
+    route = one(objs, "HTTPRoute")
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"{RELEASE}-router", "port": 80}]
+    pool = one(objs, "InferencePool")
+    assert (
+        pool["spec"]["selector"]["matchLabels"] == engine(objs, "llama3")["spec"]["selector"]["matchLabels"]
+    )
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    obj = one(objs, "InferenceObjective")
+    assert obj["spec"] == {
+        "priority": 10,
+        "poolRef": {"group": "inference.networking.k8s.io", "name": pool["metadata"]["name"]},
+    }
+    np = one(objs, "NetworkPolicy", f"{RELEASE}-engines")
+    src = np["spec"]["ingress"][0]["from"]
+    assert src[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert src[1]["namespaceSelector"] and src[1]["podSelector"]
+
+
+def test_helm_test_hook_calls_models():
+    pod = one(render([SEED]), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    assert "/v1/models" in c["args"][0]
+    assert env_of(c)["ROUTER_URL"]["value"] == f"http://{RELEASE}-router.{NAMESPACE}.svc:80"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
