@@ -148,7 +148,6 @@ def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list
         "--port", str(port),
         "--load-format", "dummy",
         "--enable-prefix-caching",
-        "--disable-log-stats",
         "--seed", "0",
     ]  # fmt: skip
     if spec.max_model_len:

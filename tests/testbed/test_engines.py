@@ -1,0 +1,102 @@
+"""The test bed's real vLLM engines (CPU build): they serve, stream, publish metrics and stop cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vllm_stack.testbed.engines import EngineGroup, EngineSpec, EngineStartError, launch, wait_ready
+
+pytestmark = pytest.mark.engine
+
+
+def test_chat_completion_on_real_engine(engines: EngineGroup) -> None:
+    response = httpx.post(
+        f"{engines[0].url}/v1/chat/completions",
+        json={"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["system_fingerprint"].startswith("vllm-0.32")
+
+
+def test_streamed_completion_arrives_as_sse_chunks(engines: EngineGroup) -> None:
+    chunks: list[dict] = []
+    done = False
+    with httpx.stream(
+        "POST",
+        f"{engines[1].url}/v1/completions",
+        json={"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 6, "stream": True},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                done = True
+                continue
+            chunks.append(json.loads(payload))
+    assert done, "the stream must end with data: [DONE]"
+    assert len(chunks) >= 6, "one chunk per generated token"
+    assert all(chunk["object"] == "text_completion" for chunk in chunks)
+
+
+def test_engines_are_configured_as_the_stack_expects(engines: EngineGroup) -> None:
+    """Prefix caching on, the vLLM 0.32 metric names present, KV events and LoRA runtime loading enabled."""
+    engine = engines[0]
+    metrics = engine.metrics()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert name in metrics
+    assert 'model_name="tiny-llama"' in metrics
+    assert engine.kv_events_port is not None
+    log = engine.log_path.read_text()
+    assert "--enable-prefix-caching" in log and "--kv-events-config" in log and "--enable-lora" in log
+
+
+def test_lora_adapter_loads_at_runtime(engines: EngineGroup, lora_adapter_dir: Path) -> None:
+    url = engines[1].url
+    response = httpx.post(
+        f"{url}/v1/load_lora_adapter",
+        json={"lora_name": "tb-lora", "lora_path": str(lora_adapter_dir)},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    try:
+        models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+        assert models["tb-lora"]["parent"] == "tiny-llama"
+        completion = httpx.post(
+            f"{url}/v1/completions", json={"model": "tb-lora", "prompt": "Hi", "max_tokens": 4}, timeout=60
+        )
+        assert completion.status_code == 200, completion.text
+    finally:
+        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "tb-lora"}, timeout=30)
+
+
+def test_failed_start_reports_log_tail_and_leaves_no_process(tmp_path: Path) -> None:
+    """An engine that cannot start fails fast with its own error text, not a bare time-out."""
+    missing = tmp_path / "no-such-model"
+    engine = launch(
+        EngineSpec(missing, "broken", kv_events=False, enable_lora=False),
+        name="broken",
+        cpu=0,
+        log_dir=tmp_path,
+    )
+    group = EngineGroup([engine])
+    with pytest.raises(EngineStartError) as error:
+        wait_ready([engine], timeout=180)
+    group.stop()
+    assert "exited with code" in str(error.value)
+    assert str(missing) in str(error.value), "the log tail names what went wrong"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(engine.process.pid, 0)
