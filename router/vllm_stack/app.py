@@ -27,10 +27,11 @@ from vllm_stack.discovery.engine import Engine
 from vllm_stack.discovery.registry import EngineRegistry
 from vllm_stack.discovery.static import StaticDiscovery
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.proxy import Proxy, ProxySettings, Transport, make_transport
+from vllm_stack.proxy import Proxy, ProxySettings
 from vllm_stack.scheduling.framework import Scheduler
 from vllm_stack.scheduling.profiles import build_profile
 from vllm_stack.telemetry.scraper import EngineScraper
+from vllm_stack.upstream import Transport, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,11 @@ class Router:
         self.auth = ApiKeyAuth(config.api_keys)
         self.max_body_bytes = config.max_body_bytes
         self.session_header = config.session_key.lower().encode("latin-1")
-        self.proxy_settings = ProxySettings(config.retries, config.request_timeout, self.engine_api_key)
+        self.proxy_settings = ProxySettings(
+            config.retries,
+            config.request_timeout,
+            b"Bearer " + self.engine_api_key.encode() if self.engine_api_key else None,
+        )
 
     @staticmethod
     def _build_discovery(config: RouterConfig) -> Discovery:

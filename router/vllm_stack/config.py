@@ -18,7 +18,7 @@ import yaml
 
 ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
 DISCOVERY_KINDS = ("static", "k8s")
-UPSTREAM_CLIENTS = ("aiohttp", "httpx")
+UPSTREAM_CLIENTS = ("raw", "aiohttp", "httpx")
 JSON_PARSERS = ("msgspec", "orjson")
 
 
@@ -55,7 +55,7 @@ class RouterConfig:
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
-    upstream_client: str = "aiohttp"
+    upstream_client: str = "raw"
     json_parser: str = "msgspec"
     log_level: str = "info"
     access_log: bool = False

@@ -7,23 +7,28 @@ Invariants:
 - after the response started, an upstream failure ends an SSE stream with an error event;
 - a client disconnect cancels the forward, which closes the upstream connection (the engine aborts).
 
-Two upstream clients implement :class:`Transport` (aiohttp and httpx) so the benchmark can compare them.
+The upstream client is any :class:`~vllm_stack.upstream.Transport` (see ``vllm_stack.upstream``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from vllm_stack.api.errors import RouterError, Send, sse_error_event
 from vllm_stack.discovery.engine import Engine
 from vllm_stack.discovery.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.framework import RequestContext, Scheduler
+from vllm_stack.upstream import (
+    Transport,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,212 +50,12 @@ HOP_BY_HOP = frozenset(
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"authorization", b"x-api-key"}
 
 
-class UpstreamConnectError(Exception):
-    """The request never reached an engine that could answer (safe to retry elsewhere)."""
-
-
-class UpstreamTimeout(Exception):
-    """The engine accepted the request but did not answer in time."""
-
-
-class UpstreamBroken(Exception):
-    """The engine's response broke off mid-way."""
-
-
-class UpstreamResponse(Protocol):
-    status: int
-    headers: list[tuple[bytes, bytes]]
-
-    def chunks(self) -> AsyncIterator[bytes]: ...
-
-    async def read(self) -> bytes: ...
-
-    def close(self) -> None: ...
-
-
-class Transport(Protocol):
-    name: str
-
-    async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, read_timeout: float
-    ) -> UpstreamResponse: ...
-
-    async def aclose(self) -> None: ...
-
-
-# ---- aiohttp ------------------------------------------------------------------------------------
-class _AiohttpResponse:
-    __slots__ = ("_resp", "status", "headers")
-
-    def __init__(self, resp: Any) -> None:
-        self._resp = resp
-        self.status = resp.status
-        self.headers = list(resp.raw_headers)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        import aiohttp
-
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
-
-    async def read(self) -> bytes:
-        import aiohttp
-
-        try:
-            return await self._resp.read()
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
-
-    def close(self) -> None:
-        self._resp.close()  # drops the connection unless the body was fully read and released
-
-    def release(self) -> None:
-        self._resp.release()
-
-
-class AiohttpTransport:
-    """aiohttp client session with a keep-alive pool; no auto-decompression (bytes unchanged)."""
-
-    name = "aiohttp"
-
-    def __init__(self, connect_timeout: float = 5.0, pool_size: int = 0) -> None:
-        import aiohttp
-
-        self._aiohttp = aiohttp
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=pool_size, ttl_dns_cache=300, enable_cleanup_closed=True),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        self._connect_timeout = connect_timeout
-        self._timeouts: dict[float, Any] = {}
-
-    @property
-    def session(self) -> Any:
-        return self._session
-
-    def _timeout(self, read: float) -> Any:
-        t = self._timeouts.get(read)
-        if t is None:
-            t = self._aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout, sock_read=read)
-            if len(self._timeouts) < 64:
-                self._timeouts[read] = t
-        return t
-
-    async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, read_timeout: float
-    ) -> _AiohttpResponse:
-        aiohttp = self._aiohttp
-        try:
-            resp = await self._session.request(
-                method,
-                url,
-                data=body,
-                headers=headers,
-                allow_redirects=False,
-                timeout=self._timeout(read_timeout),
-            )
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                raise UpstreamConnectError(f"connect timeout: {exc}") from exc
-            raise UpstreamTimeout(str(exc) or "read timeout") from exc
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
-            raise UpstreamConnectError(f"{type(exc).__name__}: {exc}") from exc
-        return _AiohttpResponse(resp)
-
-    async def aclose(self) -> None:
-        await self._session.close()
-
-
-# ---- httpx --------------------------------------------------------------------------------------
-class _HttpxResponse:
-    __slots__ = ("_resp", "status", "headers")
-
-    def __init__(self, resp: Any) -> None:
-        self._resp = resp
-        self.status = resp.status_code
-        self.headers = [(k.lower(), v) for k, v in resp.headers.raw]
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        import httpx
-
-        try:
-            async for chunk in self._resp.aiter_raw():
-                yield chunk
-        except (httpx.TransportError, httpx.StreamError) as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
-        finally:
-            await self._resp.aclose()
-
-    async def read(self) -> bytes:
-        return b"".join([c async for c in self.chunks()])
-
-    def close(self) -> None:
-        stream = self._resp.stream
-        task = asyncio.ensure_future(self._resp.aclose())
-        del stream
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-
-    def release(self) -> None:
-        pass
-
-
-class HttpxTransport:
-    name = "httpx"
-
-    def __init__(self, connect_timeout: float = 5.0) -> None:
-        import httpx
-
-        self._httpx = httpx
-        self._client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000), trust_env=False
-        )
-        self._connect_timeout = connect_timeout
-
-    async def send(
-        self, method: str, url: str, headers: list[tuple[str, str]], body: bytes, read_timeout: float
-    ) -> _HttpxResponse:
-        httpx = self._httpx
-        request = self._client.build_request(
-            method,
-            url,
-            content=body,
-            headers=headers,
-            timeout=httpx.Timeout(read_timeout, connect=self._connect_timeout),
-        )
-        # httpx adds accept/accept-encoding/user-agent defaults; drop those the client did not send.
-        sent = {k for k, _ in headers}
-        for default in ("accept", "accept-encoding", "user-agent"):
-            if default not in sent and default in request.headers:
-                del request.headers[default]
-        try:
-            resp = await self._client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.WriteError) as exc:
-            raise UpstreamConnectError(f"{type(exc).__name__}: {exc}") from exc
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeout(str(exc) or "read timeout") from exc
-        except httpx.TransportError as exc:
-            raise UpstreamConnectError(f"{type(exc).__name__}: {exc}") from exc
-        return _HttpxResponse(resp)
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
-
-
-def make_transport(name: str, connect_timeout: float) -> Transport:
-    return HttpxTransport(connect_timeout) if name == "httpx" else AiohttpTransport(connect_timeout)
-
-
 # ---- forwarding ---------------------------------------------------------------------------------
 @dataclass(slots=True)
 class ProxySettings:
     retries: int = 2
     request_timeout: float = 600.0
-    engine_api_key: str | None = None
+    engine_auth: bytes | None = None  # "Bearer <VLLM_API_KEY>" sent to engines
 
 
 @dataclass(slots=True)
@@ -284,15 +89,15 @@ class Proxy:
         self._settings = settings
 
     def upstream_headers(
-        self, headers: list[tuple[bytes, bytes]], request_id: bytes
-    ) -> list[tuple[str, str]]:
+        self, headers: list[tuple[bytes, bytes]], request_id: bytes, has_request_id: bool
+    ) -> list[tuple[bytes, bytes]]:
         """Client headers minus hop-by-hop and credentials, plus the request id and the engines' key."""
-        out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers if k not in _REQUEST_DROP]
-        if b"x-request-id" not in (k for k, _ in headers):
-            out.append(("x-request-id", request_id.decode("latin-1")))
-        key = self._settings().engine_api_key
+        out = [(k, v) for k, v in headers if k not in _REQUEST_DROP]
+        if not has_request_id:
+            out.append((b"x-request-id", request_id))
+        key = self._settings().engine_auth
         if key:
-            out.append(("authorization", "Bearer " + key))
+            out.append((b"authorization", key))
         return out
 
     async def forward(
@@ -304,6 +109,7 @@ class Proxy:
         body: bytes,
         ctx: RequestContext,
         request_id: bytes,
+        has_request_id: bool,
         state: ForwardState,
         started_at: float,
     ) -> None:
@@ -311,7 +117,7 @@ class Proxy:
         settings = self._settings()
         registry = self._registry
         metrics = self._metrics
-        up_headers = self.upstream_headers(headers, request_id)
+        up_headers = self.upstream_headers(headers, request_id, has_request_id)
         attempts = 1 + settings.retries
         last_error: RouterError | None = None
         for attempt in range(attempts):
@@ -462,6 +268,10 @@ class Proxy:
             else:
                 self._metrics.observe_ttft(ctx.model, now - started_at)
             last = now
+            if resp.complete:
+                state.finished = True
+                await send({"type": "http.response.body", "body": chunk})
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         state.finished = True
         await send({"type": "http.response.body", "body": b""})

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"))
     # Extras.
     p.add_argument("--retries", type=int, help="extra attempts on another engine (default 2)")
-    p.add_argument("--upstream-client", choices=("aiohttp", "httpx"))
+    p.add_argument(
+        "--upstream-client", choices=("raw", "aiohttp", "httpx"), help="upstream HTTP client (default raw)"
+    )
     p.add_argument("--json-parser", choices=("msgspec", "orjson"))
     p.add_argument("--session-balance-epsilon", type=float, help="bounded-load factor e of session affinity")
     p.add_argument("--access-log", action="store_const", const=True, help="log every request")

@@ -106,6 +106,7 @@ async def handle_proxied(router: Router, scope: dict[str, Any], receive: Receive
             content_type = v
         elif k == b"content-length":
             content_length = v
+    has_request_id = request_id is not None
     if request_id is None:
         request_id = new_request_id()
     path: str = scope["path"]
@@ -148,11 +149,14 @@ async def handle_proxied(router: Router, scope: dict[str, Any], receive: Receive
         else:
             session_key = user
         ctx = RequestContext(model, session_key, prefix)
+        raw_path = scope.get("raw_path")
+        path_qs = raw_path.decode("latin-1") if raw_path else path
         qs = scope.get("query_string")
-        path_qs = path + "?" + qs.decode("latin-1") if qs else path
+        if qs:
+            path_qs += "?" + qs.decode("latin-1")
         watcher = asyncio.ensure_future(watch_disconnect())
         await router.proxy.forward(
-            send, scope["method"], path_qs, headers, body, ctx, request_id, state, started
+            send, scope["method"], path_qs, headers, body, ctx, request_id, has_request_id, state, started
         )
     except RouterError as err:
         if err.status != 503 or state.status == "none":
