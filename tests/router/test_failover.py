@@ -1,0 +1,191 @@
+"""Retries, circuit breaking, mid-stream failures and client disconnects over stub engines.
+
+Stub engines are used because these tests need an engine that fails on demand (a 503, a broken
+stream); the real-engine versions (kill before responding, disconnect abort) are in test_engines.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+
+from tests.fakes.stub_engine import StubEngine
+from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
+
+MSG = [{"role": "user", "content": "hi"}]
+BODY = {"model": "stub-model", "messages": MSG, "max_tokens": 3}
+
+
+def requests_to(engine: StubEngine) -> int:
+    return sum(1 for s in engine.seen if s.path == "/v1/chat/completions")
+
+
+async def test_retry_on_503_goes_to_another_engine(router2) -> None:
+    url, router, engines = router2
+    engines[0].behaviour.fail_statuses = [503]
+    async with http(url) as h:
+        codes = [(await h.post("/v1/chat/completions", json=BODY)).status_code for _ in range(2)]
+    assert codes == [200, 200]  # round-robin: one of the two went to engines[0] first
+    assert requests_to(engines[0]) + requests_to(engines[1]) == 3  # one failed attempt, retried elsewhere
+    assert metric_value(router, "vllm_stack_router_retries_total", model="stub-model", reason="503") == 1
+
+
+async def test_retry_on_429(router2) -> None:
+    url, router, engines = router2
+    engines[1].behaviour.fail_statuses = [429]
+    async with http(url) as h:
+        codes = [(await h.post("/v1/chat/completions", json=BODY)).status_code for _ in range(2)]
+    assert codes == [200, 200]
+    assert metric_value(router, "vllm_stack_router_retries_total", model="stub-model", reason="429") == 1
+
+
+async def test_when_every_engine_fails_the_last_answer_passes_through_unchanged(router2) -> None:
+    url, _, engines = router2
+    for e in engines:
+        e.behaviour.fail_statuses = [500, 500, 500]
+    async with http(url) as h:
+        r = await h.post("/v1/chat/completions", json=BODY)
+    assert r.status_code == 500
+    assert r.json()["error"]["message"].startswith("stub ")  # the engine's own body
+    assert sum(requests_to(e) for e in engines) == 2  # no third engine to try
+
+
+async def test_retry_on_connection_refused_and_passive_ejection() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    live = StubEngine("live", ["stub-model"])
+    doomed = StubEngine("doomed", ["stub-model"])
+    async with stubs(live) as live_urls:
+        from tests.fakes.stub_engine import serve
+
+        async with serve(doomed, port=dead_port) as doomed_url:
+            cm = running_router([live_urls[0], doomed_url], health_check_interval=30, retries=2)
+            url, router = await cm.__aenter__()
+        # the doomed engine is gone now, but the router still believes it healthy (no check for 30 s)
+        try:
+            async with http(url) as h:
+                codes = [(await h.post("/v1/chat/completions", json=BODY)).status_code for _ in range(4)]
+            assert codes == [200] * 4
+            doomed_engine = router.registry.get(f"127.0.0.1:{dead_port}")
+            assert doomed_engine is not None and not doomed_engine.healthy
+            assert doomed_engine.ejected_reason == "connect_error"
+            assert (
+                metric_value(
+                    router, "vllm_stack_router_retries_total", model="stub-model", reason="connect_error"
+                )
+                == 1
+            )
+        finally:
+            await cm.__aexit__(None, None, None)
+
+
+async def test_circuit_breaker_opens_then_half_open_probe_closes_it(two_stubs) -> None:
+    engines, urls = two_stubs
+    async with running_router(urls, retries=0, circuit_failure_threshold=2, circuit_open_seconds=0.5) as (
+        url,
+        router,
+    ):
+        bad = router.registry.get(urls[0].removeprefix("http://"))
+        assert bad is not None
+        engines[0].behaviour.fail_statuses = [500] * 2
+        async with http(url) as h:
+            for _ in range(4):  # round-robin: two of these hit the bad engine
+                await h.post("/v1/chat/completions", json=BODY)
+            assert bad.breaker.state.name == "OPEN"
+            assert metric_value(router, "vllm_stack_router_circuit_breaker_state", engine=bad.name) == 2
+            before = requests_to(engines[0])
+            for _ in range(4):
+                assert (await h.post("/v1/chat/completions", json=BODY)).status_code == 200
+            assert requests_to(engines[0]) == before  # open: no traffic
+            await asyncio.sleep(0.6)
+            for _ in range(4):
+                assert (await h.post("/v1/chat/completions", json=BODY)).status_code == 200
+            assert requests_to(engines[0]) > before  # the probe went through and closed it
+            assert bad.breaker.state.name == "CLOSED"
+            assert metric_value(router, "vllm_stack_router_circuit_breaker_state", engine=bad.name) == 0
+
+
+async def test_no_retry_after_stream_started_and_sse_error_event() -> None:
+    a, b = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
+    for e in (a, b):
+        e.behaviour.break_after_chunks = 2
+    async with stubs(a, b) as urls, running_router(urls) as (url, router):
+        async with http(url) as h:
+            async with h.stream(
+                "POST", "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 6}
+            ) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines() if line.startswith("data:")]
+    assert len(lines) == 3
+    assert '"error"' in lines[-1] and "mid-stream" in lines[-1]
+    assert requests_to(a) + requests_to(b) == 1  # no retry once bytes reached the client
+    assert (
+        metric_value(
+            router,
+            "vllm_stack_router_requests_total",
+            model="stub-model",
+            engine=router.registry.engines()[0].name,
+            status="upstream_error",
+        )
+        + metric_value(
+            router,
+            "vllm_stack_router_requests_total",
+            model="stub-model",
+            engine=router.registry.engines()[1].name,
+            status="upstream_error",
+        )
+        == 1
+    )
+
+
+async def test_client_disconnect_aborts_upstream() -> None:
+    engine = StubEngine("e", ["stub-model"])
+    engine.behaviour.token_delay_s = 0.2
+    async with stubs(engine) as urls, running_router(urls) as (url, router):
+        async with httpx.AsyncClient(base_url=url) as h:
+            async with h.stream(
+                "POST", "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 50}
+            ) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # leave after the first token
+        await wait_for(lambda: engine.aborted == 1 and engine.running == 0, within=5, what="engine abort")
+        eng = router.registry.engines()[0]
+        await wait_for(lambda: eng.in_flight == 0, within=5, what="router in-flight back to 0")
+        assert (
+            metric_value(
+                router,
+                "vllm_stack_router_requests_total",
+                model="stub-model",
+                engine=eng.name,
+                status="client_closed",
+            )
+            == 1
+        )
+        assert metric_value(router, "vllm_stack_router_in_flight_requests", engine=eng.name) == 0
+
+
+async def test_client_disconnect_during_non_streaming_request_aborts_upstream() -> None:
+    engine = StubEngine("e", ["stub-model"])
+    engine.behaviour.delay_s = 1.0
+    async with stubs(engine) as urls, running_router(urls) as (url, router):
+        async with httpx.AsyncClient(base_url=url, timeout=0.3) as h:
+            try:
+                await h.post("/v1/chat/completions", json=BODY)
+            except httpx.ReadTimeout:
+                pass
+        eng = router.registry.engines()[0]
+        await wait_for(lambda: eng.in_flight == 0, within=5, what="router in-flight back to 0")
+        assert (
+            metric_value(
+                router,
+                "vllm_stack_router_requests_total",
+                model="stub-model",
+                engine=eng.name,
+                status="client_closed",
+            )
+            == 1
+        )
