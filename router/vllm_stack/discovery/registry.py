@@ -241,6 +241,11 @@ class EngineRegistry:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    async def wait_probes(self) -> None:
+        """Wait for the probes already started (new engines, refreshes)."""
+        while self._probe_tasks:
+            await asyncio.gather(*list(self._probe_tasks), return_exceptions=True)
+
     async def close(self) -> None:
         for task in list(self._probe_tasks):
             task.cancel()
