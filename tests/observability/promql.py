@@ -181,10 +181,14 @@ class Target:
 
 
 class Prometheus:
-    """A real Prometheus (Debian package) in a temporary directory, scraping the given targets every
-    second and evaluating ``rule_files`` every second."""
+    """A real Prometheus (Debian package) in a temporary directory, scraping the given targets and
+    evaluating ``rule_files`` every ``interval`` (scrape timeout = interval: a vLLM engine's /metrics
+    can take over a second on two busy cores, and a failed scrape marks every series of the target
+    stale at once)."""
 
-    def __init__(self, targets: list[Target], rule_files: list[Path], log_dir: Path | None = None) -> None:
+    def __init__(
+        self, targets: list[Target], rule_files: list[Path], log_dir: Path | None = None, interval: str = "2s"
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="vllm-stack-prom-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -192,7 +196,7 @@ class Prometheus:
         for t in targets:
             jobs.setdefault(t.job, []).append({"targets": [t.address], "labels": t.labels})
         config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": job, "static_configs": sc} for job, sc in jobs.items()],
         }
@@ -233,9 +237,34 @@ class Prometheus:
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step}"}
         return self.client.get("/api/v1/query_range", params=params).json()
 
+    def targets(self) -> list[dict]:
+        return self.client.get("/api/v1/targets").json()["data"]["activeTargets"]
+
     def targets_up(self) -> dict[str, str]:
-        active = self.client.get("/api/v1/targets").json()["data"]["activeTargets"]
-        return {t["scrapeUrl"]: t["health"] for t in active}
+        return {t["scrapeUrl"]: t["health"] for t in self.targets()}
+
+    def diagnostics(self) -> str:
+        """Target health, last errors and scrape durations, for failure messages."""
+        return "\n".join(
+            f"  {t['labels'].get('job')} {t['scrapeUrl']}: {t['health']} "
+            f"(last scrape {t.get('lastScrapeDuration', 0):.2f}s) {t.get('lastError') or ''}"
+            for t in self.targets()
+        )
+
+    def wait_for(self, exprs: dict[str, float], timeout: float = 60) -> float:
+        """Wait until each expression returns exactly the given single value; returns the time it did."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.time()
+            got = {}
+            for expr in exprs:
+                result = self.query(expr, at=now)["data"]["result"]
+                got[expr] = float(result[0]["value"][1]) if len(result) == 1 else None
+            if got == exprs:
+                return now
+            if time.monotonic() > deadline:
+                raise AssertionError(f"prometheus did not reach {exprs}: {got}\n{self.diagnostics()}")
+            time.sleep(0.5)
 
     def rule_health(self) -> dict[str, str]:
         groups = self.client.get("/api/v1/rules").json()["data"]["groups"]
