@@ -23,6 +23,8 @@ from vllm_stack.testbed.engines import EngineStartError, start_engines
 from vllm_stack.testbed.models import build_model
 
 SERVED_MODEL = "tiny-llama"
+# Generous: the first start after a fresh install is the slowest, and a busy machine slows it further.
+ENGINE_READY_TIMEOUT = 600.0
 
 
 def router_command(port: int, backends: list[str], routing_logic: str) -> list[str]:
@@ -56,7 +58,9 @@ def run_local_stack(
     log_dir = Path(tempfile.mkdtemp(prefix="vllm-stack-run-"))
     print(f"==> starting {engines} vLLM engines (CPU build, {size} model); logs in {log_dir}", flush=True)
     try:
-        group = start_engines(engines, model_dir, SERVED_MODEL, log_dir=log_dir)
+        group = start_engines(
+            engines, model_dir, SERVED_MODEL, log_dir=log_dir, ready_timeout=ENGINE_READY_TIMEOUT
+        )
     except EngineStartError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

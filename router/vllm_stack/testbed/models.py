@@ -10,6 +10,7 @@ so caches keyed on the directory (and prefix-cache behaviour in tests) are repro
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from importlib import resources
@@ -69,7 +70,13 @@ def _corpus() -> list[str]:
     return lines * 8 + [f"{a} {b} {a + b}" for a in range(64) for b in range(0, 64, 7)]
 
 
+def _quiet_transformers() -> None:
+    """transformers warns at import that PyTorch is absent; the builders never need it."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    _quiet_transformers()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -97,6 +104,7 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
 
 
 def _write_config(out: Path, size: ModelSize, bos_id: int, eos_id: int) -> None:
+    _quiet_transformers()
     from transformers import LlamaConfig
 
     config = LlamaConfig(
