@@ -100,3 +100,31 @@ def test_failed_start_reports_log_tail_and_leaves_no_process(tmp_path: Path) -> 
     assert str(missing) in str(error.value), "the log tail names what went wrong"
     with pytest.raises(ProcessLookupError):
         os.killpg(engine.process.pid, 0)
+
+
+def test_engine_dies_with_a_launcher_that_is_killed(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Even a launcher killed without clean-up (SIGKILL, os._exit) leaves no engine behind."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from vllm_stack.testbed.engines import EngineSpec, launch\n"
+        f"engine = launch(EngineSpec({str(tiny_model_dir)!r}), name='orphan', cpu=0, log_dir=Path({str(tmp_path)!r}))\n"
+        "print(engine.process.pid, flush=True)\n"
+        "time.sleep(3)\n"
+        "os._exit(0)\n"
+    )
+    launcher = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    pid = int(launcher.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.killpg(pid, 9)
+    pytest.fail("the engine outlived its launcher by more than 60 s")
