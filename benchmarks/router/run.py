@@ -7,7 +7,7 @@ Figures per configuration (upstream client x JSON parser):
 - requests/s at concurrency 16 with the router on one core.
 Request: a streamed chat completion of 8 tokens. Results: benchmarks/results/router.json and .md.
 
-Usage: ``.venv/bin/python benchmarks/router/bench_router.py [--quick]``
+Usage: ``make bench`` or ``.venv/bin/python benchmarks/router/run.py [--quick]``
 """
 
 from __future__ import annotations

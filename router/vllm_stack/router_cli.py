@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         server_header=False,  # pass the engine's headers through, not ours
         date_header=False,
         timeout_keep_alive=75,
+        proxy_headers=False,  # X-Forwarded-* are passed to engines untouched, not interpreted
     )
     return 0
 

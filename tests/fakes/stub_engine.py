@@ -295,6 +295,7 @@ async def serve(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterat
         log_level="warning",
         access_log=False,
         server_header=False,
+        proxy_headers=False,
         date_header=False,
         loop="none",
         http="httptools",
@@ -340,6 +341,7 @@ def main() -> None:
         log_level="warning",
         access_log=False,
         server_header=False,
+        proxy_headers=False,
         date_header=False,
     )
 

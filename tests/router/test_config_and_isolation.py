@@ -138,3 +138,19 @@ async def test_two_routers_in_one_process_share_no_state() -> None:
                 == 0
             )
             assert r1.scheduler.profile.name == "roundrobin" and r2.scheduler.profile.name == "session"
+
+
+def test_k8s_discovery_is_wired_lazily() -> None:
+    """``--service-discovery k8s`` builds the Kubernetes source (constructing it contacts no API server)."""
+    from vllm_stack.discovery.kubernetes import KubernetesDiscovery
+
+    router = build_router(
+        {
+            "service_discovery": "k8s",
+            "k8s_namespace": "ns",
+            "k8s_label_selector": "app=vllm",
+            "k8s_port": 8001,
+        },
+        environ={},
+    )
+    assert isinstance(router.discovery, KubernetesDiscovery)

@@ -114,6 +114,7 @@ async def handle_proxied(router: Router, scope: dict[str, Any], receive: Receive
     state = ForwardState()
     task = asyncio.current_task()
     assert task is not None
+    loop = task.get_loop()
     watcher: asyncio.Task[None] | None = None
     client_gone = False
 
@@ -154,7 +155,7 @@ async def handle_proxied(router: Router, scope: dict[str, Any], receive: Receive
         qs = scope.get("query_string")
         if qs:
             path_qs += "?" + qs.decode("latin-1")
-        watcher = asyncio.ensure_future(watch_disconnect())
+        watcher = loop.create_task(watch_disconnect())
         await router.proxy.forward(
             send, scope["method"], path_qs, headers, body, ctx, request_id, has_request_id, state, started
         )
