@@ -35,6 +35,15 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 
+def require(binary: str) -> str:
+    """The binary's path; fails the test with the fix when it is missing (``make install`` installs it)."""
+    import pytest
+
+    if not Path(binary).exists():
+        pytest.fail(f"{binary} missing: run `make install` (apt-get install -y prometheus)")
+    return binary
+
+
 def load_build_module():
     """observability/dashboards/build.py, imported by path (observability/ is not a package)."""
     spec = importlib.util.spec_from_file_location(
@@ -163,7 +172,7 @@ def promtool_check_expressions(queries: list[Query], tmp: Path) -> subprocess.Co
     rules = [{"record": f"check:expr_{i}", "expr": q.expr} for i, q in enumerate(queries)]
     path = tmp / "exprs.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "exprs", "rules": rules}]}))
-    return subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
+    return subprocess.run([require(PROMTOOL), "check", "rules", str(path)], capture_output=True, text=True)
 
 
 # ---------------------------------------------------------------------------------------------- server
@@ -205,7 +214,7 @@ class Prometheus:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
-                PROMETHEUS,
+                require(PROMETHEUS),
                 f"--config.file={self.dir / 'prometheus.yml'}",
                 f"--storage.tsdb.path={self.dir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",

@@ -25,6 +25,7 @@ from .promql import (
     label_values_as_promql,
     panel_queries,
     promtool_check_expressions,
+    require,
     rule_queries,
     substitute,
     variable_queries,
@@ -86,13 +87,17 @@ def test_prometheusrule_and_scaledobject_validate_against_crds() -> None:
 @pytest.mark.prometheus
 def test_promtool_check_rules() -> None:
     for path in (RULES, CHART_RULES):
-        result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
+        result = subprocess.run(
+            [require(PROMTOOL), "check", "rules", str(path)], capture_output=True, text=True
+        )
         assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.prometheus
 def test_promtool_unit_tests() -> None:
-    result = subprocess.run([PROMTOOL, "test", "rules", str(RULES_TEST)], capture_output=True, text=True)
+    result = subprocess.run(
+        [require(PROMTOOL), "test", "rules", str(RULES_TEST)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
