@@ -29,11 +29,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import common as gc
 from grafana_foundation_sdk.builders import dashboard as gd
 from grafana_foundation_sdk.builders import prometheus as gp
 from grafana_foundation_sdk.builders import stat as gstat
 from grafana_foundation_sdk.builders import timeseries as gts
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,6 +90,13 @@ def timeseries(
         .height(height)
         .line_width(1)
         .fill_opacity(10)
+        .legend(
+            gc.VizLegendOptions()
+            .display_mode(cm.LegendDisplayMode.LIST)
+            .placement(cm.LegendPlacement.BOTTOM)
+            .show_legend(True)
+        )
+        .tooltip(gc.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.DESCENDING))
     )
     if min_val is not None:
         panel = panel.min(min_val)
@@ -100,7 +109,14 @@ def stat(
     title: str, description: str, unit: str, queries: list[tuple[str, str]], *, width: int = 6
 ) -> gstat.Panel:
     panel = (
-        gstat.Panel().title(title).description(description).datasource(DS).unit(unit).span(width).height(6)
+        gstat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .unit(unit)
+        .span(width)
+        .height(6)
+        .reduce_options(gc.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
     )
     return _targets(panel, queries)
 
@@ -119,12 +135,13 @@ def quantiles(metric: str, selector: str, by: str, legend_by: str) -> list[tuple
 
 # ---------------------------------------------------------------------------------------------- variables
 def datasource_var() -> gd.DatasourceVariable:
-    return gd.DatasourceVariable("datasource").label("Data source").type("prometheus")
+    return gd.DatasourceVariable("datasource").id("datasource").label("Data source").type("prometheus")
 
 
 def query_var(name: str, label: str, query: str, *, multi: bool) -> gd.QueryVariable:
     var = (
         gd.QueryVariable(name)
+        .id(name)  # the SDK's default id is the same zero UUID for every variable; Grafana keys state by id
         .label(label)
         .datasource(DS)
         .query({"query": query, "refId": f"{name}-var"})
