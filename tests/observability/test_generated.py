@@ -35,6 +35,8 @@ def test_template_variables(name: str) -> None:
     dashboard = committed_dashboards()[name]
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert set(variables) == {"datasource", "namespace", "model", "engine"}
+    # Grafana keys its variable state by id: ids must be unique (the SDK's default is one zero UUID).
+    assert [v["id"] for v in variables.values()] == list(variables)
     assert (
         variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     )
