@@ -558,3 +558,15 @@ def test_helm_test_hook_calls_models():
     assert "/v1/models" in c["args"][0]
     assert env_of(c)["ROUTER_URL"]["value"] == f"http://{RELEASE}-router.{NAMESPACE}.svc:80"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_network_policy_lets_engines_reach_each_other_only_for_p2p_or_pd():
+    pd = one(render([EXAMPLES / "pd-roles.yaml"]), "NetworkPolicy", f"{RELEASE}-engines")
+    peers = pd["spec"]["ingress"][0]["from"]
+    components = [
+        p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers
+    ]
+    assert components == ["router", None, "engine", None]
+    assert peers[3] == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "lmcache-pd-proxy"}}}
+    plain = one(render([EXAMPLES / "monitoring.yaml"]), "NetworkPolicy", f"{RELEASE}-engines")
+    assert len(plain["spec"]["ingress"][0]["from"]) == 2  # router and Prometheus only
