@@ -37,7 +37,7 @@ run: install-run
 test: install
 	@$(BIN)/pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: install
 	@$(BIN)/pytest -m "not engine" $(PYTEST_ARGS)
 
 test-engine: install
