@@ -13,13 +13,13 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- $args = append $args (printf "--%s%s" (ternary "" "no-" (get $vc $key)) $flag) -}}
 {{- end -}}
 {{- end -}}
-{{- range $key, $flag := dict "maxModelLen" "max-model-len" "dtype" "dtype" "tensorParallelSize" "tensor-parallel-size" "pipelineParallelSize" "pipeline-parallel-size" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" "gpuMemoryUtilization" "gpu-memory-utilization" "quantization" "quantization" "kvCacheDtype" "kv-cache-dtype" -}}
+{{- range $key, $flag := dict "runner" "runner" "convert" "convert" "maxModelLen" "max-model-len" "dtype" "dtype" "tensorParallelSize" "tensor-parallel-size" "pipelineParallelSize" "pipeline-parallel-size" "maxNumSeqs" "max-num-seqs" "maxNumBatchedTokens" "max-num-batched-tokens" "gpuMemoryUtilization" "gpu-memory-utilization" "quantization" "quantization" "kvCacheDtype" "kv-cache-dtype" -}}
 {{- if and (hasKey $vc $key) (not (kindIs "invalid" (get $vc $key))) -}}
 {{- $args = append (append $args (printf "--%s" $flag)) (include "vllm-stack.str" (get $vc $key)) -}}
 {{- end -}}
 {{- end -}}
 {{- /* LoRA: production-stack files give only maxLoras; vLLM ignores it without --enable-lora. */ -}}
-{{- if or $vc.enableLoRA $vc.maxLoras $vc.loraModules -}}
+{{- if or $vc.enableLoRA $m.enableLoRA $vc.maxLoras $vc.loraModules -}}
 {{- $args = append $args "--enable-lora" -}}
 {{- with $vc.maxLoras }}{{ $args = append (append $args "--max-loras") (include "vllm-stack.str" .) }}{{ end -}}
 {{- with $vc.maxLoraRank }}{{ $args = append (append $args "--max-lora-rank") (include "vllm-stack.str" .) }}{{ end -}}
@@ -58,6 +58,10 @@ secretKeyRef:
 {{- $lc := .model.lmcacheConfig -}}
 - name: LMCACHE_TRACK_USAGE
   value: "false"
+{{- with $lc.logLevel }}
+- name: LMCACHE_LOG_LEVEL
+  value: {{ . | quote }}
+{{- end }}
 {{- with $lc.chunkSize }}
 - name: LMCACHE_CHUNK_SIZE
   value: {{ . | quote }}
@@ -151,11 +155,11 @@ secretKeyRef:
   value: {{ include "vllm-stack.str" $root.Values.servingEngineSpec.pythonHashSeed | quote }}
 - name: HF_HOME
   value: {{ $root.Values.servingEngineSpec.modelCacheMountPath | quote }}
-{{- with $m.hf_token }}
+{{- with $m.hf_token }}{{ if or (kindIs "string" .) .secretName }}
 - name: HF_TOKEN
   valueFrom:
     {{- include "vllm-stack.secretKeyRef" (dict "root" $root "value" . "key" (printf "hfToken-%s" $m.name)) | nindent 4 }}
-{{- end }}
+{{- end }}{{ end }}
 {{- with (include "vllm-stack.vllmApiKeyRef" $root) }}
 - name: VLLM_API_KEY
   valueFrom:

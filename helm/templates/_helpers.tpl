@@ -134,13 +134,16 @@ Decisions shared by several templates.
 {{- define "vllm-stack.cacheserver.enabled" -}}
 {{- $c := .Values.cacheserverSpec -}}
 {{- if eq (toString $c.enabled) "true" -}}true
-{{- else if and (eq (toString $c.enabled) "<nil>") $c.repository -}}true
+{{- else if and (eq (toString $c.enabled) "<nil>") (or $c.repository ($c.image | default dict).repository) -}}true
 {{- end -}}
 {{- end -}}
 
 {{- define "vllm-stack.cacheserver.image" -}}
 {{- $c := .Values.cacheserverSpec -}}
-{{- printf "%s:%s" ($c.repository | default (include "vllm-stack.defaultLMCacheRepository" .)) (toString ($c.tag | default (include "vllm-stack.defaultLMCacheTag" .))) -}}
+{{- $img := $c.image | default dict -}}
+{{- $repo := $c.repository | default $img.repository | default (include "vllm-stack.defaultLMCacheRepository" .) -}}
+{{- $tag := $c.tag | default $img.tag | default (include "vllm-stack.defaultLMCacheTag" .) -}}
+{{- printf "%s:%s" $repo (toString $tag) -}}
 {{- end -}}
 
 {{/* "true" when engines publish KV events (the router subscribes for prefix-aware routing). */}}
@@ -157,9 +160,9 @@ Decisions shared by several templates.
 {{- if kindIs "string" $k -}}
 {{- if $k }}name: {{ include "vllm-stack.secret.fullname" . }}
 key: vllmApiKey{{ end -}}
-{{- else if kindIs "map" $k -}}
+{{- else if and (kindIs "map" $k) $k.secretName -}}
 name: {{ $k.secretName }}
-key: {{ $k.secretKey }}
+key: {{ required "servingEngineSpec.vllmApiKey.secretKey is required with secretName" $k.secretKey }}
 {{- end -}}
 {{- end -}}
 
@@ -169,21 +172,34 @@ key: {{ $k.secretKey }}
 {{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) -}}{{ int64 . }}{{- else -}}{{ . }}{{- end -}}
 {{- end -}}
 
-{{/* Required node affinity from production-stack `nodeSelectorTerms`. */}}
+{{/* Pod affinity: an explicit `affinity` wins, else required node affinity from production-stack
+     `nodeSelectorTerms`. Call with (dict "affinity" A "terms" T). */}}
 {{- define "vllm-stack.nodeAffinity" -}}
-{{- if . }}
+{{- if .affinity }}
+affinity:
+  {{- toYaml .affinity | nindent 2 }}
+{{- else if .terms }}
 affinity:
   nodeAffinity:
     requiredDuringSchedulingIgnoredDuringExecution:
       nodeSelectorTerms:
-        {{- toYaml . | nindent 8 }}
+        {{- toYaml .terms | nindent 8 }}
 {{- end }}
+{{- end -}}
+
+{{/* An HTTP probe from values: timing fields as given, `httpGet.path` (default `def`), always the named port. */}}
+{{- define "vllm-stack.httpProbe" -}}
+httpGet:
+  path: {{ (.probe.httpGet | default dict).path | default .path }}
+  port: {{ .port }}
+{{ toYaml (omit .probe "httpGet") }}
 {{- end -}}
 
 {{/* Pull secrets: chart-wide names plus an optional per-component name. */}}
 {{- define "vllm-stack.imagePullSecrets" -}}
 {{- $names := list -}}
 {{- range .root.Values.imagePullSecrets }}{{ if kindIs "map" . }}{{ $names = append $names .name }}{{ else }}{{ $names = append $names . }}{{ end }}{{ end -}}
+{{- range .more }}{{ if kindIs "map" . }}{{ $names = append $names .name }}{{ else }}{{ $names = append $names . }}{{ end }}{{ end -}}
 {{- with .extra }}{{ $names = append $names . }}{{ end -}}
 {{- if $names -}}
 imagePullSecrets:
@@ -191,4 +207,25 @@ imagePullSecrets:
   - name: {{ . }}
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* The key the router sends to engines: routerSpec.vllmApiKey when it names a Secret, else the engines' key. */}}
+{{- define "vllm-stack.router.vllmApiKeyRef" -}}
+{{- $k := .Values.routerSpec.vllmApiKey -}}
+{{- if and (kindIs "map" $k) $k.secretName -}}
+name: {{ $k.secretName }}
+key: {{ required "routerSpec.vllmApiKey.secretKey is required with secretName" $k.secretKey }}
+{{- else -}}
+{{- include "vllm-stack.vllmApiKeyRef" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Router HPA settings: `hpa`, or production-stack's `autoscaling` when that one is enabled. */}}
+{{- define "vllm-stack.router.hpa" -}}
+{{- $r := .Values.routerSpec -}}
+{{- if and $r.autoscaling $r.autoscaling.enabled -}}
+{{- toYaml (merge (dict) $r.autoscaling (dict "targetMemoryUtilizationPercentage" nil)) -}}
+{{- else -}}
+{{- toYaml $r.hpa -}}
+{{- end -}}
 {{- end -}}

@@ -570,3 +570,83 @@ def test_network_policy_lets_engines_reach_each_other_only_for_p2p_or_pd():
     assert peers[3] == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "lmcache-pd-proxy"}}}
     plain = one(render([EXAMPLES / "monitoring.yaml"]), "NetworkPolicy", f"{RELEASE}-engines")
     assert len(plain["spec"]["ingress"][0]["from"]) == 2  # router and Prometheus only
+
+
+# --- production-stack's own values layout ----------------------------------------------------------------
+
+
+def test_production_stack_style_file():
+    objs = render([EXAMPLES / "production-stack-style.yaml"])
+    d = engine(objs, "mistral")
+    pod = d["spec"]["template"]["spec"]
+    c = container(d)
+    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert (c["startupProbe"]["initialDelaySeconds"], c["startupProbe"]["failureThreshold"]) == (15, 60)
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]  # appended
+    assert c["envFrom"] == [{"secretRef": {"name": "s3-registry"}}]
+    env = env_of(c)
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token-secret", "key": "token"}
+    assert "VLLM_API_KEY" not in env  # {secretName: "", secretKey: ""} means no key
+    assert env["LMCACHE_LOG_LEVEL"]["value"] == "INFO"
+    assert "--enable-lora" in c["args"] and flag(c["args"], "--gpu-memory-utilization") == "0.95"
+    assert flag(c["args"], "--tensor-parallel-size") == "2"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert one(objs, "PersistentVolumeClaim", f"{RELEASE}-mistral")["metadata"]["labels"]["team"] == "llm"
+    emb = container(engine(objs, "embed"))["args"]
+    assert (flag(emb, "--runner"), flag(emb, "--convert")) == ("pooling", "embed")
+    router = one(objs, "Deployment", f"{RELEASE}-router")
+    assert "replicas" not in router["spec"]
+    hpa = one(objs, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["maxReplicas"] == 3 and hpa["metrics"][0]["resource"]["target"]["averageUtilization"] == 80
+    assert one(objs, "PodDisruptionBudget", f"{RELEASE}-router")["spec"] == {
+        "minAvailable": 1,
+        "selector": router["spec"]["selector"],
+    }
+    svc = one(objs, "Service", f"{RELEASE}-router")["spec"]
+    assert svc["type"] == "NodePort" and svc["ports"][0]["nodePort"] == 30080
+    rc = container(router)
+    assert rc["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert rc["livenessProbe"]["initialDelaySeconds"] == 30
+    cs = one(objs, "Deployment", f"{RELEASE}-cache-server")
+    assert container(cs)["image"] == "lmcache/vllm-openai:v0.5.6"
+    assert cs["spec"]["strategy"] == {"type": "Recreate"}
+    (sm,) = find(objs, "ServiceMonitor")  # only the engines asked for one
+    assert sm["metadata"]["name"] == f"{RELEASE}-engines"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    ep = sm["spec"]["endpoints"][0]
+    assert (ep["interval"], ep["scrapeTimeout"]) == ("30s", "25s")
+    assert ep["relabelings"][-1] == {
+        "action": "replace",
+        "targetLabel": "job",
+        "replacement": "vllm-stack-engine",
+    }
+
+
+def test_model_resources_block_wins(tmp_path):
+    res = {
+        "requests": {"cpu": "2", "memory": "8Gi", "amd.com/gpu": 1},
+        "limits": {"cpu": "2", "memory": "8Gi", "amd.com/gpu": 1},
+    }
+    v = values_file(
+        tmp_path, {"servingEngineSpec": {"modelSpec": [{"name": "m", "requestGPU": 1, "resources": res}]}}
+    )
+    assert container(engine(render([v]), "m"))["resources"] == res
+
+
+def test_tolerations_policy_override(tmp_path):
+    v = values_file(
+        tmp_path,
+        {
+            "servingEngineSpec": {
+                "tolerations": [{"key": "a", "operator": "Exists"}],
+                "modelSpec": [
+                    {
+                        "name": "m",
+                        "tolerations": [{"key": "b", "operator": "Exists"}],
+                        "tolerationsPolicy": "override",
+                    }
+                ],
+            }
+        },
+    )
+    assert [t["key"] for t in engine(render([v]), "m")["spec"]["template"]["spec"]["tolerations"]] == ["b"]

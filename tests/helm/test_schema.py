@@ -123,3 +123,23 @@ def test_schema_is_strict_everywhere():
 
     walk(schema, "")
     assert not open_objects
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"routerSpec": {"requestStatsWindow": 60}}, "requestStatsWindow is not implemented"),
+        (
+            {"routerSpec": {"k8sServiceDiscoveryType": "service-name"}},
+            "k8sServiceDiscoveryType is not implemented",
+        ),
+        (
+            {"servingEngineSpec": {"extraPorts": [{"name": "x", "port": 9000}]}},
+            "extraPorts is not implemented",
+        ),
+        (model(requestGPUMem="3000"), "requestGPUMem (HAMi) is not implemented"),
+        (model(initContainer={"name": "init", "image": "busybox"}), "initContainer is not implemented"),
+    ],
+)
+def test_production_stack_keys_fail_only_when_they_ask_for_something(tmp_path, values, message):
+    assert message in render_error([values_file(tmp_path, values)])
