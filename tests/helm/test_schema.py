@@ -143,3 +143,15 @@ def test_schema_is_strict_everywhere():
 )
 def test_production_stack_keys_fail_only_when_they_ask_for_something(tmp_path, values, message):
     assert message in render_error([values_file(tmp_path, values)])
+
+
+def test_truncated_object_names_never_collide(tmp_path):
+    long = "m" * 39
+    v = values_file(
+        tmp_path,
+        {
+            "fullnameOverride": "f" * 40,
+            "servingEngineSpec": {"modelSpec": [{"name": long + "a"}, {"name": long + "b"}]},
+        },
+    )
+    assert "is taken by another model" in render_error([v])
