@@ -56,3 +56,10 @@ def test_example_files_cover_the_edge_cases():
         "monitoring",
     ]:
         assert case in names, case
+
+
+@pytest.mark.parametrize("helm", HELMS)
+def test_kubernetes_130_or_newer(helm):
+    assert run_helm(helm, "template", "x", ".", "--kube-version", "1.30.0").returncode == 0
+    old = run_helm(helm, "template", "x", ".", "--kube-version", "1.29.0")
+    assert old.returncode != 0 and "kubeVersion" in old.stderr
