@@ -189,3 +189,45 @@ async def test_client_disconnect_during_non_streaming_request_aborts_upstream() 
             )
             == 1
         )
+
+
+async def test_engine_dying_while_request_in_flight_is_retried_elsewhere() -> None:
+    """A fake engine that accepts the request and then resets the connection (as a killed engine
+    does) before answering: nothing reached the client, so the router retries on the other engine."""
+    models = b'{"object":"list","data":[{"id":"stub-model","object":"model","parent":null}]}'
+    got_post = asyncio.Event()
+
+    async def dying_engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            if data.startswith(b"POST"):
+                got_post.set()
+                await asyncio.sleep(0.3)
+                writer.transport.abort()  # RST, no response byte
+                return
+            if data.startswith(b"GET /v1/models"):
+                head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                writer.write(head % len(models) + models)
+            else:
+                writer.close()
+                return
+
+    server = await asyncio.start_server(dying_engine, "127.0.0.1", 0)
+    dying_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    live = StubEngine("live", ["stub-model"])
+    try:
+        async with (
+            stubs(live) as (live_url,),
+            running_router([dying_url, live_url], health_check_interval=30) as (url, router),
+        ):
+            async with http(url) as h:
+                r = await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})
+            assert got_post.is_set()
+            assert r.status_code == 200 and r.json()["engine"] == "live"
+            assert (
+                metric_value(
+                    router, "vllm_stack_router_retries_total", model="stub-model", reason="connect_error"
+                )
+                == 1
+            )
+    finally:
+        server.close()
