@@ -1,0 +1,101 @@
+"""The LMCACHE_* environment the chart renders is read by LMCache 0.5.6's own configuration loader: every
+variable names a real 0.5 key (none silently dropped) and lists, booleans and sizes parse to the values
+meant. LMCache cannot be installed here (its CUDA extension needs a GPU and its package import pulls in
+torch), so the test loads only its pure-Python configuration modules from the release wheel, which
+`make install` downloads to .cache/wheels/ (`pip download lmcache==0.5.6 --no-deps`)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+import zipfile
+
+import pytest
+
+from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, one, render
+
+pytestmark = pytest.mark.helm
+
+WHEELS = sorted((ROOT / ".cache" / "wheels").glob("lmcache-0.5.6-*.whl"))
+POD_FIELDS = {"metadata.name": "engine-pod-0", "status.podIP": "10.0.0.7"}
+
+
+@pytest.fixture(scope="module")
+def lmcache_config(tmp_path_factory):
+    if not WHEELS:
+        pytest.skip("LMCache 0.5.6 wheel missing in .cache/wheels: run `make install`")
+    dest = tmp_path_factory.mktemp("lmcache")
+    with zipfile.ZipFile(WHEELS[-1]) as wheel:
+        for name in ("lmcache/logging.py", "lmcache/v1/config_base.py", "lmcache/v1/config.py"):
+            wheel.extract(name, dest)
+    saved = {k: v for k, v in sys.modules.items() if k == "lmcache" or k.startswith("lmcache.")}
+    sys.path.insert(0, str(dest))
+    # config_base imports requests for a remote-config feature the chart does not use.
+    stub = "requests" not in sys.modules and importlib.util.find_spec("requests") is None
+    if stub:
+        sys.modules["requests"] = types.ModuleType("requests")
+    try:
+        yield importlib.import_module("lmcache.v1.config").LMCacheEngineConfig
+    finally:
+        sys.path.remove(str(dest))
+        for k in [k for k in sys.modules if k == "lmcache" or k.startswith("lmcache.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+        if stub:
+            del sys.modules["requests"]
+
+
+def load(config_cls, values, model, monkeypatch):
+    c = container(one(render([values]), "Deployment", f"{RELEASE}-{model}"))
+    env = {}
+    for e in c["env"]:
+        if e["name"].startswith("LMCACHE_"):
+            env[e["name"]] = (
+                e["value"] if "value" in e else POD_FIELDS[e["valueFrom"]["fieldRef"]["fieldPath"]]
+            )
+    for k in [k for k in os.environ if k.startswith("LMCACHE_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = config_cls.from_env()
+    # Read by LMCache outside the config object (usage telemetry, logging).
+    keys = {k.removeprefix("LMCACHE_").lower() for k in env} - {"track_usage", "log_level"}
+    unknown = keys - set(vars(cfg))
+    assert not unknown, f"not LMCache 0.5 keys (silently ignored): {unknown}"
+    return cfg
+
+
+def test_offload_and_cache_server(lmcache_config, monkeypatch):
+    cfg = load(lmcache_config, EXAMPLES / "cache-server.yaml", "mistral", monkeypatch)
+    assert (cfg.local_cpu, cfg.max_local_cpu_size, cfg.chunk_size) == (True, 20.0, 256)
+    assert (cfg.local_disk, cfg.max_local_disk_size) == ("/lmcache/disk/", 100.0)
+    assert (cfg.remote_url, cfg.remote_serde) == (f"lm://{RELEASE}-cache-server:81", "naive")
+
+
+def test_pd_controller_and_p2p(lmcache_config, monkeypatch):
+    pre = load(lmcache_config, EXAMPLES / "pd-roles.yaml", "prefill", monkeypatch)
+    assert (pre.enable_pd, pre.pd_role, pre.transfer_channel, pre.nixl_backends) == (
+        True,
+        "sender",
+        "nixl",
+        ["UCX"],
+    )
+    assert (pre.pd_proxy_host, pre.pd_proxy_port, pre.local_cpu) == ("vllm-stack-pd-proxy", 7500, False)
+    dec = load(lmcache_config, EXAMPLES / "pd-roles.yaml", "decode", monkeypatch)
+    assert (dec.pd_role, dec.pd_buffer_size, dec.pd_buffer_device) == ("receiver", 2147483648, "cuda")
+    assert (list(dec.pd_peer_init_port), list(dec.pd_peer_alloc_port)) == ([7300], [7400])
+    assert (dec.enable_p2p, dec.p2p_host, dec.p2p_init_ports, dec.p2p_lookup_ports) == (
+        True,
+        "10.0.0.7",
+        [8200],
+        [8201],
+    )
+    assert (dec.enable_controller, dec.lmcache_instance_id) == (True, "engine-pod-0")
+    assert (dec.controller_pull_url, dec.lmcache_worker_ports) == ("tcp://lmcache-controller:8300", [8500])
+
+
+def test_seed_file(lmcache_config, monkeypatch):
+    cfg = load(lmcache_config, EXAMPLES / "seed-mistral.yaml", "mistral", monkeypatch)
+    assert (cfg.local_cpu, cfg.max_local_cpu_size) == (True, 30.0)
