@@ -1,0 +1,73 @@
+"""The rendered cache server command is real and its TCP probe works: `lmcache_server HOST PORT` from the
+LMCache 0.5.6 wheel starts with the engine environment's torch, and a TCP connect (what the kubelet's
+tcpSocket probe does) succeeds.
+
+Changed from the rendered command: host 0.0.0.0 -> 127.0.0.1 and the port -> a free port (parallel test
+sessions share this machine). LMCache is not installable here (its CUDA extension), so its wheel and
+sortedcontainers (its one missing pure-Python import) are unpacked from .cache/wheels/, which `make install`
+fills (`pip download lmcache==0.5.6 sortedcontainers==2.4.0 --no-deps -d .cache/wheels`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import zipfile
+
+import pytest
+
+from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, env_of, one, render
+from vllm_stack.paths import engine_python
+from vllm_stack.testbed.engines import free_port
+
+pytestmark = [pytest.mark.helm, pytest.mark.engine]
+
+WHEELS = ROOT / ".cache" / "wheels"
+
+
+def _tcp_probe(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
+    wheels = sorted(WHEELS.glob("lmcache-0.5.6-*.whl")) + sorted(WHEELS.glob("sortedcontainers-*.whl"))
+    if len(wheels) < 2 or not engine_python().exists():
+        pytest.skip("LMCache / sortedcontainers wheels or the engine environment missing: run `make install`")
+    for wheel in wheels:
+        zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+
+    objs = render([EXAMPLES / "cache-server.yaml"])
+    c = container(one(objs, "Deployment", f"{RELEASE}-cache-server"))
+    program, host, port = c["command"]
+    assert (program, host, port) == ("lmcache_server", "0.0.0.0", "8080")
+    probe = c["livenessProbe"]["tcpSocket"]["port"]
+    assert {"name": probe, "containerPort": int(port), "protocol": "TCP"} in c["ports"]
+
+    test_port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    env.update({e: v["value"] for e, v in env_of(c).items() if "value" in v and e != "HOME"})
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    # The console script `lmcache_server` is lmcache.v1.server.__main__:main with argv [HOST, PORT].
+    script = f"import sys; sys.argv = ['{program}', '127.0.0.1', '{test_port}']; from lmcache.v1.server.__main__ import main; main()"
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(
+        [str(engine_python()), "-c", script], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _tcp_probe(test_port):
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.5)
+        assert env["LMCACHE_TRACK_USAGE"] == "false"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
