@@ -83,7 +83,10 @@ class _Conn(asyncio.Protocol):
             self.error = exc
             self.keep_alive = False
             self.transport.close()  # type: ignore[union-attr]
-            self._wake()
+        if self.buffered > HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        self._wake()  # once per read, however many parser events it produced
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -99,19 +102,13 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
-        self._wake()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
-        self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
-        self._wake()
 
     def _wake(self) -> None:
         w = self.waiter
