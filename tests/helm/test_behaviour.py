@@ -650,3 +650,11 @@ def test_tolerations_policy_override(tmp_path):
         },
     )
     assert [t["key"] for t in engine(render([v]), "m")["spec"]["template"]["spec"]["tolerations"]] == ["b"]
+
+
+def test_production_stack_named_route():
+    objs = render([EXAMPLES / "production-stack-style.yaml"])
+    route = one(objs, "HTTPRoute", f"{RELEASE}-router-main")
+    assert route["spec"]["parentRefs"] == [{"name": "acme-gw"}]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"{RELEASE}-router", "port": 80}]
