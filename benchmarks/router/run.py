@@ -61,6 +61,18 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     raise TimeoutError(url)
 
 
+def wait_http_post(port: int, timeout: float = 30.0) -> None:
+    """Wait until something accepts connections on ``port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(port)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
@@ -145,6 +157,7 @@ def main() -> int:
     args = ap.parse_args()
     n1, n16 = (300, 2000) if args.quick else (1000, 6000)
     os.sched_setaffinity(0, {1})
+    load_at_start = list(os.getloadavg())
 
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -153,6 +166,15 @@ def main() -> int:
         wait_http(f"http://127.0.0.1:{stub_port}/health")
         results: dict[str, dict[str, float]] = {"direct": measure(stub_port, n1, n16, None, args.repeat)}
         print("direct", results["direct"], flush=True)
+        floor_port = free_port()
+        floor = start([PY, "benchmarks/router/floor_app.py", str(floor_port)], 0)
+        procs.append(floor)
+        wait_http_post(floor_port)
+        results["uvicorn floor (no upstream)"] = measure(floor_port, n1, n16, floor.pid, args.repeat)
+        print("floor", results["uvicorn floor (no upstream)"], flush=True)
+        floor.terminate()
+        floor.wait(10)
+        procs.remove(floor)
         for spec in args.configs.split(","):
             client, parser = spec.split(":")
             port = free_port()
@@ -200,7 +222,12 @@ def main() -> int:
     report = {
         "request": "POST /v1/chat/completions, stream=true, 8 tokens (stub engine)",
         "setup": "router pinned to core 0; stub engine + load generator on core 1",
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_at_start": load_at_start,
+            "loadavg_at_end": list(os.getloadavg()),
+        },
         "requests": {"c1": n1, "c16": n16},
         "repeat": args.repeat,
         "targets": {"cpu_us_per_request": 150, "added_c1_p50_ms": 0.2, "c16_p99_over_p50": 2.0},
@@ -243,10 +270,13 @@ def render_markdown(report: dict) -> str:
     return (
         "# Router benchmark\n\n"
         f"{report['request']}; {report['setup']}; {report['requests']['c1']} requests at c=1, "
-        f"{report['requests']['c16']} at c=16, medians of {report['repeat']} rounds.\n\n"
-        + "\n".join(rows)
-        + "\n\n"
+        f"{report['requests']['c16']} at c=16, medians of {report['repeat']} rounds. "
+        f"Machine load average (1/5/15 min) at start {report['host']['loadavg_at_start']}, "
+        f"at end {report['host']['loadavg_at_end']} on {report['host']['cpus']} cores: other work shares "
+        "both cores, so latencies here include waiting for the CPU.\n\n" + "\n".join(rows) + "\n\n"
         "Routing-field parsing alone (microbenchmark):\n\n" + "\n".join(prow) + "\n\n"
+        "The uvicorn floor row is a raw ASGI app on the same server answering the same stream from memory: "
+        "the part of the router's cost that is the ASGI server itself.\n\n"
         "Targets: <= 150 us/request, <= 0.2 ms added median at c=1, p99 < 2 x p50 at c=16. "
         "Reference (FACTS.md): production-stack 380-415 us/req, +0.41 ms; Rust vllm-router 105-110 us/req, +0.17 ms.\n"
     )
