@@ -68,6 +68,10 @@ class ForwardState:
     finished: bool = False  # the last byte was handed to the server: a disconnect now is not an abort
 
 
+class _BrokenBeforeStart(Exception):
+    """The engine's answer broke before the router sent anything to the client."""
+
+
 _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -175,7 +179,15 @@ class Proxy:
                         resp.close()
                         metrics.retry(ctx.model, str(status))
                         continue
-                await self._respond(send, resp, engine, ctx, request_id, state, started_at)
+                try:
+                    await self._respond(send, resp, engine, ctx, request_id, state, started_at)
+                except _BrokenBeforeStart as exc:  # nothing reached the client yet: still retryable
+                    ctx.excluded.add(engine.name)
+                    last_error = RouterError(502, str(exc), code="upstream_broken")
+                    state.status = "upstream_error"
+                    if attempt + 1 < attempts:
+                        metrics.retry(ctx.model, "upstream_broken")
+                    continue
                 return
             finally:
                 engine.in_flight -= 1
@@ -223,9 +235,7 @@ class Proxy:
             breaker.failure()
             resp.close()
             if not state.started:
-                raise RouterError(
-                    502, f"Engine {engine.name} broke the response: {exc}", code="upstream_broken"
-                ) from None
+                raise _BrokenBeforeStart(f"Engine {engine.name} broke the response: {exc}") from None
             state.status = "upstream_error"
             log.warning("upstream %s broke mid-response: %s", engine.name, exc)
             if is_sse:

@@ -231,3 +231,38 @@ async def test_engine_dying_while_request_in_flight_is_retried_elsewhere() -> No
             )
     finally:
         server.close()
+
+
+async def test_body_broken_before_anything_was_sent_is_retried() -> None:
+    """Headers arrive, then the engine dies inside a non-streamed body: the router had not sent
+    anything yet (it forwards a non-streamed body whole), so it retries elsewhere."""
+
+    async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        models = b'{"object":"list","data":[{"id":"stub-model","object":"model","parent":null}]}'
+        while data := await reader.read(65536):
+            if data.startswith(b"POST"):
+                writer.write(
+                    b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{"id":'
+                )
+                await writer.drain()
+                writer.transport.abort()
+                return
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            writer.write(head % len(models) + models)
+
+    server = await asyncio.start_server(half_answer, "127.0.0.1", 0)
+    broken_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    live = StubEngine("live", ["stub-model"])
+    try:
+        async with stubs(live) as (live_url,), running_router([broken_url, live_url]) as (url, router):
+            async with http(url) as h:
+                r = await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})
+            assert r.status_code == 200 and r.json()["engine"] == "live"
+            assert (
+                metric_value(
+                    router, "vllm_stack_router_retries_total", model="stub-model", reason="upstream_broken"
+                )
+                == 1
+            )
+    finally:
+        server.close()

@@ -169,12 +169,9 @@ async def handle_proxied(router: Router, scope: dict[str, Any], receive: Receive
         await router.proxy.forward(
             send, scope["method"], path_qs, headers, body, ctx, request_id, has_request_id, state, started
         )
-    except RouterError as err:
-        if err.status != 503 or state.status == "none":
-            state.status = str(err.status)
-        if not state.started:
-            state.status = str(err.status)
-            await send_error(send, err, request_id)
+    except RouterError as err:  # raised only while nothing was sent to the client
+        state.status = str(err.status)
+        await send_error(send, err, request_id)
     except asyncio.CancelledError:
         if not client_gone:
             raise
