@@ -113,6 +113,28 @@ def measure(port: int, n1: int, n16: int, pid: int | None, repeat: int) -> dict[
     return asyncio.run(go())
 
 
+def in_process_costs() -> dict[str, float]:
+    """The router's own handling per request with the network taken out (see handler_cost.py)."""
+    out = {}
+    for parser in ("msgspec", "orjson"):
+        proc = subprocess.run(
+            [
+                "taskset",
+                "-c",
+                "0",
+                PY,
+                "-c",
+                f"import handler_cost, run; print(handler_cost.handler_cost(run.BODY, {parser!r}))",
+            ],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        out[parser] = float(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
 def parser_microbench() -> dict[str, dict[str, float]]:
     """Microseconds per routing-field parse, msgspec vs orjson, on a small and an 8 KiB chat body."""
     import timeit
@@ -234,6 +256,7 @@ def main() -> int:
         "reference": FACTS_REFERENCE,
         "results": results,
         "json_parser_us_per_parse": parser_microbench(),
+        "router_handler_us_in_process": in_process_costs(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -275,6 +298,10 @@ def render_markdown(report: dict) -> str:
         f"at end {report['host']['loadavg_at_end']} on {report['host']['cpus']} cores: other work shares "
         "both cores, so latencies here include waiting for the CPU.\n\n" + "\n".join(rows) + "\n\n"
         "Routing-field parsing alone (microbenchmark):\n\n" + "\n".join(prow) + "\n\n"
+        "The router's own handling with the network taken out (in-process, in-memory upstream, "
+        "handler_cost.py): "
+        + ", ".join(f"{k} {v:.0f} us/request" for k, v in report["router_handler_us_in_process"].items())
+        + ".\n\n"
         "The uvicorn floor row is a raw ASGI app on the same server answering the same stream from memory: "
         "the part of the router's cost that is the ASGI server itself.\n\n"
         "Targets: <= 150 us/request, <= 0.2 ms added median at c=1, p99 < 2 x p50 at c=16. "
