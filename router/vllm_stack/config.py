@@ -77,6 +77,10 @@ class RouterConfig:
         for backend in self.static_backends:
             if not backend.startswith(("http://", "https://")):
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
+            if backend.startswith("https://") and self.upstream_client == "raw":
+                raise ConfigError(
+                    f"{backend}: the raw upstream client speaks plain HTTP; use upstream_client aiohttp"
+                )
         if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
             raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
         if self.engine_scrape_interval <= 0 or self.health_check_interval <= 0:
