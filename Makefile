@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@echo "==> project environment ($(VENV))"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet --disable-pip-version-check uv 2> >(grep -v 'is ignored' >&2)
-	@$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -e '.[dev]'
+	@$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
 	@touch $@
 
 install: $(STAMP)
