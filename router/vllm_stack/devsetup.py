@@ -106,22 +106,35 @@ def _make_venv(venv: Path) -> None:
         _run([sys.executable, "-m", "venv", str(venv)])
 
 
-def install_engine() -> str:
-    venv = repo_root() / ".venv-engine"
-    stamp = venv / ".vllm-stack-stamp"
-    content = "\n".join([*ENGINE_REQUIREMENTS, *[f"-{name}" for name in ENGINE_REMOVE]])
+def _stamped(folder: Path, pins: list[str], install: Callable[[], None]) -> str:
+    """Run `install` unless `folder`'s stamp already records exactly `pins`; then write the stamp.
+
+    The stamp is written last, so an interrupted install is redone rather than trusted.
+    """
+    stamp = folder / ".vllm-stack-stamp"
+    content = "\n".join(pins)
     if _stamp_matches(stamp, content):
         return "up to date"
-    _make_venv(venv)
-    _pip_install(venv, ENGINE_REQUIREMENTS)
-    python = str(venv / "bin" / "python")
-    if _uv():
-        _run([_uv() or "uv", "pip", "uninstall", "--quiet", "--python", python, *ENGINE_REMOVE])
-    else:
-        _run([python, "-m", "pip", "uninstall", "-y", "-q", *ENGINE_REMOVE])
-    _run([python, "-c", "import vllm, transformers; print(vllm.__version__)"])
+    install()
     stamp.write_text(content)
-    return "installed " + ", ".join(ENGINE_REQUIREMENTS)
+    return "installed " + ", ".join(pin for pin in pins if not pin.startswith("-"))
+
+
+def install_engine() -> str:
+    venv = repo_root() / ".venv-engine"
+
+    def install() -> None:
+        _make_venv(venv)
+        _pip_install(venv, ENGINE_REQUIREMENTS)
+        python = str(venv / "bin" / "python")
+        uv = _uv()
+        if uv:
+            _run([uv, "pip", "uninstall", "--quiet", "--python", python, *ENGINE_REMOVE])
+        else:
+            _run([python, "-m", "pip", "uninstall", "-y", "-q", *ENGINE_REMOVE])
+        _run([python, "-c", "import vllm, transformers; print(vllm.__version__)"])
+
+    return _stamped(venv, [*ENGINE_REQUIREMENTS, *[f"-{name}" for name in ENGINE_REMOVE]], install)
 
 
 def _npm_pack(package: str, version: str, workdir: Path) -> Path:
@@ -167,40 +180,44 @@ def install_prometheus() -> str:
 
 def install_node_tools() -> str:
     prefix = tools_dir() / "node"
-    stamp = prefix / ".vllm-stack-stamp"
-    content = "\n".join(NODE_TOOLS)
-    if _stamp_matches(stamp, content):
-        return "up to date"
-    prefix.mkdir(parents=True, exist_ok=True)
-    _run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix), *NODE_TOOLS])
-    stamp.write_text(content)
-    return "installed " + ", ".join(NODE_TOOLS)
+
+    def install() -> None:
+        prefix.mkdir(parents=True, exist_ok=True)
+        _run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix), *NODE_TOOLS])
+
+    return _stamped(prefix, NODE_TOOLS, install)
 
 
 def install_checkov() -> str:
     venv = tools_dir() / "checkov-venv"
-    stamp = venv / ".vllm-stack-stamp"
-    content = "\n".join(CHECKOV_REQUIREMENTS)
-    if _stamp_matches(stamp, content):
-        return "up to date"
-    _make_venv(venv)
-    _pip_install(venv, CHECKOV_REQUIREMENTS)
-    stamp.write_text(content)
-    return "installed " + ", ".join(CHECKOV_REQUIREMENTS)
+
+    def install() -> None:
+        _make_venv(venv)
+        _pip_install(venv, CHECKOV_REQUIREMENTS)
+
+    return _stamped(venv, CHECKOV_REQUIREMENTS, install)
 
 
 def download_lmcache_wheels() -> str:
     target = cache_dir() / "wheels"
-    stamp = target / ".vllm-stack-stamp"
-    content = "\n".join(LMCACHE_WHEELS)
-    if _stamp_matches(stamp, content):
-        return "up to date"
-    target.mkdir(parents=True, exist_ok=True)
-    _run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(target), *LMCACHE_WHEELS]
-    )
-    stamp.write_text(content)
-    return "downloaded " + ", ".join(LMCACHE_WHEELS)
+
+    def download() -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "-d",
+                str(target),
+                *LMCACHE_WHEELS,
+            ]
+        )
+
+    return _stamped(target, LMCACHE_WHEELS, download)
 
 
 @dataclass(frozen=True)
