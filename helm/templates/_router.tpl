@@ -16,3 +16,21 @@
 {{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
+
+{{/*
+The router image. production-stack's router images (`lmcache/lmstack-router`) take a different command
+line, so a values file carried over from production-stack that names one gets this chart's router image
+instead (NOTES.txt says so); any other repository is used as given.
+*/}}
+{{- define "vllm-stack.router.productionStackImage" -}}
+{{- if has .Values.routerSpec.repository (list "lmcache/lmstack-router" "docker.io/lmcache/lmstack-router") }}true{{ end -}}
+{{- end -}}
+
+{{- define "vllm-stack.router.image" -}}
+{{- $r := .Values.routerSpec -}}
+{{- if include "vllm-stack.router.productionStackImage" . -}}
+{{- printf "%s:%s" "ghcr.io/vllm-stack/router" .Chart.AppVersion -}}
+{{- else -}}
+{{- printf "%s:%s" $r.repository (toString ($r.tag | default .Chart.AppVersion)) -}}
+{{- end -}}
+{{- end -}}

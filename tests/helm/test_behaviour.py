@@ -108,7 +108,7 @@ def test_router_args_follow_the_contract():
     d = one(objs, "Deployment", f"{RELEASE}-router")
     c = container(d)
     assert "command" not in c  # the image's entrypoint is `vllm-stack router`
-    assert c["image"] == "lmcache/lmstack-router:latest"
+    assert c["image"] == "ghcr.io/vllm-stack/router:0.1.0"  # production-stack's image takes other flags
     assert c["args"] == [
         "--host",
         "0.0.0.0",
@@ -658,3 +658,15 @@ def test_production_stack_named_route():
     assert route["spec"]["parentRefs"] == [{"name": "acme-gw"}]
     assert route["spec"]["hostnames"] == ["llm.example.com"]
     assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"{RELEASE}-router", "port": 80}]
+
+
+def test_production_stack_router_image_is_replaced_by_ours(tmp_path):
+    """The seed names production-stack's router image, whose CLI differs: our router image runs instead."""
+    objs = render([SEED])
+    router = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    assert router["image"].startswith("ghcr.io/vllm-stack/router:")
+    assert "--service-discovery" in router["args"]
+    own = render(
+        [values_file(tmp_path, {"routerSpec": {"repository": "registry.example/me/router", "tag": "v1"}})]
+    )
+    assert container(one(own, "Deployment", f"{RELEASE}-router"))["image"] == "registry.example/me/router:v1"
