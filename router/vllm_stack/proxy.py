@@ -50,6 +50,23 @@ HOP_BY_HOP = frozenset(
 _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"authorization", b"x-api-key"}
 
 
+def connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names that a `Connection` header declares hop-by-hop (RFC 9110 section 7.6.1).
+
+    Such headers are meant for this hop only and must not be forwarded. Almost every request lists
+    nothing beyond keep-alive/close, so the common result is the shared empty set.
+    """
+    listed: set[bytes] = set()
+    for key, value in headers:
+        if key.lower() == b"connection":
+            listed.update(token.strip().lower() for token in value.split(b","))
+    listed -= {b"", b"close", b"keep-alive"}
+    return frozenset(listed) if listed else _NOTHING
+
+
+_NOTHING: frozenset[bytes] = frozenset()
+
+
 # ---- forwarding ---------------------------------------------------------------------------------
 @dataclass(slots=True)
 class ProxySettings:
@@ -96,7 +113,9 @@ class Proxy:
         self, headers: list[tuple[bytes, bytes]], request_id: bytes, has_request_id: bool
     ) -> list[tuple[bytes, bytes]]:
         """Client headers minus hop-by-hop and credentials, plus the request id and the engines' key."""
-        out = [(k, v) for k, v in headers if k not in _REQUEST_DROP]
+        listed = connection_listed(headers)
+        drop = _REQUEST_DROP | listed if listed else _REQUEST_DROP
+        out = [(k, v) for k, v in headers if k not in drop]
         if not has_request_id:
             out.append((b"x-request-id", request_id))
         key = self._settings().engine_auth
@@ -209,9 +228,10 @@ class Proxy:
         is_sse = False
         out_headers: list[tuple[bytes, bytes]] = []
         has_rid = False
+        listed = connection_listed(resp.headers)
         for k, v in resp.headers:
             lk = k.lower()
-            if lk in HOP_BY_HOP:
+            if lk in HOP_BY_HOP or lk in listed:
                 continue
             if lk == b"content-type" and v.startswith(b"text/event-stream"):
                 is_sse = True

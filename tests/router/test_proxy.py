@@ -101,6 +101,8 @@ async def test_headers_request_id_traceparent_and_hop_by_hop(router2) -> None:
                 "traceparent": tp,
                 "proxy-authorization": "secret",
                 "te": "trailers",
+                "connection": "keep-alive, X-Hop-Only",
+                "x-hop-only": "for the router alone",
             },
         )
     assert r.headers["x-request-id"] == "my-id-1"
@@ -108,6 +110,7 @@ async def test_headers_request_id_traceparent_and_hop_by_hop(router2) -> None:
     assert len(seen) == 1
     assert seen[0].headers["traceparent"] == tp
     assert "proxy-authorization" not in seen[0].headers and "te" not in seen[0].headers
+    assert "x-hop-only" not in seen[0].headers, "headers a Connection header lists stay on this hop"
     assert r.headers["x-stub-engine"] in ("s1", "s2")  # engine headers pass through
 
 
