@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vllm_stack.paths import cache_dir, engine_python
-from vllm_stack.testbed.engines import Engine, EngineGroup, EngineSpec, launch, wait_ready
+from vllm_stack.testbed.engines import Engine, EngineGroup, EngineSpec, default_cpus, launch, wait_ready
 from vllm_stack.testbed.models import build_lora, build_model
 
 CHAT_MODEL = "tiny-llama"
@@ -50,10 +50,11 @@ class SessionEngines:
             pytest.fail(f"engine environment missing ({engine_python()}); run `make install` first")
         chat = EngineSpec(self.model_dir, CHAT_MODEL)
         embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
+        cpus = default_cpus(3)  # one core each, round-robin over the cores this process may use
         self.chat = EngineGroup(
-            launch(chat, name=f"chat-{i}", cpu=i % 2, log_dir=self.log_dir) for i in range(2)
+            launch(chat, name=f"chat-{i}", cpu=cpus[i], log_dir=self.log_dir) for i in range(2)
         )
-        self.embed = EngineGroup([launch(embed, name="embed-0", cpu=0, log_dir=self.log_dir)])
+        self.embed = EngineGroup([launch(embed, name="embed-0", cpu=cpus[2], log_dir=self.log_dir)])
 
     def chat_engines(self) -> EngineGroup:
         self._launch_all()
