@@ -153,6 +153,18 @@ class _RawResponse:
             conn.transport.resume_reading()  # type: ignore[union-attr]
         return data
 
+    async def _more(self) -> None:
+        """Wait for the next bytes; a broken or silent connection is closed and raises UpstreamBroken."""
+        conn = self._conn
+        if conn.error is not None:
+            self.close()
+            raise UpstreamBroken(f"{type(conn.error).__name__}: {conn.error}")
+        try:
+            await conn.wait(self._timeout)
+        except UpstreamTimeout as exc:
+            self.close()
+            raise UpstreamBroken(str(exc)) from None
+
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
         while True:
@@ -165,26 +177,12 @@ class _RawResponse:
             if conn.complete:
                 self._release()
                 return
-            if conn.error is not None:
-                self.close()
-                raise UpstreamBroken(f"{type(conn.error).__name__}: {conn.error}")
-            try:
-                await conn.wait(self._timeout)
-            except UpstreamTimeout as exc:
-                self.close()
-                raise UpstreamBroken(str(exc)) from None
+            await self._more()
 
     async def read(self) -> bytes:
         conn = self._conn
         while not conn.complete:
-            if conn.error is not None:
-                self.close()
-                raise UpstreamBroken(f"{type(conn.error).__name__}: {conn.error}")
-            try:
-                await conn.wait(self._timeout)
-            except UpstreamTimeout as exc:
-                self.close()
-                raise UpstreamBroken(str(exc)) from None
+            await self._more()
         data = self._take() if conn.body else b""
         self._release()
         return data
