@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from vllm_stack.paths import cache_dir
-from vllm_stack.testbed.engines import EngineStartError, start_engines
+from vllm_stack.testbed.engines import EngineStartError, start_engines, stop_process
 from vllm_stack.testbed.models import build_model
 
 SERVED_MODEL = "tiny-llama"
@@ -97,9 +97,5 @@ def run_local_stack(
                 print(f"router exited with code {router.returncode}", file=sys.stderr)
                 break
         print("\n==> stopping", flush=True)
-        router.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            router.wait(timeout=10)
-        if router.poll() is None:
-            router.kill()
+        stop_process(router)
     return 0

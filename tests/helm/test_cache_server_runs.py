@@ -19,7 +19,7 @@ import pytest
 
 from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, env_of, one, render
 from vllm_stack.paths import engine_python
-from vllm_stack.testbed.engines import free_port
+from vllm_stack.testbed.engines import free_port, stop_process
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
 
@@ -66,8 +66,4 @@ def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
             time.sleep(0.5)
         assert env["LMCACHE_TRACK_USAGE"] == "false"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)

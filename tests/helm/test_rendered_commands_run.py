@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from tests.helm.chart import EXAMPLES, RELEASE, container, env_of, flag, one, render, values_file
-from vllm_stack.testbed.engines import EngineGroup, EngineSpec, default_cpus, free_port, launch
+from vllm_stack.testbed.engines import EngineGroup, EngineSpec, default_cpus, free_port, launch, stop_process
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
 
@@ -155,9 +155,5 @@ def test_rendered_engine_and_router_commands_serve(tiny_model_dir, tmp_path):
         assert body["usage"]["completion_tokens"] >= 1
     finally:
         if router is not None:
-            router.terminate()
-            try:
-                router.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                router.kill()
+            stop_process(router, timeout=15)
         group.stop()

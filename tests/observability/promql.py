@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from vllm_stack.testbed.engines import stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 OBS = REPO / "observability"
 RULES = OBS / "prometheus" / "rules.yaml"
@@ -281,12 +283,6 @@ class Prometheus:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)

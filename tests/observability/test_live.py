@@ -45,6 +45,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from vllm_stack.testbed.engines import stop_process
+
 from .promql import (
     REPO,
     RULES,
@@ -155,13 +157,7 @@ class Router:
             time.sleep(0.3)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 

@@ -43,6 +43,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM `process`, then SIGKILL it if it has not exited after `timeout` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it if the launching process dies (Linux only)."""
     with contextlib.suppress(Exception):
