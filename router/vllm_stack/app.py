@@ -1,7 +1,9 @@
-"""Assembles one router: its state objects, background tasks and the raw ASGI entry point.
+"""Assembles one router: its state objects, background tasks and the ASGI app of its control endpoints.
 
 Everything a router needs lives on a :class:`Router` instance (registry, metrics registry, scheduler,
-clients, tasks); nothing is module-global, so several routers can run in one process.
+engine connection pools, tasks); nothing is module-global, so several routers can run in one process.
+The proxied endpoints do not go through ASGI: :class:`vllm_stack.server.RouterServer` hands them to
+the relay (:mod:`vllm_stack.api.proxied`), and everything else to this object as an ASGI app.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,18 +23,18 @@ from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.errors import RouterError, send_error
 from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser, make_parser
-from vllm_stack.api.proxied import PROXIED_PATHS, handle_proxied, new_request_id
+from vllm_stack.api.proxied import PROXIED_PATHS
+from vllm_stack.api.request_id import new_request_id
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.discovery.base import Discovery
 from vllm_stack.discovery.engine import Engine
 from vllm_stack.discovery.registry import EngineRegistry
 from vllm_stack.discovery.static import StaticDiscovery
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.proxy import Proxy, ProxySettings
+from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.framework import Scheduler
 from vllm_stack.scheduling.profiles import build_profile
 from vllm_stack.telemetry.scraper import EngineScraper
-from vllm_stack.upstream import Transport, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,15 @@ _POST_ROUTES: dict[str, Handler] = {
     "/v1/unload_lora_adapter": endpoints.lora_fanout,
 }
 _OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # no API key needed
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """What the relay reads per request; swapped as a whole on reload."""
+
+    retries: int = 2
+    request_timeout: float = 600.0
+    engine_auth: bytes | None = None  # "Bearer <VLLM_API_KEY>" sent to engines
 
 
 def _static_models(config: RouterConfig) -> dict[str, tuple[str, ...]]:
@@ -86,8 +98,7 @@ class Router:
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
         self.scraper = EngineScraper(self.registry.engines, self._fetch_metrics, self.metrics)
         self._apply_runtime(config)
-        self.transport: Transport | None = None
-        self.proxy: Proxy | None = None
+        self.pools = EnginePools(config.connect_timeout)
         self.control_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._discovery_task: asyncio.Task[None] | None = None
@@ -124,7 +135,6 @@ class Router:
             "host",
             "port",
             "service_discovery",
-            "upstream_client",
             "k8s_namespace",
             "k8s_label_selector",
         ):
@@ -189,10 +199,6 @@ class Router:
         self.control_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=64), cookie_jar=aiohttp.DummyCookieJar()
         )
-        self.transport = make_transport(config.upstream_client, config.connect_timeout)
-        self.proxy = Proxy(
-            self.registry, lambda: self.scheduler, self.transport, self.metrics, lambda: self.proxy_settings
-        )
         self._discovery_task = asyncio.ensure_future(self._run_discovery())
         self._tasks = [
             self._discovery_task,
@@ -217,8 +223,7 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.registry.close()
-        if self.transport is not None:
-            await self.transport.aclose()
+        self.pools.close()
         if self.control_session is not None:
             await self.control_session.close()
 
@@ -233,9 +238,6 @@ class Router:
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
-        if method == "POST" and path in PROXIED_PATHS:
-            await handle_proxied(self, scope, receive, send)
-            return
         routes = _GET_ROUTES if method in ("GET", "HEAD") else _POST_ROUTES if method == "POST" else {}
         handler = routes.get(path)
         try:

@@ -18,7 +18,6 @@ import yaml
 
 ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
 DISCOVERY_KINDS = ("static", "k8s")
-UPSTREAM_CLIENTS = ("raw", "aiohttp", "httpx")
 JSON_PARSERS = ("msgspec", "orjson")
 
 
@@ -55,7 +54,7 @@ class RouterConfig:
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
-    upstream_client: str = "raw"
+    shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"
     log_level: str = "info"
     access_log: bool = False
@@ -66,8 +65,6 @@ class RouterConfig:
             raise ConfigError(f"service_discovery must be one of {DISCOVERY_KINDS}")
         if self.routing_logic not in ROUTING_LOGICS:
             raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS}")
-        if self.upstream_client not in UPSTREAM_CLIENTS:
-            raise ConfigError(f"upstream_client must be one of {UPSTREAM_CLIENTS}")
         if self.json_parser not in JSON_PARSERS:
             raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
         if self.service_discovery == "static" and not self.static_backends:
@@ -77,10 +74,6 @@ class RouterConfig:
         for backend in self.static_backends:
             if not backend.startswith(("http://", "https://")):
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
-            if backend.startswith("https://") and self.upstream_client == "raw":
-                raise ConfigError(
-                    f"{backend}: the raw upstream client speaks plain HTTP; use upstream_client aiohttp"
-                )
         if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
             raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
         if self.engine_scrape_interval <= 0 or self.health_check_interval <= 0:

@@ -63,6 +63,10 @@ class _HistogramChild:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def observe_zeros(self, n: int) -> None:
+        """``n`` observations of 0 at once (stream events that arrived together)."""
+        self.counts[0] += n
+
 
 class _Family:
     """Label values -> child, for one metric."""
@@ -154,7 +158,7 @@ class RouterMetrics:
         )
         self.itl = _Family(
             PREFIX + "itl_seconds",
-            "Time between streamed chunks, seen by the router.",
+            "Time between streamed events (tokens), seen by the router; events read together count 0.",
             "histogram",
             ["model"],
             ITL_BUCKETS,
@@ -223,9 +227,12 @@ class RouterMetrics:
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.child(model).observe(seconds)  # type: ignore[union-attr]
 
-    def itl_child(self, model: str) -> _HistogramChild:
-        """The ITL histogram child for a model (the proxy observes every chunk gap on it)."""
-        return self.itl.child(model)  # type: ignore[return-value]
+    def observe_itl(self, model: str, gap: float, zeros: int) -> None:
+        """One stream read: the gap before its first event, and a 0 for each further event in it."""
+        child: _HistogramChild = self.itl.child(model)  # type: ignore[assignment]
+        child.observe(gap)
+        if zeros > 0:
+            child.observe_zeros(zeros)
 
     def in_flight_child(self, engine: str) -> _Value:
         return self.in_flight.child(engine)  # type: ignore[return-value]

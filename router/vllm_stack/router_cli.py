@@ -1,4 +1,4 @@
-"""``vllm-stack router``: command line (production-stack's flag names) -> uvicorn serving the router."""
+"""``vllm-stack router``: command line (production-stack's flag names) -> the router's own server on uvloop."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Extras.
     p.add_argument("--retries", type=int, help="extra attempts on another engine (default 2)")
     p.add_argument(
-        "--upstream-client", choices=("raw", "aiohttp", "httpx"), help="upstream HTTP client (default raw)"
+        "--shutdown-grace", type=float, help="seconds answers under way may take after SIGTERM (default 30)"
     )
     p.add_argument("--json-parser", choices=("msgspec", "orjson"))
     p.add_argument("--session-balance-epsilon", type=float, help="bounded-load factor e of session affinity")
@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     cli = {k: v for k, v in vars(args).items() if k != "config_file" and v is not None}
 
-    import uvicorn
+    import uvloop
 
     from vllm_stack.app import build_router
+    from vllm_stack.server import RouterServer, serve_forever
 
     try:
         router = build_router(cli, args.config_file)
@@ -68,20 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        router,
-        host=config.host,
-        port=config.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        log_level=config.log_level,
-        access_log=config.access_log,
-        server_header=False,  # pass the engine's headers through, not ours
-        date_header=False,
-        timeout_keep_alive=75,
-        proxy_headers=False,  # X-Forwarded-* are passed to engines untouched, not interpreted
-    )
+    server = RouterServer(router, config.host, config.port, shutdown_grace=config.shutdown_grace)
+    uvloop.run(serve_forever(server))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Helpers for router tests: a router (and stub engines) served by uvicorn inside the test's loop."""
+"""Helpers for router tests: a router on its own server (and stub engines on uvicorn) inside the test's loop."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import openai
 
 from tests.fakes.stub_engine import StubEngine, serve
 from vllm_stack.app import Router, build_router
+from vllm_stack.server import RouterServer
 
 FAST = {
     "health_check_interval": 0.2,
@@ -40,10 +41,21 @@ async def running_router(
     """A router on an ephemeral port over ``backends``; waits until ``wait_healthy`` engines are healthy."""
     cli = {**FAST, "static_backends": ",".join(backends), **settings}
     router = build_router(cli, environ=environ or {})
-    async with serve(router) as url:
+    async with serving(router) as url:
         need = len(backends) if wait_healthy is None else wait_healthy
         await wait_for(lambda: router.registry.healthy_count >= need, what=f"{need} healthy engines")
         yield url, router
+
+
+@contextlib.asynccontextmanager
+async def serving(router: Router) -> AsyncIterator[str]:
+    """Serve ``router`` on its own server at an ephemeral port; yields the base URL; stops on exit."""
+    server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=2.0)
+    await server.start()
+    try:
+        yield server.url
+    finally:
+        await server.stop()
 
 
 @contextlib.asynccontextmanager

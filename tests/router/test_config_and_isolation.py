@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from tests.fakes.stub_engine import StubEngine, serve
-from tests.router.helpers import FAST, http, metric_value, running_router, stubs, wait_for
+from tests.fakes.stub_engine import StubEngine
+from tests.router.helpers import FAST, http, metric_value, running_router, serving, stubs, wait_for
 from vllm_stack.app import build_router
 from vllm_stack.config import ConfigError, load_config
 from vllm_stack.router_cli import build_parser
@@ -65,7 +65,7 @@ async def test_yaml_hot_reload_changes_backends_and_strategy_without_dropping(tm
         f = tmp_path / "router.yaml"
         f.write_text(f"static-backends: [{ua}]\nrouting-logic: roundrobin\n")
         router = build_router(FAST, str(f), environ={})
-        async with serve(router) as url, http(url) as h:
+        async with serving(router) as url, http(url) as h:
             await wait_for(lambda: router.registry.healthy_count == 1)
             # a long stream in flight while the file changes
             stream_cm = h.stream(

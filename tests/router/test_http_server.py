@@ -295,10 +295,6 @@ async def test_http10_without_keep_alive_is_answered_then_closed(router2) -> Non
         assert await closed_by_peer(reader)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="uvicorn answers an HTTP/1.0 request with Transfer-Encoding: chunked (RFC 9112 6.1 forbids it)",
-)
 async def test_http10_streamed_answer_is_not_chunked(router2) -> None:
     """An HTTP/1.0 client cannot decode chunked transfer coding (RFC 9112 section 6.1), so a streamed
     answer to it is delimited by closing the connection: the raw bytes after the headers are the
@@ -618,11 +614,6 @@ async def test_keep_alive_and_proxy_connection_headers_stay_on_this_hop(router2)
     assert seen.headers["x-custom-end-to-end"] == "kept"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="uvicorn (httptools) drops the body of a request that offers Upgrade: h2c, so the router "
-    "sees a truncated body and answers 400 invalid_json (curl --http2 POSTs fail)",
-)
 async def test_h2c_upgrade_request_is_answered_over_http11(router2) -> None:
     """A cleartext HTTP/2 upgrade offer (what ``curl --http2`` sends to an http:// URL) is declined
     by answering normally over HTTP/1.1, and the upgrade headers are not forwarded upstream."""

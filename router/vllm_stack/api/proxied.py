@@ -1,21 +1,22 @@
-"""The hot path: one proxied OpenAI/vLLM request from receipt to accounting.
+"""The hot path's entry: one proxied OpenAI/vLLM request, from the parsed request to an exchange.
 
-receive -> authenticate -> read the bounded body -> parse only the routing fields -> resolve the
-model (404 / 503) -> forward with retries (proxy) while watching for a client disconnect -> metrics.
+authenticate -> parse only the routing fields -> resolve the model (400 / 404 / 503) -> build the
+upstream request once -> hand over to :class:`vllm_stack.relay.exchange.Exchange`, which routes,
+relays and accounts. The server already bounded the body (413) before this is called.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from vllm_stack.api.errors import RouterError, send_error
-from vllm_stack.api.http import Receive, Send, read_body
+from vllm_stack.api.errors import RouterError
 from vllm_stack.api.parsing import multipart_field
-from vllm_stack.proxy import ForwardState
+from vllm_stack.api.request_id import new_request_id
+from vllm_stack.relay.exchange import Exchange
+from vllm_stack.relay.headers import REQUEST_DROP, connection_listed
 from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 if TYPE_CHECKING:
     from vllm_stack.app import Router
@@ -57,12 +58,6 @@ MODEL_OPTIONAL = frozenset(
 )
 MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 UNKNOWN_MODEL_LABEL = "unknown"  # bounded metric label for names no engine serves
-WATCH_AFTER = 0.02  # seconds before a request gets a client-disconnect watcher
-
-
-def new_request_id() -> bytes:
-    """128 random bits as 32 hex digits (unique, not secret: no need for the OS entropy syscall)."""
-    return b"%032x" % random.getrandbits(128)
 
 
 def _resolve_model(router: Router, path: str, model: str | None) -> str:
@@ -91,101 +86,65 @@ def _resolve_model(router: Router, path: str, model: str | None) -> str:
     )
 
 
-async def handle_proxied(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+def upstream_tail(router: Router, request: HttpRequest, request_id: bytes, has_request_id: bool) -> bytes:
+    """Everything after the request line and Host: the client's end-to-end headers, the request id,
+    the engines' key, the framing and the body. Built once, reused by every attempt."""
+    headers = request.headers
+    listed = connection_listed(headers)
+    drop = REQUEST_DROP | listed if listed else REQUEST_DROP
+    parts: list[bytes] = []
+    for name, value in headers:
+        if name not in drop:
+            parts += (name, b": ", value, b"\r\n")
+    if not has_request_id:
+        parts += (b"x-request-id: ", request_id, b"\r\n")
+    key = router.proxy_settings.engine_auth
+    if key:
+        parts += (b"authorization: ", key, b"\r\n")
+    body = request.body
+    parts += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
+    return b"".join(parts)
+
+
+def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
+    """Answer an error at once, or start the exchange that forwards the request."""
     started = time.perf_counter()
-    headers: list[tuple[bytes, bytes]] = scope["headers"]
     request_id: bytes | None = None
     session_value: bytes | None = None
     content_type = b""
-    content_length: bytes | None = None
     session_header = router.session_header
-    for k, v in headers:
-        if k == b"x-request-id":
-            request_id = v
-        elif k == session_header:
-            session_value = v
-        elif k == b"content-type":
-            content_type = v
-        elif k == b"content-length":
-            content_length = v
+    for name, value in request.headers:
+        if name == b"x-request-id":
+            request_id = value
+        elif name == session_header:
+            session_value = value
+        elif name == b"content-type":
+            content_type = value
     has_request_id = request_id is not None
     if request_id is None:
         request_id = new_request_id()
-    path: str = scope["path"]
+    path = request.path
     model_label = UNKNOWN_MODEL_LABEL
-    state = ForwardState()
-    task = asyncio.current_task()
-    assert task is not None
-    loop = task.get_loop()
-    watcher: asyncio.Task[None] | None = None
-    watch_timer: asyncio.TimerHandle | None = None
-    client_gone = False
-
-    async def watch_disconnect() -> None:
-        nonlocal client_gone
-        message = await receive()
-        if message["type"] == "http.disconnect" and not state.finished:
-            client_gone = True
-            task.cancel()
-
-    def start_watcher() -> None:
-        nonlocal watcher
-        watcher = loop.create_task(watch_disconnect())
-
     try:
-        if not router.auth.check(headers):
+        if not router.auth.check(request.headers):
             raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
-        body = await read_body(receive, router.max_body_bytes, content_length)
-        if body is None:
-            state.status = "client_closed"
-            return
         if path in MULTIPART_PATHS:
             if not content_type.startswith(b"multipart/form-data"):
                 raise RouterError(
                     400, "This endpoint takes multipart/form-data.", code="invalid_content_type"
                 )
-            model = multipart_field(body, content_type, b"model")
+            model = multipart_field(request.body, content_type, b"model")
             user = None
             prefix = None
         else:
-            fields = router.parser.parse(body)
+            fields = router.parser.parse(request.body)
             model, user, prefix = fields.model, fields.user, fields.prefix
         model = _resolve_model(router, path, model)
-        model_label = model
-        if session_value is not None:
-            session_key: str | None = session_value.decode("latin-1")
-        else:
-            session_key = user
-        ctx = RequestContext(model, session_key, prefix)
-        raw_path = scope.get("raw_path")
-        path_qs = raw_path.decode("latin-1") if raw_path else path
-        qs = scope.get("query_string")
-        if qs:
-            path_qs += "?" + qs.decode("latin-1")
-        # Watch for a client disconnect only once the request has lasted WATCH_AFTER: most requests to
-        # a fast engine finish before, and a task per request is a large share of the router's CPU.
-        # A client that left earlier is still noticed then (receive() reports it at once).
-        watch_timer = loop.call_later(WATCH_AFTER, start_watcher)
-        await router.proxy.forward(
-            send, scope["method"], path_qs, headers, body, ctx, request_id, has_request_id, state, started
-        )
-    except RouterError as err:  # raised only while nothing was sent to the client
-        state.status = str(err.status)
-        await send_error(send, err, request_id)
-    except asyncio.CancelledError:
-        if not client_gone:
-            raise
-        task.uncancel()
-        state.status = "client_closed"
-    finally:
-        if watch_timer is not None:
-            watch_timer.cancel()
-        if watcher is not None:
-            watcher.cancel()
-        engine = state.engine
-        router.metrics.observe_request(
-            model_label,
-            engine.name if engine is not None else "none",
-            state.status,
-            time.perf_counter() - started,
-        )
+    except RouterError as err:
+        router.metrics.observe_request(model_label, "none", str(err.status), time.perf_counter() - started)
+        conn.send_error(err, request_id, request.keep_alive)
+        return
+    session_key = session_value.decode("latin-1") if session_value is not None else user
+    ctx = RequestContext(model, session_key, prefix)
+    tail = upstream_tail(router, request, request_id, has_request_id)
+    Exchange(router, conn, request, ctx, request_id, tail, started).start()

@@ -1,0 +1,263 @@
+"""Keep-alive HTTP/1.1 connections to the engines, one pool per engine URL.
+
+An :class:`UpstreamConnection` parses the engine's response with httptools only to find where the
+head ends and where the message ends; the body bytes are handed to the exchange as they were read,
+framing included (``on_head`` once, then per socket read ``on_data`` and ``flush``, and
+``on_complete`` at the end), so whatever arrived together leaves together in one write and no
+Python code runs per chunk. The parser has no body callback on purpose: it would cost a call per
+streamed token. A connection goes back to its pool only
+when its response was read to the end with keep-alive; any other end (client gone, error, timeout)
+closes it, which is how an engine learns to abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import httptools
+
+MAX_IDLE_PER_ENGINE = 512
+MAX_POOLS = 4096  # engines come and go (Kubernetes); the map of pools stays bounded
+
+
+class UpstreamConnectError(Exception):
+    """The request could not be sent to the engine (connect refused, timed out, TLS failure)."""
+
+
+class Exchange(Protocol):
+    """The callbacks an upstream connection drives (see :class:`vllm_stack.relay.exchange.Exchange`)."""
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+
+    def on_data(self, data: bytes) -> None: ...
+
+    def on_complete(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def upstream_failed(self, conn: UpstreamConnection, error: BaseException) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TCP (or TLS) connection to an engine, carrying one exchange at a time."""
+
+    __slots__ = (
+        "pool",
+        "transport",
+        "parser",
+        "exchange",
+        "headers",
+        "keep_alive",
+        "complete",
+        "got_bytes",
+        "closed",
+        "head",
+        "head_done",
+    )
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpResponseParser(self)
+        self.exchange: Exchange | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+        self.complete = False
+        self.got_bytes = False
+        self.closed = False
+        self.head = b""  # the response head read so far (until the head is complete)
+        self.head_done = False
+
+    def send(self, exchange: Exchange, request: bytes) -> None:
+        self.exchange = exchange
+        self.complete = False
+        self.got_bytes = False
+        self.head = b""
+        self.head_done = False
+        self.transport.write(request)
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:  # bytes on an idle connection: the engine is confused, drop it
+            self.abort()
+            return
+        self.got_bytes = True
+        in_head = not self.head_done
+        if in_head:
+            self.head += data
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(exchange, exc)
+            return
+        if self.exchange is not exchange:  # the exchange let go of this response (a retry)
+            return
+        if in_head:
+            if not self.head_done:
+                return
+            end = self.head.find(b"\r\n\r\n")
+            if end < 0:  # a head with bare LF line ends: not something this relay forwards
+                self._fail(exchange, ValueError("malformed response head"))
+                return
+            data = self.head[end + 4 :]
+            self.head = b""
+        if data:
+            exchange.on_data(data)
+        if self.complete:
+            exchange.on_complete()
+        exchange.flush()
+
+    def _fail(self, exchange: Exchange, error: BaseException) -> None:
+        if self.exchange is exchange:
+            self.exchange = None
+            self.abort()
+            exchange.upstream_failed(self, error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.discard(self)
+        exchange = self.exchange
+        if exchange is not None and not self.complete:
+            self.exchange = None
+            exchange.upstream_failed(self, exc or ConnectionResetError("connection closed by the engine"))
+
+    # ---- httptools callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.headers = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:  # interim answers are never asked for (no Expect upstream); refuse them
+            raise httptools.HttpParserError(f"unexpected interim response {status}")
+        self.head_done = True
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.exchange is not None:
+            self.exchange.on_head(status, self.headers)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    # ---- ending ----------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """The exchange is over: back to the pool if the response ended cleanly, else closed."""
+        self.exchange = None
+        if self.keep_alive and self.complete and not self.closed:
+            self.pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close now; an engine sees the request's connection close and aborts the request."""
+        self.exchange = None
+        self.keep_alive = False
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+
+class EnginePool:
+    """Idle connections to one engine, most recently used first (the warmest socket is reused)."""
+
+    __slots__ = ("host", "port", "ssl", "connect_timeout", "idle", "host_header", "path_prefix")
+
+    def __init__(self, base_url: str, connect_timeout: float, ssl_context: ssl.SSLContext | None) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https"):
+            raise UpstreamConnectError(f"unsupported engine URL scheme {parts.scheme!r}")
+        self.host = parts.hostname or "localhost"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl_context if parts.scheme == "https" else None
+        self.connect_timeout = connect_timeout
+        self.idle: list[UpstreamConnection] = []
+        self.host_header = f"{self.host}:{self.port}".encode()
+        self.path_prefix = parts.path.rstrip("/").encode()
+
+    def take(self) -> UpstreamConnection | None:
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and not conn.transport.is_closing():
+                return conn
+        return None
+
+    async def connect(self) -> UpstreamConnection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: UpstreamConnection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl is not None else None,
+                ),
+                self.connect_timeout,
+            )
+        except TimeoutError:
+            raise UpstreamConnectError(f"connect to {self.host}:{self.port} timed out") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {exc}") from None
+        return conn
+
+    def put(self, conn: UpstreamConnection) -> None:
+        if len(self.idle) < MAX_IDLE_PER_ENGINE:
+            self.idle.append(conn)
+        else:
+            conn.abort()
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        for conn in list(self.idle):
+            conn.abort()
+        self.idle.clear()
+
+
+class EnginePools:
+    """The pools of one router, keyed by engine base URL."""
+
+    def __init__(self, connect_timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._connect_timeout = connect_timeout
+        self._ssl = ssl_context
+        self._pools: dict[str, EnginePool] = {}
+
+    def get(self, base_url: str) -> EnginePool:
+        pool = self._pools.get(base_url)
+        if pool is None:
+            if len(self._pools) >= MAX_POOLS:
+                self.close()
+            https = base_url.startswith("https:")
+            pool = self._pools[base_url] = EnginePool(
+                base_url, self._connect_timeout, self._tls() if https else None
+            )
+        return pool
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl is None:  # built on first use: loading the CA bundle takes milliseconds
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def forget(self, base_url: str) -> None:
+        """An engine left: close its idle connections."""
+        pool = self._pools.pop(base_url, None)
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -1,0 +1,398 @@
+"""The router's HTTP/1.1 server connection: one asyncio protocol per client connection.
+
+Why not uvicorn: the router's hot path is a relay between two sockets. Behind an ASGI server every
+streamed chunk costs a coroutine wake-up, an ASGI message dict and a separate socket write; the
+benchmark (benchmarks/results/router.md) measured that server layer alone at more than the whole
+CPU budget of a request. Here a request is parsed by httptools into an :class:`HttpRequest`, handed
+to the server's dispatcher, and the handler writes to the socket directly; the relay forwards each
+upstream read with one write and no task at all.
+
+What the connection guarantees, whatever the handler:
+- requests on one connection are answered in order (pipelined ones wait in a bounded queue, and
+  reading pauses while it is full);
+- a body over the limit is refused with 413 as soon as its declared or received size passes it,
+  without reading the rest; request lines and headers are bounded too (431);
+- ``Expect: 100-continue`` is answered when the request's turn comes;
+- keep-alive follows the client (HTTP/1.0 and ``Connection: close`` end the connection after the
+  answer); malformed input gets a 400 and the connection is closed, never a 500;
+- the handler learns of a client that went away (:meth:`Handler.client_lost`) and of a slow reader
+  (:meth:`Handler.pause` / :meth:`Handler.resume`), so no response is buffered without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import http
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import httptools
+
+from vllm_stack.api.errors import RouterError
+from vllm_stack.api.request_id import new_request_id
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024  # request line + headers
+MAX_HEADERS = 256
+MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered
+LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is read and dropped
+LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
+
+_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def status_line(status: int) -> bytes:
+    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+
+
+class HttpRequest:
+    """One complete request as received (header names lower-cased, body whole and bounded)."""
+
+    __slots__ = ("method", "target", "path", "query", "headers", "body", "keep_alive", "http_10", "expect")
+
+    def __init__(
+        self,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        keep_alive: bool,
+        http_10: bool,
+        expect: bool,
+    ) -> None:
+        self.method = method
+        self.target = target  # raw request target: path and query as the client sent them
+        path, _, self.query = target.partition(b"?")
+        self.path = path.decode("latin-1")
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.http_10 = http_10
+        self.expect = expect
+
+
+class Handler(Protocol):
+    """What the connection tells the object answering its current request."""
+
+    def client_lost(self) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+class ServerContext(Protocol):
+    """What a connection needs from its server."""
+
+    connections: set[HttpConnection]
+    draining: bool
+
+    def body_limit(self) -> int: ...
+
+    def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None: ...
+
+
+class _Reject(Exception):
+    """Stops parsing from inside a parser callback; the connection answers ``error`` and closes."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. ``transport`` is public: handlers write responses to it directly."""
+
+    __slots__ = (
+        "server",
+        "transport",
+        "parser",
+        "closed",
+        "handler",
+        "busy",
+        "queue",
+        "idle_since",
+        "head_started",
+        "_url",
+        "_headers",
+        "_head_bytes",
+        "_body",
+        "_body_size",
+        "_limit",
+        "_expect",
+        "_reading_paused",
+        "_writing_paused",
+        "_drain_waiters",
+        "_lingering",
+        "_upgrade_offer",
+        "_declined_head",
+    )
+
+    def __init__(self, server: ServerContext) -> None:
+        self.server = server
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpRequestParser(self)
+        self.closed = False
+        self.handler: Handler | None = None
+        self.busy = False  # a request is being answered
+        self.queue: collections.deque[HttpRequest] = collections.deque()
+        self.idle_since = time.monotonic()  # 0.0 while a request is being read or answered
+        self.head_started = 0.0  # when the current request's first byte arrived (slow-client timeout)
+        self._reading_paused = False
+        self._writing_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._lingering = -1  # >= 0: closing, dropping what the client still sends (bytes so far)
+        self._declined_head = b""  # a request head to parse again without its upgrade offer
+        self._begin()
+
+    def _begin(self) -> None:
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._limit = 0
+        self._expect = False
+        self._upgrade_offer = False
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering >= 0:
+            self._lingering += len(data)
+            if self._lingering > LINGER_BYTES:
+                self.transport.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            # An offer to switch protocols (h2c from `curl --http2`, websocket). httptools stops at the
+            # end of the head, before any body; the offer is declined (RFC 9110 7.8) by parsing the
+            # same request again without it, so its body is read and it is answered over HTTP/1.1.
+            self.parser = httptools.HttpRequestParser(self)
+            offset = exc.args[0] if exc.args and isinstance(exc.args[0], int) else len(data)
+            head, self._declined_head = self._declined_head, b""
+            rest = head + data[offset:]
+            if rest:
+                self.data_received(rest)
+        except httptools.HttpParserCallbackError as exc:
+            reject = exc.__context__
+            if isinstance(reject, _Reject):
+                self._fail(reject.error)
+            else:
+                log.exception("request parsing failed")
+                self._fail(RouterError(400, "Malformed HTTP request.", code="bad_request"))
+        except httptools.HttpParserError as exc:
+            self._fail(RouterError(400, f"Malformed HTTP request: {exc}", code="bad_request"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self.queue.clear()
+        handler = self.handler
+        if handler is not None:
+            self.handler = None
+            handler.client_lost()
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        if self.handler is not None:
+            self.handler.pause()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self.handler is not None:
+            self.handler.resume()
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    async def drain(self) -> None:
+        """Wait while the client reads slower than the response is written (for coroutine handlers)."""
+        if self._writing_paused and not self.closed:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+
+    # ---- httptools callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._begin()
+        self.idle_since = 0.0
+        self.head_started = time.monotonic()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _Reject(RouterError(414, "Request line too long.", code="uri_too_long"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > MAX_HEAD_BYTES or len(self._headers) >= MAX_HEADERS:
+            raise _Reject(RouterError(431, "Request headers too large.", code="headers_too_large"))
+        name = name.lower()
+        if name == b"upgrade":
+            self._upgrade_offer = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        limit = self._limit = self.server.body_limit()
+        for name, value in self._headers:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    raise _Reject(
+                        RouterError(400, "Invalid Content-Length header.", code="invalid_content_length")
+                    ) from None
+                if declared > limit:
+                    raise _Reject(_too_large(limit, declared))
+            elif name == b"expect" and value.lower() == b"100-continue":
+                self._expect = True
+        if self._expect and not self.busy and not self.queue:
+            self._expect = False
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_size += len(body)
+        if self._body_size > self._limit:
+            raise _Reject(_too_large(self._limit))
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self.parser
+        if self._upgrade_offer:  # see data_received: this request is parsed again without the offer
+            version = b"HTTP/1.0" if parser.get_http_version() == "1.0" else b"HTTP/1.1"
+            head = [parser.get_method(), b" ", self._url, b" ", version, b"\r\n"]
+            for name, value in self._headers:
+                if name not in (b"upgrade", b"connection", b"http2-settings"):
+                    head += (name, b": ", value, b"\r\n")
+            head.append(b"\r\n")
+            self._declined_head = b"".join(head)
+            self._begin()
+            return
+        parts = self._body
+        request = HttpRequest(
+            parser.get_method().decode("latin-1"),
+            self._url,
+            self._headers,
+            parts[0] if len(parts) == 1 else b"".join(parts),
+            parser.should_keep_alive(),
+            parser.get_http_version() == "1.0",
+            self._expect,
+        )
+        self.head_started = 0.0
+        self._begin()
+        if self.closed:
+            return
+        if self.busy:
+            self.queue.append(request)
+            if len(self.queue) >= MAX_PIPELINED and not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pause_reading()
+        else:
+            self._start(request)
+
+    # ---- request lifecycle ----------------------------------------------------------------------------
+    def _start(self, request: HttpRequest) -> None:
+        if self.closed:
+            return
+        self.busy = True
+        self.idle_since = 0.0
+        if request.expect:
+            self.transport.write(_CONTINUE)
+        try:
+            self.server.dispatch(self, request)
+        except Exception:  # a bug in a handler must not take the connection's other requests down
+            log.exception("request dispatch failed")
+            if self.busy and self.handler is None:
+                self.send_error(
+                    RouterError(500, "Internal router error.", code="internal_error"), None, False
+                )
+
+    def finish(self, keep_alive: bool) -> None:
+        """The current response was completely written: answer the next request or close."""
+        self.handler = None
+        self.busy = False
+        if self.closed:
+            return
+        if not keep_alive or self.server.draining:
+            self.close()
+            return
+        self.idle_since = time.monotonic()
+        if self.queue:
+            self._start(self.queue.popleft())
+            if self._reading_paused and len(self.queue) < MAX_PIPELINED:
+                self._reading_paused = False
+                self.transport.resume_reading()
+
+    def send_error(self, error: RouterError, request_id: bytes | None, keep_alive: bool) -> None:
+        """Answer the current request with an OpenAI-style JSON error and finish it."""
+        body = error.body()
+        head = [
+            status_line(error.status),
+            b"content-type: application/json\r\ncontent-length: ",
+            b"%d" % len(body),
+        ]
+        for name, value in error.headers:
+            head += (b"\r\n", name, b": ", value)
+        if request_id:
+            head += (b"\r\nx-request-id: ", request_id)
+        keep_alive = keep_alive and not self.server.draining
+        if not keep_alive:
+            head.append(b"\r\nconnection: close")
+        head += (b"\r\n\r\n", body)
+        if not self.closed:
+            self.transport.write(b"".join(head))
+        self.finish(keep_alive)
+
+    def _fail(self, error: RouterError) -> None:
+        """Malformed or refused input: answer it (unless a response is under way) and close."""
+        self.parser = httptools.HttpRequestParser(self)  # the old one is in an error state
+        self.queue.clear()
+        if self.closed:
+            return
+        if self.busy:  # a response is being written for an earlier request: just stop here
+            self.close()
+            return
+        self.busy = True
+        self.send_error(error, new_request_id(), keep_alive=False)
+
+    def close(self) -> None:
+        """Close after what was written is flushed; nothing is written or dispatched after this.
+
+        If the client is still sending a request (a refused body), the connection is half-closed and
+        what arrives is read and dropped for a moment: closing a socket with unread data makes the
+        kernel send a reset, and the client would lose the answer explaining the refusal.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        transport = self.transport
+        if self.head_started and self._lingering < 0 and transport.can_write_eof():
+            self._lingering = 0
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)
+        else:
+            transport.close()
+
+
+def _too_large(limit: int, declared: int | None = None) -> RouterError:
+    what = f"Request body of {declared} bytes" if declared is not None else "Request body"
+    return RouterError(413, f"{what} exceeds the limit of {limit} bytes.", code="body_too_large")
+
+
+ServerFactory = Callable[[], HttpConnection]

@@ -1,0 +1,122 @@
+"""Serving a router: listen, dispatch each request, time out idle or stuck connections, drain on stop.
+
+Dispatch: a POST to a proxied path goes to the hot path (:func:`vllm_stack.api.proxied.handle`);
+everything else goes to the router's ASGI app through :class:`~.asgi_bridge.AsgiCall`.
+
+Stopping (SIGTERM from Kubernetes, or :meth:`RouterServer.stop`): the listening socket closes at once,
+idle keep-alive connections are closed, answers still being written get ``connection: close`` and
+may finish within the grace period; whatever is left then is cut, and the router's background tasks
+stop last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from vllm_stack.api import proxied
+from vllm_stack.server.asgi_bridge import AsgiCall
+from vllm_stack.server.http1 import HttpConnection, HttpRequest
+
+if TYPE_CHECKING:
+    from vllm_stack.app import Router
+
+log = logging.getLogger(__name__)
+
+KEEP_ALIVE_TIMEOUT = 75.0  # idle keep-alive connections are closed after this (above common LB idle timeouts)
+REQUEST_READ_TIMEOUT = 300.0  # a request still arriving after this (slowloris) is dropped
+SWEEP_INTERVAL = 1.0
+
+
+class RouterServer:
+    """One listening socket serving one router (also the connections' :class:`~.http1.ServerContext`)."""
+
+    def __init__(
+        self,
+        router: Router,
+        host: str,
+        port: int,
+        shutdown_grace: float = 30.0,
+        keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
+    ) -> None:
+        self.router = router
+        self.host = host
+        self.port = port
+        self.shutdown_grace = shutdown_grace
+        self.keep_alive_timeout = keep_alive_timeout
+        self.connections: set[HttpConnection] = set()
+        self.draining = False
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._proxied_paths = proxied.PROXIED_PATHS
+
+    # ---- ServerContext ---------------------------------------------------------------------------------
+    def body_limit(self) -> int:
+        return self.router.max_body_bytes
+
+    def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
+        if request.method == "POST" and request.path in self._proxied_paths:
+            proxied.handle(self.router, conn, request)
+        else:
+            AsgiCall(self.router, conn, request).start()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.router.start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: HttpConnection(self), self.host, self.port, backlog=4096, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = loop.create_task(self._sweep())
+        log.info("router listening on %s:%d", self.host, self.port)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                if conn.idle_since and not conn.busy and now - conn.idle_since > self.keep_alive_timeout:
+                    conn.close()
+                elif conn.head_started and now - conn.head_started > REQUEST_READ_TIMEOUT:
+                    conn.close()
+
+    async def stop(self) -> None:
+        """Stop accepting, let answers under way finish within the grace period, then stop the router."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if not conn.busy:
+                conn.close()
+        deadline = time.monotonic() + self.shutdown_grace
+        while any(c.busy for c in self.connections) and time.monotonic() < deadline:  # noqa: ASYNC110 - polled only while stopping; an event would cost every request
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.router.stop()
+
+
+async def serve_forever(server: RouterServer) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    await stopping.wait()
+    log.info("stopping: draining %d connections", len(server.connections))
+    await server.stop()
