@@ -86,24 +86,12 @@ def _resolve_model(router: Router, path: str, model: str | None) -> str:
     )
 
 
-def upstream_tail(router: Router, request: HttpRequest, request_id: bytes, has_request_id: bool) -> bytes:
-    """Everything after the request line and Host: the client's end-to-end headers, the request id,
-    the engines' key, the framing and the body. Built once, reused by every attempt."""
-    headers = request.headers
-    listed = connection_listed(headers)
-    drop = REQUEST_DROP | listed if listed else REQUEST_DROP
+def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:
     parts: list[bytes] = []
     for name, value in headers:
         if name not in drop:
             parts += (name, b": ", value, b"\r\n")
-    if not has_request_id:
-        parts += (b"x-request-id: ", request_id, b"\r\n")
-    key = router.proxy_settings.engine_auth
-    if key:
-        parts += (b"authorization: ", key, b"\r\n")
-    body = request.body
-    parts += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
-    return b"".join(parts)
+    return parts
 
 
 def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
@@ -111,20 +99,31 @@ def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
     started = time.perf_counter()
     request_id: bytes | None = None
     session_value: bytes | None = None
+    connection: bytes | None = None
     content_type = b""
     session_header = router.session_header
+    # One pass over the headers finds the routed ones and builds the upstream header lines.
+    lines: list[bytes] = []
     for name, value in request.headers:
+        if name in REQUEST_DROP:
+            if name == b"connection":
+                connection = value
+            continue
         if name == b"x-request-id":
             request_id = value
         elif name == session_header:
             session_value = value
         elif name == b"content-type":
             content_type = value
-    has_request_id = request_id is not None
+        lines += (name, b": ", value, b"\r\n")
+    if connection is not None:  # rare: headers the client declared hop-by-hop stay on this hop
+        listed = connection_listed(request.headers)
+        if listed:
+            lines = _header_lines(request.headers, REQUEST_DROP | listed)
     if request_id is None:
         request_id = new_request_id()
+        lines += (b"x-request-id: ", request_id, b"\r\n")
     path = request.path
-    model_label = UNKNOWN_MODEL_LABEL
     try:
         if not router.auth.check(request.headers):
             raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
@@ -141,10 +140,18 @@ def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
             model, user, prefix = fields.model, fields.user, fields.prefix
         model = _resolve_model(router, path, model)
     except RouterError as err:
-        router.metrics.observe_request(model_label, "none", str(err.status), time.perf_counter() - started)
+        router.metrics.observe_request(
+            UNKNOWN_MODEL_LABEL, "none", str(err.status), time.perf_counter() - started
+        )
         conn.send_error(err, request_id, request.keep_alive)
         return
+    key = router.proxy_settings.engine_auth
+    if key:
+        lines += (b"authorization: ", key, b"\r\n")
+    body = request.body
+    lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
     session_key = session_value.decode("latin-1") if session_value is not None else user
     ctx = RequestContext(model, session_key, prefix)
-    tail = upstream_tail(router, request, request_id, has_request_id)
+    # Everything after the request line and Host, the same for every attempt.
+    tail = b"".join(lines)
     Exchange(router, conn, request, ctx, request_id, tail, started).start()

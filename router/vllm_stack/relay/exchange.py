@@ -104,7 +104,6 @@ class Exchange:
         "events",
         "last_flush",
         "last_activity",
-        "timer",
     )
 
     def __init__(
@@ -154,12 +153,10 @@ class Exchange:
         self.events = 0  # SSE events forwarded since the last flush
         self.last_flush = 0.0
         self.last_activity = time.monotonic()
-        self.timer: asyncio.TimerHandle | None = None
 
     # ---- attempts -------------------------------------------------------------------------------------
     def start(self) -> None:
         self.conn.handler = self
-        self.timer = asyncio.get_running_loop().call_later(self.timeout, self._check_timeout)
         self._attempt()
 
     def _attempt(self) -> None:
@@ -295,9 +292,9 @@ class Exchange:
                 return
         self.status = str(status)
         head = [status_line(status)]
-        listed = connection_listed(headers)
         has_request_id = False
         framed = status in _NO_BODY_STATUS
+        connection: bytes | None = None
         for name, value in headers:
             lower = name.lower()
             if lower in _FRAMING:  # the body is relayed as framed by the engine: keep its framing
@@ -307,13 +304,24 @@ class Exchange:
                     if self.chunked and self.request.http_10:  # HTTP/1.0 cannot take chunks
                         self.dechunker = Dechunker()
                         continue
-            elif lower in HOP_BY_HOP or lower in listed:
+            elif lower in HOP_BY_HOP:
+                if lower == b"connection":
+                    connection = value
                 continue
             elif lower == b"content-type" and value.startswith(b"text/event-stream"):
                 self.sse = True
             elif lower == b"x-request-id":
                 has_request_id = True
             head += (name, b": ", value, b"\r\n")
+        if connection is not None:  # rare: drop what the engine's Connection header names
+            listed = connection_listed(headers)
+            if listed:
+                head = [head[0]] + [
+                    line
+                    for i in range(1, len(head), 4)
+                    if head[i].lower() not in listed
+                    for line in head[i : i + 4]
+                ]
         if not has_request_id:
             head += (b"x-request-id: ", self.request_id, b"\r\n")
         if not framed or self.dechunker is not None:  # the body ends when the connection closes
@@ -400,7 +408,6 @@ class Exchange:
         else:
             engine.breaker.success()
         self._end_attempt()
-        self._stop_timer()
         self.conn.finish(self.keep_alive)
         self._account()
 
@@ -437,7 +444,6 @@ class Exchange:
         log.warning("upstream %s broke mid-response: %s", engine.name, error)
         self.done = True
         self._end_attempt()
-        self._stop_timer()
         conn = self.conn
         # An event can be appended only where the engine's framing left off cleanly: after a whole
         # chunk that ended an SSE event (vLLM writes one event per chunk), or right after the head.
@@ -471,7 +477,6 @@ class Exchange:
         if self.in_attempt and self.engine is not None:
             self.engine.breaker.release()
         self._end_attempt()
-        self._stop_timer()
         self._account()
 
     def pause(self) -> None:
@@ -483,14 +488,14 @@ class Exchange:
             self.up.transport.resume_reading()
 
     # ---- endings ---------------------------------------------------------------------------------------
-    def _check_timeout(self) -> None:
-        if self.done:
+    def check_timeout(self, now: float) -> None:
+        """Called by the server's sweep: an engine silent for ``request_timeout`` fails the request.
+
+        A sweep over the busy connections instead of a timer per request: arming and cancelling a
+        timer for every request costs more than the whole check once a second.
+        """
+        if self.done or now - self.last_activity < self.timeout:
             return
-        silent = time.monotonic() - self.last_activity
-        if silent < self.timeout:
-            self.timer = asyncio.get_running_loop().call_later(self.timeout - silent, self._check_timeout)
-            return
-        self.timer = None
         up = self.up
         self.up = None
         if up is not None:
@@ -518,14 +523,8 @@ class Exchange:
             return
         self.done = True
         self.status = str(error.status)
-        self._stop_timer()
         self.conn.send_error(error, self.request_id, self.keep_alive)
         self._account()
-
-    def _stop_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
 
     def _engine_name(self) -> str:
         return self.engine.name if self.engine is not None else "none"

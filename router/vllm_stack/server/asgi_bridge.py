@@ -149,6 +149,9 @@ class AsgiCall:
     def resume(self) -> None:
         """See :meth:`pause`."""
 
+    def check_timeout(self, now: float) -> None:
+        """Control endpoints bound their own waits (their engine calls have timeouts)."""
+
 
 def _address(value: Any) -> list[Any] | None:
     if isinstance(value, tuple) and len(value) >= 2:

@@ -85,6 +85,8 @@ class Handler(Protocol):
 
     def resume(self) -> None: ...
 
+    def check_timeout(self, now: float) -> None: ...
+
 
 class ServerContext(Protocol):
     """What a connection needs from its server."""

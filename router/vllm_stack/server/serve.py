@@ -81,13 +81,17 @@ class RouterServer:
         log.info("router listening on %s:%d", self.host, self.port)
 
     async def _sweep(self) -> None:
+        """Timeouts of every kind, checked together: idle keep-alive, slow requests, silent engines."""
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL)
+            await asyncio.sleep(min(SWEEP_INTERVAL, self.router.proxy_settings.request_timeout / 4))
             now = time.monotonic()
             for conn in list(self.connections):
-                if conn.idle_since and not conn.busy and now - conn.idle_since > self.keep_alive_timeout:
+                handler = conn.handler
+                if handler is not None:
+                    handler.check_timeout(now)
+                elif conn.idle_since and not conn.busy and now - conn.idle_since > self.keep_alive_timeout:
                     conn.close()
-                elif conn.head_started and now - conn.head_started > REQUEST_READ_TIMEOUT:
+                if conn.head_started and now - conn.head_started > REQUEST_READ_TIMEOUT:
                     conn.close()
 
     async def stop(self) -> None:
