@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -196,13 +197,18 @@ def parser_microbench() -> dict[str, dict[str, float]]:
     return out
 
 
-LOG_DIR = Path(tempfile.mkdtemp(prefix="router-bench-"))
 _logs: dict[int, Path] = {}
 
 
+@functools.cache
+def log_dir() -> Path:
+    """Where the started processes' output goes; made on first use, removed after a successful run."""
+    return Path(tempfile.mkdtemp(prefix="router-bench-"))
+
+
 def start(cmd: list[str], core: int, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` pinned to ``core``; its output goes to a log under LOG_DIR (shown if it fails)."""
-    log = LOG_DIR / f"process-{len(_logs)}.log"
+    """Start ``cmd`` pinned to ``core``; its output goes to a log under log_dir() (shown if it fails)."""
+    log = log_dir() / f"process-{len(_logs)}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             ["taskset", "-c", str(core), *cmd],
@@ -310,7 +316,7 @@ def main() -> int:
                 print(f"{p.args} exited with {p.returncode}:\n{log_tail(p)}", file=sys.stderr)
             p.terminate()
             p.wait(10)
-    shutil.rmtree(LOG_DIR)
+    shutil.rmtree(log_dir())
 
     report = {
         "request": "POST /v1/chat/completions, stream=true, 8 tokens (stub engine)",
