@@ -61,7 +61,7 @@ class MsgspecParser:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _bad_json(exc) from None
         raw = f.messages or f.prompt or f.input
-        prefix = bytes(raw)[: self._prefix_bytes] if raw else None
+        prefix = bytes(memoryview(raw)[: self._prefix_bytes]) if raw else None  # no copy of the prompt
         user = f.user if isinstance(f.user, str) else None
         return RoutingFields(_check_model(f.model), user, prefix)
 

@@ -73,6 +73,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def send(self, exchange: Exchange, request: bytes) -> None:
         self.exchange = exchange
+        self.headers = []
         self.complete = False
         self.got_bytes = False
         self.head = b""
@@ -129,9 +130,6 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.upstream_failed(self, exc or ConnectionResetError("connection closed by the engine"))
 
     # ---- httptools callbacks ------------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self.headers = []
-
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 

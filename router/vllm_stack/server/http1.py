@@ -42,12 +42,14 @@ MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered
 LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is read and dropped
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
 
-_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_NOTED = frozenset({b"content-length", b"expect", b"upgrade"})  # headers the connection itself acts on
 
 
 def status_line(status: int) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status
 
 
 class HttpRequest:
@@ -133,6 +135,7 @@ class HttpConnection(asyncio.Protocol):
         "_lingering",
         "_upgrade_offer",
         "_declined_head",
+        "_declared",
     )
 
     def __init__(self, server: ServerContext) -> None:
@@ -161,6 +164,7 @@ class HttpConnection(asyncio.Protocol):
         self._limit = 0
         self._expect = False
         self._upgrade_offer = False
+        self._declared: bytes | None = None
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -246,24 +250,26 @@ class HttpConnection(asyncio.Protocol):
         if self._head_bytes > MAX_HEAD_BYTES or len(self._headers) >= MAX_HEADERS:
             raise _Reject(RouterError(431, "Request headers too large.", code="headers_too_large"))
         name = name.lower()
-        if name == b"upgrade":
-            self._upgrade_offer = True
+        if name in _NOTED:
+            if name == b"content-length":
+                self._declared = value
+            elif name == b"expect":
+                self._expect = value.lower() == b"100-continue"
+            else:
+                self._upgrade_offer = True
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         limit = self._limit = self.server.body_limit()
-        for name, value in self._headers:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    raise _Reject(
-                        RouterError(400, "Invalid Content-Length header.", code="invalid_content_length")
-                    ) from None
-                if declared > limit:
-                    raise _Reject(_too_large(limit, declared))
-            elif name == b"expect" and value.lower() == b"100-continue":
-                self._expect = True
+        if self._declared is not None:
+            try:
+                declared = int(self._declared)
+            except ValueError:
+                raise _Reject(
+                    RouterError(400, "Invalid Content-Length header.", code="invalid_content_length")
+                ) from None
+            if declared > limit:
+                raise _Reject(_too_large(limit, declared))
         if self._expect and not self.busy and not self.queue:
             self._expect = False
             self.transport.write(_CONTINUE)
@@ -297,7 +303,6 @@ class HttpConnection(asyncio.Protocol):
             self._expect,
         )
         self.head_started = 0.0
-        self._begin()
         if self.closed:
             return
         if self.busy:
