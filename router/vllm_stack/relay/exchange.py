@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,26 @@ log = logging.getLogger(__name__)
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 BUFFER_LIMIT = 1 << 20  # bytes of a non-streamed answer held back (and still retryable)
 _NO_BODY_STATUS = frozenset({204, 304})
-_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+_HOP_BY_HOP_BUT_FRAMING = HOP_BY_HOP - {b"transfer-encoding"}
+#: Any hop-by-hop header but the framing, in a lower-cased head (whose lines start after a CRLF).
+_HOP_BY_HOP_HEADER = re.compile(
+    rb"\r\n(?:" + b"|".join(re.escape(h) for h in sorted(_HOP_BY_HOP_BUT_FRAMING)) + rb")[ \t]*:"
+)
+_SSE = re.compile(rb"\r\ncontent-type:[ \t]*text/event-stream")
+_CHUNKED = re.compile(rb"\r\ntransfer-encoding:[^\r]*chunked[ \t]*\r\n")
+
+
+def _without_hop_by_hop(status: int, head: bytes, drop: frozenset[bytes]) -> bytes:
+    """The head with a fresh HTTP/1.1 status line, minus the ``drop`` headers and those that its
+    ``Connection`` header names (RFC 9110 7.6.1). The slow path: engines rarely send any."""
+    lines = head.split(b"\r\n")[1:]
+    fields = [(line.partition(b":")[0].strip().lower(), line) for line in lines if line]
+    listed = connection_listed([(name, line.partition(b":")[2]) for name, line in fields])
+    kept = [status_line(status)]
+    kept += [line + b"\r\n" for name, line in fields if name not in drop and name not in listed]
+    return b"".join(kept)
+
+
 _CHUNK_END = b"0\r\n\r\n"
 
 
@@ -272,7 +292,8 @@ class Exchange:
         self.dechunker = None
 
     # ---- upstream callbacks ------------------------------------------------------------------------------
-    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def on_head(self, status: int, head: bytes) -> None:
+        """The engine answered: retry elsewhere (429/5xx while allowed) or prepare the client head."""
         engine = self.engine
         assert engine is not None
         if status in RETRYABLE_STATUS and self.attempts_left > 0:
@@ -291,47 +312,28 @@ class Exchange:
                 self._attempt()
                 return
         self.status = str(status)
-        head = [status_line(status)]
-        has_request_id = False
-        framed = status in _NO_BODY_STATUS
-        connection: bytes | None = None
-        for name, value in headers:
-            lower = name.lower()
-            if lower in _FRAMING:  # the body is relayed as framed by the engine: keep its framing
-                framed = True
-                if lower == b"transfer-encoding":
-                    self.chunked = value.lower().endswith(b"chunked")
-                    if self.chunked and self.request.http_10:  # HTTP/1.0 cannot take chunks
-                        self.dechunker = Dechunker()
-                        continue
-            elif lower in HOP_BY_HOP:
-                if lower == b"connection":
-                    connection = value
-                continue
-            elif lower == b"content-type" and value.startswith(b"text/event-stream"):
-                self.sse = True
-            elif lower == b"x-request-id":
-                has_request_id = True
-            head += (name, b": ", value, b"\r\n")
-        if connection is not None:  # rare: drop what the engine's Connection header names
-            listed = connection_listed(headers)
-            if listed:
-                head = [head[0]] + [
-                    line
-                    for i in range(1, len(head), 4)
-                    if head[i].lower() not in listed
-                    for line in head[i : i + 4]
-                ]
-        if not has_request_id:
-            head += (b"x-request-id: ", self.request_id, b"\r\n")
+        # The engine's head is forwarded as it is (one search instead of a loop over the headers)
+        # unless it carries hop-by-hop headers or must be changed for an HTTP/1.0 client.
+        lowered = head.lower()
+        self.sse = _SSE.search(lowered) is not None
+        self.chunked = _CHUNKED.search(lowered) is not None
+        framed = self.chunked or status in _NO_BODY_STATUS or b"\r\ncontent-length:" in lowered
+        if self.chunked and self.request.http_10:  # HTTP/1.0 cannot take chunks: plain body, then close
+            self.dechunker = Dechunker()
+            head = _without_hop_by_hop(status, head, HOP_BY_HOP)
+        elif _HOP_BY_HOP_HEADER.search(lowered) is not None or not head.startswith(b"HTTP/1.1 "):
+            head = _without_hop_by_hop(status, head, _HOP_BY_HOP_BUT_FRAMING)
+        extra = []
+        if b"\r\nx-request-id:" not in lowered:
+            extra += (b"x-request-id: ", self.request_id, b"\r\n")
         if not framed or self.dechunker is not None:  # the body ends when the connection closes
             self.close_delimited = True
             self.keep_alive = False
         if not self.keep_alive or self.conn.server.draining:
             self.keep_alive = False
-            head.append(b"connection: close\r\n")
-        head.append(b"\r\n")
-        self.head = b"".join(head)
+            extra.append(b"connection: close\r\n")
+        extra.append(b"\r\n")
+        self.head = head + b"".join(extra)
         if self.sse:
             self._commit()
 

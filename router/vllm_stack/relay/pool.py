@@ -30,7 +30,7 @@ class UpstreamConnectError(Exception):
 class Exchange(Protocol):
     """The callbacks an upstream connection drives (see :class:`vllm_stack.relay.exchange.Exchange`)."""
 
-    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def on_head(self, status: int, head: bytes) -> None: ...
 
     def on_data(self, data: bytes) -> None: ...
 
@@ -49,7 +49,6 @@ class UpstreamConnection(asyncio.Protocol):
         "transport",
         "parser",
         "exchange",
-        "headers",
         "keep_alive",
         "complete",
         "got_bytes",
@@ -63,7 +62,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.parser = httptools.HttpResponseParser(self)
         self.exchange: Exchange | None = None
-        self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = True
         self.complete = False
         self.got_bytes = False
@@ -73,7 +71,6 @@ class UpstreamConnection(asyncio.Protocol):
 
     def send(self, exchange: Exchange, request: bytes) -> None:
         self.exchange = exchange
-        self.headers = []
         self.complete = False
         self.got_bytes = False
         self.head = b""
@@ -103,11 +100,7 @@ class UpstreamConnection(asyncio.Protocol):
         if in_head:
             if not self.head_done:
                 return
-            end = self.head.find(b"\r\n\r\n")
-            if end < 0:  # a head with bare LF line ends: not something this relay forwards
-                self._fail(exchange, ValueError("malformed response head"))
-                return
-            data = self.head[end + 4 :]
+            data = self.head  # what followed the head in the same read (see on_headers_complete)
             self.head = b""
         if data:
             exchange.on_data(data)
@@ -129,18 +122,20 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange = None
             exchange.upstream_failed(self, exc or ConnectionResetError("connection closed by the engine"))
 
-    # ---- httptools callbacks ------------------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
+    # ---- httptools callbacks (no per-header one: the exchange reads the raw head) -------------------------
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if status < 200:  # interim answers are never asked for (no Expect upstream); refuse them
             raise httptools.HttpParserError(f"unexpected interim response {status}")
+        received = self.head
+        end = received.find(b"\r\n\r\n")
+        if end < 0:  # a head with bare LF line ends: not something this relay forwards
+            raise httptools.HttpParserError("response head without CRLF line ends")
         self.head_done = True
+        self.head = received[end + 4 :]  # body bytes read together with the head
         self.keep_alive = self.parser.should_keep_alive()
         if self.exchange is not None:
-            self.exchange.on_head(status, self.headers)
+            self.exchange.on_head(status, received[: end + 2])
 
     def on_message_complete(self) -> None:
         self.complete = True
