@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,7 +99,12 @@ class Router:
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
         self.scraper = EngineScraper(self.registry.engines, self._fetch_metrics, self.metrics)
         self._apply_runtime(config)
-        self.pools = EnginePools(config.connect_timeout)
+        # https engines: verified against the system's CAs, or against engine_ca_file when given.
+        self.engine_tls = (
+            ssl.create_default_context(cafile=config.engine_ca_file) if config.engine_ca_file else None
+        )
+        self.pools = EnginePools(config.connect_timeout, self.engine_tls)
+        self.registry.on_engine_left.append(lambda engine: self.pools.forget(engine.url))
         self.control_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._discovery_task: asyncio.Task[None] | None = None
@@ -197,7 +203,10 @@ class Router:
     async def start(self) -> None:
         config = self.config
         self.control_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=64), cookie_jar=aiohttp.DummyCookieJar()
+            connector=aiohttp.TCPConnector(
+                limit=64, ssl=self.engine_tls if self.engine_tls is not None else True
+            ),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._discovery_task = asyncio.ensure_future(self._run_discovery())
         self._tasks = [

@@ -50,6 +50,7 @@ class RouterConfig:
     circuit_open_seconds: float = 10.0
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
+    engine_ca_file: str | None = None  # CA bundle that signs https engines' certificates (default: system)
     max_body_bytes: int = 32 * 1024 * 1024
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None

@@ -283,8 +283,13 @@ class StubEngine:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn in the running loop; yields its base URL; stops on exit."""
+async def serve(
+    app: Any, host: str = "127.0.0.1", port: int = 0, tls: tuple[str, str] | None = None
+) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn in the running loop; yields its base URL; stops on exit.
+
+    ``tls``: (certificate file, key file) to serve https.
+    """
     import uvicorn
 
     config = uvicorn.Config(
@@ -299,6 +304,8 @@ async def serve(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterat
         date_header=False,
         loop="none",
         http="httptools",
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
     )
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -314,7 +321,7 @@ async def serve(app: Any, host: str = "127.0.0.1", port: int = 0) -> AsyncIterat
     sock = server.servers[0].sockets[0]
     bound_port = sock.getsockname()[1]
     try:
-        yield f"http://{host}:{bound_port}"
+        yield f"{'https' if tls else 'http'}://{host}:{bound_port}"
     finally:
         server.should_exit = True
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

@@ -59,6 +59,7 @@ class EngineRegistry:
         self._probe_tasks: set[asyncio.Task[None]] = set()
         self._health_series: set[tuple[str, str]] = set()
         self.changed = asyncio.Event()  # set on every index rebuild (tests and /ready waiters)
+        self.on_engine_left: list[Callable[[Engine], None]] = []  # e.g. close its pooled connections
 
     # ---- read side (hot path) -------------------------------------------------------------------
     def candidates(self, model: str) -> tuple[Engine, ...]:
@@ -111,6 +112,8 @@ class EngineRegistry:
             if info is None or info.url.rstrip("/") != engine.url:
                 del self._engines[name]
                 self._metrics.forget_engine(name)
+                for hook in self.on_engine_left:
+                    hook(engine)
                 log.info("engine %s left", name)
         for name, info in current.items():
             engine = self._engines.get(name)

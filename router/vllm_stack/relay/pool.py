@@ -244,6 +244,10 @@ class EnginePools:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
+    def idle_connections(self, base_url: str) -> int:
+        pool = self._pools.get(base_url)
+        return len(pool.idle) if pool is not None else 0
+
     def forget(self, base_url: str) -> None:
         """An engine left: close its idle connections."""
         pool = self._pools.pop(base_url, None)

@@ -1,0 +1,127 @@
+"""The relay and the router's own server beyond plain proxying: TLS engines, graceful stop, pooled
+connections of engines that leave, per-event stream metrics (stub engines, no real vLLM needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import pytest
+
+from tests.fakes.stub_engine import StubBehaviour, StubEngine, serve
+from tests.router.helpers import FAST, client, http, metric_value, running_router, stubs, wait_for
+from vllm_stack.app import build_router
+from vllm_stack.discovery.base import EndpointInfo
+from vllm_stack.server import RouterServer
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def self_signed(tmp_path) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1, made with the openssl command line."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+        + ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+async def test_https_engine_is_proxied_over_tls(self_signed) -> None:
+    """Engines behind TLS, verified against engine_ca_file: health checks, streams and plain answers."""
+    engine = StubEngine("tls", ["stub-model"])
+    async with serve(engine, tls=self_signed) as url:
+        assert url.startswith("https://")
+        async with running_router([url], engine_ca_file=self_signed[0]) as (router_url, _):
+            c = client(router_url)
+            done = await c.chat.completions.create(model="stub-model", messages=MSG, max_tokens=3)
+            assert done.choices[0].message.content == "tok " * 3
+            stream = await c.chat.completions.create(
+                model="stub-model", messages=MSG, max_tokens=4, stream=True
+            )
+            assert [chunk.choices[0].delta.content async for chunk in stream] == [f"t{i} " for i in range(4)]
+    assert engine.completed == 2
+
+
+async def test_stop_lets_a_running_stream_finish_and_refuses_new_connections() -> None:
+    """SIGTERM semantics: the listener closes at once, an answer under way completes (within the
+    grace period) with `connection: close`, and only then does the router stop."""
+    engine = StubEngine("slow", ["stub-model"], StubBehaviour(token_delay_s=0.1))
+    async with stubs(engine) as urls:
+        router = build_router({**FAST, "static_backends": urls[0]}, environ={})
+        server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=10.0)
+        await server.start()
+        await wait_for(lambda: router.registry.healthy_count == 1)
+        port = server.port
+        async with http(server.url) as h:
+            async with h.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={"model": "stub-model", "messages": MSG, "stream": True, "max_tokens": 10},
+            ) as resp:
+                stopping = asyncio.ensure_future(server.stop())
+                await asyncio.sleep(0.2)
+                with pytest.raises(OSError):
+                    await asyncio.open_connection("127.0.0.1", port)
+                assert not stopping.done()
+                lines = [line async for line in resp.aiter_lines() if line.startswith("data:")]
+        await asyncio.wait_for(stopping, 10)
+        assert not server.connections
+    assert len(lines) == 11 and lines[-1] == "data: [DONE]"
+    assert engine.completed == 1 and engine.aborted == 0
+
+
+async def test_stop_cuts_what_outlives_the_grace_period() -> None:
+    """A stream longer than the grace period is cut when it ends, and the engine aborts it."""
+    engine = StubEngine("slow", ["stub-model"], StubBehaviour(token_delay_s=0.2))
+    async with stubs(engine) as urls:
+        router = build_router({**FAST, "static_backends": urls[0]}, environ={})
+        server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=0.5)
+        await server.start()
+        await wait_for(lambda: router.registry.healthy_count == 1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        body = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":50}'
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        await reader.readuntil(b"data:")
+        await asyncio.wait_for(server.stop(), 5)
+        rest = await asyncio.wait_for(reader.read(), 5)  # EOF: the connection was closed
+        assert b"[DONE]" not in rest
+        writer.close()
+        await wait_for(lambda: engine.aborted == 1, what="the engine to abort the cut stream")
+
+
+async def test_an_engine_that_leaves_has_its_pooled_connections_closed(two_stubs) -> None:
+    """Pods come and go: the idle keep-alive connections to a departed engine do not linger."""
+    engines, urls = two_stubs
+    async with running_router(urls) as (url, router):
+        c = client(url)
+        for _ in range(4):
+            await c.chat.completions.create(model="stub-model", messages=MSG, max_tokens=1)
+        assert all(router.pools.idle_connections(u) >= 1 for u in urls)
+        keep = next(e for e in router.registry.engines() if e.url == urls[0])
+        await router.registry.apply_snapshot([EndpointInfo(keep.name, keep.url)])
+        assert router.pools.idle_connections(urls[1]) == 0
+        assert router.pools.idle_connections(urls[0]) >= 1
+        for _ in range(2):  # the remaining engine still serves, over its pooled connection
+            await c.chat.completions.create(model="stub-model", messages=MSG, max_tokens=1)
+        assert engines[0].completed >= 4
+
+
+async def test_stream_metrics_count_every_event() -> None:
+    """TTFT once per stream; ITL once per event after the first (per token, not per socket read)."""
+    engine = StubEngine("e", ["stub-model"], StubBehaviour(token_delay_s=0.01))
+    async with stubs(engine) as urls, running_router(urls) as (url, router):
+        stream = await client(url).chat.completions.create(
+            model="stub-model", messages=MSG, max_tokens=6, stream=True
+        )
+        assert len([chunk async for chunk in stream]) == 6
+        ttft = metric_value(router, "vllm_stack_router_ttft_seconds_count", model="stub-model")
+        itl = metric_value(router, "vllm_stack_router_itl_seconds_count", model="stub-model")
+        assert ttft == 1
+        assert itl == 6  # 6 token events + [DONE] = 7 events, 6 gaps
