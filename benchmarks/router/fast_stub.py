@@ -21,16 +21,27 @@ What it answers (HTTP/1.1, keep-alive, pipelined requests answered in order):
   completion;
 - anything else: 404 JSON.
 
+``--token-gap-ms X`` (default 0) spaces a stream's writes as an engine generating tokens does: the
+head goes out at once, each token's event X ms after the previous write, and ``data: [DONE]`` with
+the terminating chunk right after the last token's event (its own write). The writes are driven by a
+chain of ``loop.call_later`` callbacks on the connection (no task per request); requests pipelined
+behind a stream are answered in order once it ends; the chain stops if the client closed the
+connection. uvloop's timers count whole milliseconds from the loop's cached time, so X is rounded to
+whole milliseconds (under 0.5 ms: the next loop iteration) and the gaps come out at least that long.
+With 0, the events are written back to back in one go (each still its own ``write``).
+
 Not handled, on purpose: HTTP/1.0 (responses are always HTTP/1.1, chunked when streamed),
 ``Expect: 100-continue``, and failure injection (use the ASGI stub for that).
 
-Usage: ``python benchmarks/router/fast_stub.py --port 9001 [--tokens 8] [--model stub-model]``
+Usage: ``python benchmarks/router/fast_stub.py --port 9001 [--tokens 8] [--model stub-model]
+[--token-gap-ms 0]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 from typing import Any
 
 import httptools
@@ -72,9 +83,10 @@ def _error(status: int, message: str, close: bool) -> bytes:
 class Stub:
     """Precomputed answers for one served model."""
 
-    def __init__(self, model: str, tokens: int) -> None:
+    def __init__(self, model: str, tokens: int, token_gap_ms: float = 0.0) -> None:
         self.model = model
         self.tokens = tokens
+        self.gap = token_gap_ms / 1e3  # seconds between a stream's writes; 0: back to back
         card = {
             "id": model,
             "object": "model",
@@ -170,6 +182,9 @@ _CHAT = b"/v1/chat/completions"
 _COMPLETIONS = b"/v1/completions"
 
 
+_MAX_WAITING = 16  # requests pipelined behind a spaced stream before the socket stops being read
+
+
 class StubProtocol(asyncio.Protocol):
     """One client connection: requests parsed by httptools and answered in arrival order."""
 
@@ -177,12 +192,23 @@ class StubProtocol(asyncio.Protocol):
         self.stub = stub
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.url = b""
         self.body: list[bytes] = []
         self.closing = False
+        # A spaced stream under way (stub.gap > 0): its events still to write, driven by call_later.
+        self.stream: list[bytes] | None = None
+        self.next_event = 0
+        self.close_after = False  # the streamed request asked for "connection: close"
+        self.timer: asyncio.TimerHandle | None = None
+        # Requests pipelined behind that stream, answered when it ends: (method, path, body, close),
+        # or None for input that did not parse (answered 400, then the connection closes).
+        self.waiting: collections.deque[tuple[bytes, bytes, bytes, bool] | None] = collections.deque()
+        self.reading_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:
@@ -193,14 +219,25 @@ class StubProtocol(asyncio.Protocol):
             if self.closing:  # data after a "connection: close" request: ignored
                 return
             self.closing = True
+            if self.stream is not None:  # answered in turn, after the stream under way
+                self.waiting.append(None)
+                return
             self.transport.write(_error(400, "bad request", True))  # type: ignore[union-attr]
             self.transport.close()  # type: ignore[union-attr]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:  # the client left mid-stream: stop writing
+            self.timer.cancel()
+            self.timer = None
+        self.stream = None
+        self.waiting.clear()
 
     def pause_writing(self) -> None:  # a client that pipelines but does not read: stop reading too
         self.transport.pause_reading()  # type: ignore[union-attr]
 
     def resume_writing(self) -> None:
-        self.transport.resume_reading()  # type: ignore[union-attr]
+        if not self.reading_paused:
+            self.transport.resume_reading()  # type: ignore[union-attr]
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -217,16 +254,29 @@ class StubProtocol(asyncio.Protocol):
         if self.closing:  # a request pipelined behind one that closed the connection
             return
         close = not self.parser.should_keep_alive()
-        self.answer(self.parser.get_method(), self.url.partition(b"?")[0], close)
         if close:
             self.closing = True
+        parts = self.body
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        method, path = self.parser.get_method(), self.url.partition(b"?")[0]
+        if self.stream is not None:  # a spaced stream is under way: this one waits its turn
+            self.waiting.append((method, path, body, close))
+            if len(self.waiting) >= _MAX_WAITING and not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
+            return
+        self.respond(method, path, body, close)
+
+    def respond(self, method: bytes, path: bytes, body: bytes, close: bool) -> None:
+        self.answer(method, path, body, close)
+        if close and self.stream is None:  # a spaced stream closes the connection when it ends
             self.transport.close()  # type: ignore[union-attr]
 
-    def answer(self, method: bytes, path: bytes, close: bool) -> None:
+    def answer(self, method: bytes, path: bytes, body: bytes, close: bool) -> None:
         stub, write = self.stub, self.transport.write  # type: ignore[union-attr]
         if method == b"POST" and (path == _CHAT or path == _COMPLETIONS):
             try:
-                doc = orjson.loads(self.body[0] if len(self.body) == 1 else b"".join(self.body))
+                doc = orjson.loads(body)
             except orjson.JSONDecodeError:
                 return write(_error(400, "request body is not valid JSON", close))
             if type(doc) is not dict:
@@ -242,12 +292,51 @@ class StubProtocol(asyncio.Protocol):
             chat = path == _CHAT
             if doc.get("stream") is True:
                 write(stub.stream_head[close])
+                if stub.gap > 0:  # one event per timer callback, stub.gap apart
+                    self.stream = stub.events(chat, model, n)
+                    self.next_event = 0
+                    self.close_after = close
+                    self.timer = self.loop.call_later(stub.gap, self._next_event)  # type: ignore[union-attr]
+                    return None
                 for event in stub.events(chat, model, n):
                     write(event)  # one write per token, as vLLM does
                 return write(stub.done)
             return write(stub.complete(chat, model, n, close))
         answers = stub.get.get(path) if method == b"GET" else None
         write((answers or stub.not_found)[close])
+        return None
+
+    def _next_event(self) -> None:
+        """Timer callback: write the stream's next event; after the last, end it and go on."""
+        self.timer = None
+        events = self.stream
+        transport = self.transport
+        if events is None or transport.is_closing():  # type: ignore[union-attr]
+            self.stream = None
+            return
+        i = self.next_event
+        transport.write(events[i])  # type: ignore[union-attr]
+        i += 1
+        if i < len(events):
+            self.next_event = i
+            self.timer = self.loop.call_later(self.stub.gap, self._next_event)  # type: ignore[union-attr]
+            return
+        transport.write(self.stub.done)  # type: ignore[union-attr]  # right after the last token
+        self.stream = None
+        if self.close_after:
+            transport.close()  # type: ignore[union-attr]
+            return
+        waiting = self.waiting
+        while waiting and self.stream is None and not transport.is_closing():  # type: ignore[union-attr]
+            item = waiting.popleft()
+            if item is None:
+                transport.write(_error(400, "bad request", True))  # type: ignore[union-attr]
+                transport.close()  # type: ignore[union-attr]
+                return
+            self.respond(*item)
+        if self.reading_paused and len(waiting) < _MAX_WAITING:
+            self.reading_paused = False
+            transport.resume_reading()  # type: ignore[union-attr]
 
 
 async def serve(host: str, port: int, stub: Stub) -> None:
@@ -263,8 +352,16 @@ def main() -> None:
     p.add_argument("--port", type=int, default=9001)
     p.add_argument("--tokens", type=int, default=8, help="tokens per completion when max_tokens is absent")
     p.add_argument("--model", default="stub-model", help="served model name")
+    p.add_argument(
+        "--token-gap-ms",
+        type=float,
+        default=0.0,
+        help="milliseconds between a stream's writes (whole ms; 0: all at once, the default)",
+    )
     args = p.parse_args()
-    uvloop.run(serve(args.host, args.port, Stub(args.model, args.tokens)))
+    if args.token_gap_ms < 0:
+        p.error("--token-gap-ms must be 0 or more")
+    uvloop.run(serve(args.host, args.port, Stub(args.model, args.tokens, args.token_gap_ms)))
 
 
 if __name__ == "__main__":
