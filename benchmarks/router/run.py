@@ -15,9 +15,20 @@ Figures per row:
 - requests/s at concurrency 16 with the measured process on one core.
 Request: a streamed chat completion of 8 tokens. Stub: ``--stub fast`` (``fast_stub.py``, default, so
 the router is the bottleneck) or ``--stub asgi`` (``tests/fakes/stub_engine.py`` on uvicorn).
-Results: benchmarks/results/router.json and .md.
 
-Usage: ``make bench`` or ``.venv/bin/python benchmarks/router/run.py [--quick] [--repeat N]``
+Second scenario, "tokens N ms apart" (``--token-gap-ms N``, default 2; 0 skips it): the fast stub
+sends its 8 events back to back, so a proxy reads several together and its per-token cost is
+understated; here a stub of its own (``fast_stub.py --token-gap-ms N``) spaces them N ms apart as an
+engine does, and the python relay floor and the router (msgspec) are measured behind it at c=1 and
+c=16: CPU per request (exact, from schedstat) and reads / writes per request at both, latencies.
+Fewer requests (each lasts at least 8 x N ms): 200 at c=1 and 1,500 at c=16 (``--quick``: 100, 800).
+
+Also recorded: a microbenchmark of the routing-field parsing and the router's handling cost with the
+network taken out (``handler_cost.py``).
+Results: benchmarks/results/router.json and .md (``--out``).
+
+Usage: ``make bench`` or ``.venv/bin/python benchmarks/router/run.py [--quick] [--repeat N]
+[--token-gap-ms N] [--out PATH]``
 """
 
 from __future__ import annotations
@@ -108,17 +119,48 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def measure(port: int, n1: int, n16: int, pid: int | None, stub_pid: int, repeat: int) -> dict[str, float]:
+def task_cpu_ns(pid: int) -> int:
+    """CPU nanoseconds of all of ``pid``'s threads (first field of each ``/proc/<pid>/task/*/schedstat``).
+
+    Exact, unlike the clock ticks of ``/proc/<pid>/stat``, so short runs (a few hundred requests)
+    can be measured per request; it has no user/system split."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return total
+
+
+def measure(
+    port: int,
+    n1: int,
+    n16: int,
+    pid: int | None,
+    stub_pid: int,
+    repeat: int,
+    warmup: int = 1000,
+    cpu_c1: bool = False,
+) -> dict[str, float]:
     """Warm up, then ``repeat`` rounds of c=1 and c=16; each figure is the median over the rounds.
 
-    ``pid`` is the measured process (None for the direct row); the stub's CPU is recorded as well."""
+    ``pid`` is the measured process (None for the direct row); the stub's CPU is recorded as well.
+    With ``cpu_c1`` (and a ``pid``), the measured process's CPU and system calls are recorded over the
+    c=1 run too, and both runs' CPU totals also from schedstat (``c1_`` / ``c16_cpu_us_exact``)."""
     req = build_request("127.0.0.1", port, "/v1/chat/completions", BODY)
+    detail = cpu_c1 and pid is not None
 
     async def one_round() -> dict[str, float]:
+        if detail:
+            ns0, (r0, w0) = task_cpu_ns(pid), io_calls(pid)  # type: ignore[arg-type]
         lat1, _, e1 = await run_load("127.0.0.1", port, req, 1, n1)
+        if detail:
+            ns1, (r1, w1) = task_cpu_ns(pid), io_calls(pid)  # type: ignore[arg-type]
         user0, sys0 = cpu_times(pid) if pid else (0.0, 0.0)
         reads0, writes0 = io_calls(pid) if pid else (0, 0)
         stub0 = sum(cpu_times(stub_pid))
+        ns_c16 = task_cpu_ns(pid) if detail else 0  # type: ignore[arg-type]
         lat16, wall16, e16 = await run_load("127.0.0.1", port, req, 16, n16)
         user1, sys1 = cpu_times(pid) if pid else (0.0, 0.0)
         reads1, writes1 = io_calls(pid) if pid else (0, 0)
@@ -140,18 +182,26 @@ def measure(port: int, n1: int, n16: int, pid: int | None, stub_pid: int, repeat
             out["cpu_utilisation_c16"] = (user + system) / wall16
             out["reads_per_request"] = (reads1 - reads0) / n16
             out["writes_per_request"] = (writes1 - writes0) / n16
+        if detail:
+            out["c1_cpu_us_exact"] = (ns1 - ns0) / n1 / 1e3
+            out["c1_reads_per_request"] = (r1 - r0) / n1
+            out["c1_writes_per_request"] = (w1 - w0) / n1
+            out["c16_cpu_us_exact"] = (task_cpu_ns(pid) - ns_c16) / n16 / 1e3  # type: ignore[arg-type]
         return out
 
     async def go() -> dict[str, float]:
-        await run_load("127.0.0.1", port, req, 16, 1000)  # warm-up
+        await run_load("127.0.0.1", port, req, 16, warmup)  # warm-up
         rounds = [await one_round() for _ in range(repeat)]
         return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
     return asyncio.run(go())
 
 
-def in_process_costs() -> dict[str, float]:
-    """The router's own handling per request with the network taken out (see handler_cost.py)."""
+def in_process_costs() -> dict[str, dict[str, float]]:
+    """The router's own handling per request with the network taken out (see handler_cost.py).
+
+    Per JSON parser: microseconds per request with the engine's answer in one read and in one read
+    per token (``handler_cost.MODES``), each in a fresh interpreter pinned to core 0."""
     out = {}
     for parser in ("msgspec", "orjson"):
         proc = subprocess.run(
@@ -161,14 +211,15 @@ def in_process_costs() -> dict[str, float]:
                 "0",
                 PY,
                 "-c",
-                f"import handler_cost, run; print(handler_cost.handler_cost(run.BODY, {parser!r}))",
+                "import json, handler_cost, run; "
+                f"print(json.dumps(handler_cost.handler_costs(run.BODY, {parser!r})))",
             ],
             cwd=Path(__file__).resolve().parent,
             capture_output=True,
             text=True,
             check=True,
         )
-        out[parser] = float(proc.stdout.strip().splitlines()[-1])
+        out[parser] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
@@ -238,15 +289,114 @@ def added(res: dict[str, float], direct: dict[str, float]) -> None:
     res["c16_p99_over_p50"] = res["c16_p99_ms"] / res["c16_p50_ms"]
 
 
+def start_relay(stub_port: int, procs: list[subprocess.Popen[bytes]]) -> tuple[subprocess.Popen[bytes], int]:
+    """floor_relay.py on core 0 in front of the stub; (process, port) once it answers."""
+    port = free_port()
+    relay = start([PY, "benchmarks/router/floor_relay.py", str(port), str(stub_port)], 0)
+    procs.append(relay)
+    wait_ready(relay, port, "/health")
+    return relay, port
+
+
+def start_router(
+    stub_port: int, parser: str, procs: list[subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """The router on core 0 in front of the stub, with JSON parser ``parser``; (process, port) once ready."""
+    port = free_port()
+    router = start(
+        [
+            PY,
+            "-m",
+            "vllm_stack.router_cli",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--static-backends",
+            f"http://127.0.0.1:{stub_port}",
+            "--routing-logic",
+            "roundrobin",
+            "--json-parser",
+            parser,
+            "--log-level",
+            "warning",
+        ],
+        0,
+        {"PYTHONPATH": str(ROOT / "router")},
+    )
+    procs.append(router)
+    wait_ready(router, port, "/ready")
+    return router, port
+
+
+def end_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop what is still running; a process that died during the run has its log tail shown."""
+    for p in procs:
+        if p.poll() is not None:  # died during the run
+            print(f"{p.args} exited with {p.returncode}:\n{log_tail(p)}", file=sys.stderr)
+        p.terminate()
+        p.wait(10)
+
+
+def spaced_scenario(gap_ms: float, n1: int, n16: int, repeat: int) -> dict:
+    """The relay floor and the router (msgspec) behind the fast stub with its token events ``gap_ms`` apart.
+
+    Its own stub process (whatever ``--stub`` the main scenario used); CPU and system calls per request at both concurrencies, CPU totals from
+    schedstat (exact on a few hundred requests), the user/system split at c=16 from /proc/<pid>/stat."""
+    procs: list[subprocess.Popen[bytes]] = []
+    results: dict[str, dict[str, float]] = {}
+    try:
+        stub_port = free_port()
+        cmd = [
+            PY,
+            STUBS["fast"][0],
+            "--port",
+            str(stub_port),
+            "--tokens",
+            "8",
+            "--token-gap-ms",
+            f"{gap_ms:g}",
+        ]
+        stub_proc = start(cmd, 1)
+        procs.append(stub_proc)
+        wait_ready(stub_proc, stub_port, "/health")
+        warmup = 320  # 20 streams per connection: a few tenths of a second
+        relay, relay_port = start_relay(stub_port, procs)
+        results["python relay floor"] = measure(
+            relay_port, n1, n16, relay.pid, stub_proc.pid, repeat, warmup=warmup, cpu_c1=True
+        )
+        print(f"tokens {gap_ms:g} ms apart: relay floor", results["python relay floor"], flush=True)
+        stop(relay, procs)
+        router, router_port = start_router(stub_port, "msgspec", procs)
+        results["router (msgspec)"] = measure(
+            router_port, n1, n16, router.pid, stub_proc.pid, repeat, warmup=warmup, cpu_c1=True
+        )
+        print(f"tokens {gap_ms:g} ms apart: router (msgspec)", results["router (msgspec)"], flush=True)
+        stop(router, procs)
+    finally:
+        end_all(procs)
+    return {"token_gap_ms": gap_ms, "requests": {"c1": n1, "c16": n16}, "results": results}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     ap.add_argument("--stub", choices=tuple(STUBS), default="fast", help="stub engine (default fast)")
     ap.add_argument("--configs", default="msgspec,orjson", help="router JSON parsers, comma-separated")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per configuration (medians reported)")
+    ap.add_argument(
+        "--token-gap-ms",
+        type=float,
+        default=2.0,
+        help="second scenario: the fast stub's token events this many ms apart (relay floor and router "
+        "msgspec only; 0: skipped; whole ms, uvloop's timer resolution)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router"))
     args = ap.parse_args()
+    if args.token_gap_ms < 0:
+        ap.error("--token-gap-ms must be 0 or more")
     n1, n16 = (300, 2000) if args.quick else (1000, 6000)
+    spaced_n1, spaced_n16 = (100, 800) if args.quick else (200, 1500)
     os.sched_setaffinity(0, {1})
     load_at_start = list(os.getloadavg())
 
@@ -270,10 +420,7 @@ def main() -> int:
         print("uvicorn floor", results["uvicorn floor (no upstream)"], flush=True)
         stop(floor, procs)
 
-        relay_port = free_port()
-        relay = start([PY, "benchmarks/router/floor_relay.py", str(relay_port), str(stub_port)], 0)
-        procs.append(relay)
-        wait_ready(relay, relay_port, "/health")
+        relay, relay_port = start_relay(stub_port, procs)
         res = measure(relay_port, n1, n16, relay.pid, stub.pid, args.repeat)
         added(res, direct)
         results["python relay floor"] = res
@@ -281,41 +428,22 @@ def main() -> int:
         stop(relay, procs)
 
         for parser in args.configs.split(","):
-            port = free_port()
-            router = start(
-                [
-                    PY,
-                    "-m",
-                    "vllm_stack.router_cli",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--static-backends",
-                    f"http://127.0.0.1:{stub_port}",
-                    "--routing-logic",
-                    "roundrobin",
-                    "--json-parser",
-                    parser,
-                    "--log-level",
-                    "warning",
-                ],
-                0,
-                {"PYTHONPATH": str(ROOT / "router")},
-            )
-            procs.append(router)
-            wait_ready(router, port, "/ready")
+            router, port = start_router(stub_port, parser, procs)
             res = measure(port, n1, n16, router.pid, stub.pid, args.repeat)
             added(res, direct)
             results[f"router ({parser})"] = res
             print(parser, res, flush=True)
             stop(router, procs)
     finally:
-        for p in procs:
-            if p.poll() is not None:  # died during the run
-                print(f"{p.args} exited with {p.returncode}:\n{log_tail(p)}", file=sys.stderr)
-            p.terminate()
-            p.wait(10)
+        end_all(procs)
+
+    spaced: dict | None = None
+    if args.token_gap_ms > 0:
+
+        def tokens_spaced() -> dict:
+            return spaced_scenario(args.token_gap_ms, spaced_n1, spaced_n16, args.repeat)
+
+        spaced = optional(tokens_spaced)
     shutil.rmtree(log_dir())
 
     report = {
@@ -333,6 +461,7 @@ def main() -> int:
         "targets": {"cpu_us_per_request": 150, "added_c1_p50_ms": 0.2, "c16_p99_over_p50": 2.0},
         "reference": FACTS_REFERENCE,
         "results": results,
+        "tokens_spaced": spaced,
         "json_parser_us_per_parse": optional(parser_microbench),
         "router_handler_us_in_process": optional(in_process_costs),
     }
@@ -342,7 +471,7 @@ def main() -> int:
     md = render_markdown(report)
     out.with_suffix(".md").write_text(md)
     print(md)
-    return 0
+    return 1 if spaced is not None and "error" in spaced else 0
 
 
 def optional(fn: Callable[[], T]) -> T | dict[str, str]:
@@ -402,7 +531,11 @@ def render_markdown(report: dict) -> str:
     if "error" in handler:
         handler_text = f"not measured ({handler['error']})"
     else:
-        handler_text = ", ".join(f"{k} {v:.0f} us/request" for k, v in handler.items())
+        handler_text = "; ".join(
+            f"{k} {v['one_read']:.0f} us/request with the engine's answer in one read, "
+            f"{v['per_token_reads']:.0f} with one read per token"
+            for k, v in handler.items()
+        )
     stub_us = report["results"]["direct"]["stub_cpu_us_per_request"]
     return (
         "# Router benchmark\n\n"
@@ -425,11 +558,56 @@ def render_markdown(report: dict) -> str:
         "protocols (floor_relay.py: httptools parsing, pooled keep-alive upstream connections, chunk "
         "framing re-emitted, nothing else): what any Python router on this event loop must at least "
         "spend.\n\n"
-        f"Routing-field parsing alone (microbenchmark): {parser_text}\n\n"
-        "The router's own handling with the network taken out (in-process, in-memory upstream, "
-        f"handler_cost.py): {handler_text}.\n\n"
+        + render_spaced(report.get("tokens_spaced"), report["repeat"])
+        + f"Routing-field parsing alone (microbenchmark): {parser_text}\n\n"
+        "The router's own handling with the network taken out (handler_cost.py: the router's HTTP "
+        "connection, hot-path handler and relay driven in-process, fake transports, the stub's answer "
+        f"fed to a pooled upstream connection): {handler_text}.\n\n"
         "Targets: <= 150 us/request, <= 0.2 ms added median at c=1, p99 < 2 x p50 at c=16. "
         "Reference (FACTS.md): production-stack 380-415 us/req, +0.41 ms; Rust vllm-router 105-110 us/req, +0.17 ms.\n"
+    )
+
+
+def render_spaced(spaced: dict | None, repeat: int) -> str:
+    """The "tokens N ms apart" section: its own table, or why it is missing."""
+    if spaced is None:
+        return ""
+    if "error" in spaced:
+        return f"## Tokens spaced apart\n\nNot measured ({spaced['error']}).\n\n"
+    gap = spaced["token_gap_ms"]
+    rows = [
+        "| target | CPU us/req c=16 | user / sys us/req c=16 | reads / writes per req c=16 | "
+        "CPU us/req c=1 | reads / writes per req c=1 | c=1 p50 ms | c=16 p50 ms | c=16 p99 ms | "
+        "p99/p50 c=16 | req/s c=16 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in spaced["results"].items():
+        rows.append(
+            f"| {name} | {r['c16_cpu_us_exact']:.0f} | {r['user_us_per_request']:.0f} / "
+            f"{r['sys_us_per_request']:.0f} | {r['reads_per_request']:.1f} / {r['writes_per_request']:.1f} | "
+            f"{r['c1_cpu_us_exact']:.0f} | {r['c1_reads_per_request']:.1f} / {r['c1_writes_per_request']:.1f} | "
+            f"{r['c1_p50_ms']:.2f} | {r['c16_p50_ms']:.2f} | {r['c16_p99_ms']:.2f} | "
+            f"{r['c16_p99_ms'] / r['c16_p50_ms']:.2f} | {r['c16_rps']:.0f} |"
+        )
+    results = spaced["results"]
+    gap_text = ""
+    if "python relay floor" in results and "router (msgspec)" in results:
+        floor, router = results["python relay floor"], results["router (msgspec)"]
+        gap_text = (
+            f" The router spends {router['c16_cpu_us_exact'] - floor['c16_cpu_us_exact']:+.0f} us per request "
+            f"over the relay floor at c=16 and {router['c1_cpu_us_exact'] - floor['c1_cpu_us_exact']:+.0f} us "
+            "at c=1."
+        )
+    return (
+        f"## Tokens {gap:g} ms apart\n\n"
+        f"The same request behind fast_stub.py --token-gap-ms {gap:g}: the head at once, then each token's "
+        f"event {gap:g} ms after the previous write (uvloop timers: whole milliseconds, at least that long), "
+        "as an engine generating tokens sends them, so a proxy reads and writes about once per token "
+        f"instead of reading events together. {spaced['requests']['c1']} requests at c=1, "
+        f"{spaced['requests']['c16']} at c=16, medians of {repeat} rounds; its own stub process. CPU: all "
+        "threads' run time from /proc/<pid>/task/*/schedstat over each run (exact), the user/system split "
+        "from /proc/<pid>/stat (rough share); reads / writes as above. Latencies are mostly the stub's "
+        f"gaps (8 x {gap:g} ms at least).{gap_text}\n\n" + "\n".join(rows) + "\n\n"
     )
 
 
