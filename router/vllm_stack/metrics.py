@@ -227,12 +227,9 @@ class RouterMetrics:
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.child(model).observe(seconds)  # type: ignore[union-attr]
 
-    def observe_itl(self, model: str, gap: float, zeros: int) -> None:
-        """One stream read: the gap before its first event, and a 0 for each further event in it."""
-        child: _HistogramChild = self.itl.child(model)  # type: ignore[assignment]
-        child.observe(gap)
-        if zeros > 0:
-            child.observe_zeros(zeros)
+    def itl_child(self, model: str) -> _HistogramChild:
+        """The ITL histogram of a model (an exchange holds it for the length of its stream)."""
+        return self.itl.child(model)  # type: ignore[return-value]
 
     def in_flight_child(self, engine: str) -> _Value:
         return self.in_flight.child(engine)  # type: ignore[return-value]

@@ -3,7 +3,7 @@
 No task and no coroutine on the common path: the client connection dispatches the parsed request,
 the exchange picks an engine and writes the request on a pooled connection, and the upstream
 connection's parser callbacks drive everything after (see :mod:`vllm_stack.relay.pool`). Each
-upstream socket read ends in one :meth:`Exchange.flush`, one write to the client.
+upstream socket read ends in one :meth:`Exchange.on_read`, one write to the client.
 
 Invariants (issue 3):
 - bytes pass through unchanged (no decompression, no re-encoding); hop-by-hop headers are dropped
@@ -29,7 +29,7 @@ import httptools
 
 from vllm_stack.api.errors import RouterError, sse_error_event
 from vllm_stack.discovery.engine import Engine
-from vllm_stack.metrics import _Value
+from vllm_stack.metrics import _HistogramChild, _Value
 from vllm_stack.relay.headers import HOP_BY_HOP, connection_listed
 from vllm_stack.relay.pool import EnginePool, UpstreamConnectError, UpstreamConnection
 from vllm_stack.scheduling.framework import RequestContext
@@ -64,6 +64,7 @@ def _without_hop_by_hop(status: int, head: bytes, drop: frozenset[bytes]) -> byt
 
 
 _CHUNK_END = b"0\r\n\r\n"
+_NO_HISTOGRAM = _HistogramChild(())
 
 
 class Dechunker:
@@ -121,8 +122,8 @@ class Exchange:
         "held_size",
         "head",
         "last_data",
-        "events",
-        "last_flush",
+        "itl",
+        "last_event",
         "last_activity",
     )
 
@@ -170,9 +171,9 @@ class Exchange:
         self.held_size = 0
         self.head = b""
         self.last_data: bytes | None = None  # the last body bytes forwarded (where a stream may be ended)
-        self.events = 0  # SSE events forwarded since the last flush
-        self.last_flush = 0.0
-        self.last_activity = time.monotonic()
+        self.itl: _HistogramChild = _NO_HISTOGRAM  # the model's ITL child, once a stream is committed
+        self.last_event = 0.0
+        self.last_activity = time.perf_counter()
 
     # ---- attempts -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -340,33 +341,38 @@ class Exchange:
     def _commit(self) -> None:
         """From here the answer is forwarded as it arrives; no retry and no error JSON any more."""
         self.committed = True
+        if self.sse:
+            self.itl = self.router.metrics.itl_child(self.model_label)
         self.out.append(self.head)
         if self.held:
             self.out += self.held
             self.held.clear()
 
-    def on_data(self, data: bytes) -> None:
-        if self.dechunker is not None:
-            data = self.dechunker.feed(data)
-        if self.committed:
-            self.out.append(data)
-            if self.sse:
-                self.events += data.count(b"\n\n")  # an SSE event ends with a blank line
-            self.last_data = data
-            return
-        self.held.append(data)
-        self.held_size += len(data)
-        if self.held_size > BUFFER_LIMIT:
-            self._commit()
-            self.last_data = data
+    def on_read(self, data: bytes, complete: bool) -> None:
+        """One upstream socket read (body bytes, framing included): forwarded in one write.
 
-    def on_complete(self) -> None:
-        self.upstream_done = True
-        if not self.committed:
+        This runs once per streamed token, so it is kept short: no lookups beyond the exchange.
+        """
+        now = time.perf_counter()
+        self.last_activity = now
+        if data:
+            if self.dechunker is not None:
+                data = self.dechunker.feed(data)
+            if self.committed:
+                self.out.append(data)
+                self.last_data = data
+                if self.sse:
+                    events = data.count(b"\n\n")  # an SSE event ends with a blank line
+                    if events:
+                        self._observe_tokens(now, events)
+            else:
+                self.held.append(data)
+                self.held_size += len(data)
+                if self.held_size > BUFFER_LIMIT:
+                    self._commit()
+                    self.last_data = data
+        if complete and not self.committed:
             self._commit()
-
-    def flush(self) -> None:
-        """End of one upstream read: what it produced goes to the client in one write."""
         out = self.out
         if out:
             if not self.conn.closed:
@@ -375,25 +381,21 @@ class Exchange:
                 else:
                     self.conn.transport.writelines(out)
             out.clear()
-            if self.events:
-                self._observe_tokens()
-        self.last_activity = time.monotonic()
-        if self.upstream_done:
+        if complete:
             self._complete()
 
-    def _observe_tokens(self) -> None:
+    def _observe_tokens(self, now: float, events: int) -> None:
         """TTFT at the first streamed event; an ITL sample per event (events read together: gap 0)."""
-        now = time.perf_counter()
-        n = self.events
-        self.events = 0
-        metrics = self.router.metrics
-        if self.last_flush:
-            metrics.observe_itl(self.model_label, now - self.last_flush, n - 1)
+        itl = self.itl
+        if self.last_event:
+            itl.observe(now - self.last_event)
+            if events > 1:
+                itl.observe_zeros(events - 1)
         else:
-            metrics.observe_ttft(self.model_label, now - self.started)
-            if n > 1:
-                metrics.observe_itl(self.model_label, 0.0, n - 2)
-        self.last_flush = now
+            self.router.metrics.observe_ttft(self.model_label, now - self.started)
+            if events > 1:
+                itl.observe_zeros(events - 1)
+        self.last_event = now
 
     def _complete(self) -> None:
         if self.done:
@@ -418,8 +420,7 @@ class Exchange:
             return
         self.up = None
         if self.close_delimited and up.head_done and isinstance(error, ConnectionError | type(None)):
-            self.on_complete()  # a close-delimited body ends with the connection
-            self.flush()
+            self.on_read(b"", True)  # a close-delimited body ends with the connection
             return
         if not self.committed:
             if self.reused and not up.got_bytes and not self.resent:
@@ -491,7 +492,8 @@ class Exchange:
 
     # ---- endings ---------------------------------------------------------------------------------------
     def check_timeout(self, now: float) -> None:
-        """Called by the server's sweep: an engine silent for ``request_timeout`` fails the request.
+        """Called by the server's sweep (``now`` from time.perf_counter): an engine silent for
+        ``request_timeout`` fails the request.
 
         A sweep over the busy connections instead of a timer per request: arming and cancelling a
         timer for every request costs more than the whole check once a second.

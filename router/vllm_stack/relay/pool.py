@@ -2,8 +2,7 @@
 
 An :class:`UpstreamConnection` parses the engine's response with httptools only to find where the
 head ends and where the message ends; the body bytes are handed to the exchange as they were read,
-framing included (``on_head`` once, then per socket read ``on_data`` and ``flush``, and
-``on_complete`` at the end), so whatever arrived together leaves together in one write and no
+framing included (``on_head`` once, then ``on_read`` per socket read), so whatever arrived together leaves together in one write and no
 Python code runs per chunk. The parser has no body callback on purpose: it would cost a call per
 streamed token. A connection goes back to its pool only
 when its response was read to the end with keep-alive; any other end (client gone, error, timeout)
@@ -32,11 +31,7 @@ class Exchange(Protocol):
 
     def on_head(self, status: int, head: bytes) -> None: ...
 
-    def on_data(self, data: bytes) -> None: ...
-
-    def on_complete(self) -> None: ...
-
-    def flush(self) -> None: ...
+    def on_read(self, data: bytes, complete: bool) -> None: ...
 
     def upstream_failed(self, conn: UpstreamConnection, error: BaseException) -> None: ...
 
@@ -86,27 +81,27 @@ class UpstreamConnection(asyncio.Protocol):
         if exchange is None:  # bytes on an idle connection: the engine is confused, drop it
             self.abort()
             return
+        if self.head_done:  # the body, read by read (once per token when streaming)
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError as exc:
+                self._fail(exchange, exc)
+                return
+            if self.exchange is exchange:
+                exchange.on_read(data, self.complete)
+            return
         self.got_bytes = True
-        in_head = not self.head_done
-        if in_head:
-            self.head += data
+        self.head += data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(exchange, exc)
             return
-        if self.exchange is not exchange:  # the exchange let go of this response (a retry)
+        if self.exchange is not exchange or not self.head_done:  # let go of (a retry), or more head to come
             return
-        if in_head:
-            if not self.head_done:
-                return
-            data = self.head  # what followed the head in the same read (see on_headers_complete)
-            self.head = b""
-        if data:
-            exchange.on_data(data)
-        if self.complete:
-            exchange.on_complete()
-        exchange.flush()
+        data = self.head  # what followed the head in the same read (see on_headers_complete)
+        self.head = b""
+        exchange.on_read(data, self.complete)
 
     def _fail(self, exchange: Exchange, error: BaseException) -> None:
         if self.exchange is exchange:

@@ -85,10 +85,11 @@ class RouterServer:
         while True:
             await asyncio.sleep(min(SWEEP_INTERVAL, self.router.proxy_settings.request_timeout / 4))
             now = time.monotonic()
+            tick = time.perf_counter()  # the clock exchanges stamp their activity with
             for conn in list(self.connections):
                 handler = conn.handler
                 if handler is not None:
-                    handler.check_timeout(now)
+                    handler.check_timeout(tick)
                 elif conn.idle_since and not conn.busy and now - conn.idle_since > self.keep_alive_timeout:
                     conn.close()
                 if conn.head_started and now - conn.head_started > REQUEST_READ_TIMEOUT:
