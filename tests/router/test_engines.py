@@ -199,7 +199,10 @@ async def test_disconnect_aborts_the_engine_request(engines) -> None:
         )
 
 
-async def test_tool_call_then_retry_when_engine_killed_before_responding(engines, killable) -> None:
+async def test_tool_call_then_engine_killed_mid_stream_and_before_responding(engines, killable) -> None:
+    """One kill of a real engine with two requests on it: the stream that already sent events is not
+    retried and ends with an SSE error event (the SDK raises APIError); the request that had no answer
+    yet is retried on the other engine."""
     # killable first in the list: round-robin sends the first request to it
     async with running_router(
         [killable.url, engines[0].url], routing_logic="roundrobin", health_check_interval=30
@@ -233,20 +236,34 @@ async def test_tool_call_then_retry_when_engine_killed_before_responding(engines
         call = out.choices[0].message.tool_calls[0]
         assert call.type == "function" and call.function.name == "get_weather"
         await c.completions.create(model=MODEL, prompt="a", max_tokens=2)  # round-robin: now killable is next
+        long = {"model": MODEL, "prompt": "a", "max_tokens": 1000, "extra_body": {"ignore_eos": True}}
+        stream = await c.with_options(timeout=600).completions.create(stream=True, **long)  # -> killable
+        events = [await stream.__anext__()]  # the stream started: from here it must not be retried
+        await c.completions.create(model=MODEL, prompt="a", max_tokens=2)  # -> engines[0]
         before = successes(engines[0])
-        pending = asyncio.ensure_future(
-            c.with_options(timeout=600).completions.create(
-                model=MODEL, prompt="a", max_tokens=1000, extra_body={"ignore_eos": True}
-            )
-        )
+        pending = asyncio.ensure_future(c.with_options(timeout=600).completions.create(**long))  # -> killable
         killable_engine = router.registry.get(killable.address)
-        await wait_for(lambda: killable_engine.in_flight == 1, what="request on the killable engine")
+        await wait_for(lambda: killable_engine.in_flight == 2, what="two requests on the killable engine")
         await asyncio.sleep(0.5)
-        killable.kill()  # before it responded: the router must retry on the other engine
+        killable.kill()  # the non-streamed request has no answer yet: retried on the other engine
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            async for event in stream:
+                events.append(event)
+        assert len(events) < 1000
         result = await asyncio.wait_for(pending, 300)
         assert result.usage.completion_tokens == 1000
-        assert successes(engines[0]) - before == 1
+        assert successes(engines[0]) - before == 1  # the retried request, and not the broken stream
         assert (
             metric_value(router, "vllm_stack_router_retries_total", model=MODEL, reason="connect_error") == 1
+        )
+        assert (
+            metric_value(
+                router,
+                "vllm_stack_router_requests_total",
+                model=MODEL,
+                engine=killable_engine.name,
+                status="upstream_error",
+            )
+            == 1
         )
         assert not killable_engine.healthy
