@@ -247,7 +247,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
-        if self._head_bytes > MAX_HEAD_BYTES or len(self._headers) >= MAX_HEADERS:
+        if self._head_bytes > MAX_HEAD_BYTES:
             raise _Reject(RouterError(431, "Request headers too large.", code="headers_too_large"))
         name = name.lower()
         if name in _NOTED:
@@ -260,6 +260,8 @@ class HttpConnection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if len(self._headers) > MAX_HEADERS:  # counted once here: MAX_HEAD_BYTES bounds them meanwhile
+            raise _Reject(RouterError(431, "Too many request headers.", code="headers_too_large"))
         limit = self._limit = self.server.body_limit()
         if self._declared is not None:
             try:
