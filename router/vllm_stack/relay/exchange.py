@@ -237,6 +237,8 @@ class Exchange:
     def _send(self, up: UpstreamConnection, reused: bool) -> None:
         self.up = up
         self.reused = reused
+        if self.conn.writing_paused:  # the client is still behind on an earlier answer: wait for it
+            up.transport.pause_reading()
         pool = self.pool
         assert pool is not None
         request = self.request

@@ -130,7 +130,7 @@ class HttpConnection(asyncio.Protocol):
         "_limit",
         "_expect",
         "_reading_paused",
-        "_writing_paused",
+        "writing_paused",
         "_drain_waiters",
         "_lingering",
         "_upgrade_offer",
@@ -149,7 +149,7 @@ class HttpConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()  # 0.0 while a request is being read or answered
         self.head_started = 0.0  # when the current request's first byte arrived (slow-client timeout)
         self._reading_paused = False
-        self._writing_paused = False
+        self.writing_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._lingering = -1  # >= 0: closing, dropping what the client still sends (bytes so far)
         self._declined_head = b""  # a request head to parse again without its upgrade offer
@@ -213,12 +213,12 @@ class HttpConnection(asyncio.Protocol):
         self._drain_waiters.clear()
 
     def pause_writing(self) -> None:
-        self._writing_paused = True
+        self.writing_paused = True
         if self.handler is not None:
             self.handler.pause()
 
     def resume_writing(self) -> None:
-        self._writing_paused = False
+        self.writing_paused = False
         if self.handler is not None:
             self.handler.resume()
         for waiter in self._drain_waiters:
@@ -228,7 +228,7 @@ class HttpConnection(asyncio.Protocol):
 
     async def drain(self) -> None:
         """Wait while the client reads slower than the response is written (for coroutine handlers)."""
-        if self._writing_paused and not self.closed:
+        if self.writing_paused and not self.closed:
             waiter = asyncio.get_running_loop().create_future()
             self._drain_waiters.append(waiter)
             await waiter
