@@ -1,13 +1,18 @@
 """Router benchmark: direct to a stub engine versus through the router, side by side in one run.
 
-The measured process (router, or one of the two floors) runs pinned to core 0 (``taskset``); the stub
-engine and this load generator share core 1. Rows:
+The measured process (router, one of the two floors or the reference router) runs pinned to core 0
+(``taskset``); the stub engine and this load generator share core 1. Rows:
 - direct: the load sent straight to the stub;
 - uvicorn floor (no upstream): ``floor_app.py``, a raw ASGI app on uvicorn answering the stream from
   memory: what the HTTP server alone costs a router built on uvicorn;
 - python relay floor: ``floor_relay.py``, the smallest Python reverse proxy for this request on
   asyncio protocols: what any Python router on this event loop must at least spend;
-- router (<parser>): the router, once per JSON parser in ``--configs``.
+- router (<parser>): the router, once per JSON parser in ``--configs``;
+- vllm-project/router (Rust, reference): the Rust router from PyPI (``vllm-router==0.1.17``, installed
+  on demand into ``.cache/bench/vllm-router``; skipped with ``--no-reference`` or, with the reason in
+  the report, when it cannot be installed), in front of the same stub, measured the same way.
+  production-stack's Python router is not measured: it is not on PyPI (every published
+  ``vllm-router`` there is the Rust router).
 Figures per row:
 - CPU microseconds per request of the measured process over the c=16 run, from ``/proc/<pid>/stat``,
   in all and split into user (utime) and system (stime) time;
@@ -28,7 +33,7 @@ network taken out (``handler_cost.py``).
 Results: benchmarks/results/router.json and .md (``--out``).
 
 Usage: ``make bench`` or ``.venv/bin/python benchmarks/router/run.py [--quick] [--repeat N]
-[--token-gap-ms N] [--out PATH]``
+[--token-gap-ms N] [--no-reference] [--out PATH]``
 """
 
 from __future__ import annotations
@@ -329,6 +334,86 @@ def start_router(
     return router, port
 
 
+REFERENCE_PACKAGE = "vllm-router==0.1.17"
+REFERENCE_VENV = ROOT / ".cache" / "bench" / "vllm-router"
+RUST_REFERENCE = "vllm-project/router (Rust, reference)"
+NOT_ON_PYPI = (
+    "not on PyPI: production-stack's router is named vllm-router in its repository, but every "
+    "vllm-router published on PyPI (0.1.9 to 0.1.17) is the Rust vllm-project/router"
+)
+
+
+def install_reference() -> Path:
+    """The Rust router's ``vllm-router`` entry point, installed on first use into REFERENCE_VENV.
+
+    A venv of its own made with uv, the version pinned (REFERENCE_PACKAGE); an install already there
+    is reused without asking the index. Raises CalledProcessError (uv's message) if it cannot install."""
+    uv = ROOT / ".venv" / "bin" / "uv"
+    name, version = REFERENCE_PACKAGE.split("==")
+    exe = REFERENCE_VENV / "bin" / "vllm-router"
+    installed = list(
+        REFERENCE_VENV.glob(f"lib/python*/site-packages/{name.replace('-', '_')}-{version}.dist-info")
+    )
+    if exe.exists() and installed:
+        return exe
+    if not (REFERENCE_VENV / "bin" / "python").exists():
+        subprocess.run(
+            [str(uv), "venv", "-q", "--python", PY, str(REFERENCE_VENV)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    subprocess.run(
+        [
+            str(uv),
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            str(REFERENCE_VENV / "bin" / "python"),
+            REFERENCE_PACKAGE,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return exe
+
+
+def start_rust_reference(
+    stub_port: int, procs: list[subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """The Rust vllm-project/router on core 0 in front of the stub, round robin; (process, port) once ready.
+
+    Its launcher is a Python script that hands over to the Rust server (tokio threads in the same
+    process, so /proc/<pid>/stat counts them all). It checks the worker's /health before it serves;
+    /readiness answers 200 once the worker is healthy. Its Prometheus exporter (on by default) gets a
+    free port of its own."""
+    exe = install_reference()
+    port = free_port()
+    router = start(
+        [
+            str(exe),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            f"http://127.0.0.1:{stub_port}",
+            "--policy",
+            "round_robin",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ],
+        0,
+    )
+    procs.append(router)
+    wait_ready(router, port, "/readiness", timeout=60.0)
+    return router, port
+
+
 def end_all(procs: list[subprocess.Popen[bytes]]) -> None:
     """Stop what is still running; a process that died during the run has its log tail shown."""
     for p in procs:
@@ -391,6 +476,11 @@ def main() -> int:
         help="second scenario: the fast stub's token events this many ms apart (relay floor and router "
         "msgspec only; 0: skipped; whole ms, uvloop's timer resolution)",
     )
+    ap.add_argument(
+        "--no-reference",
+        action="store_true",
+        help=f"skip the Rust vllm-project/router reference row ({REFERENCE_PACKAGE}, installed on first use)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router"))
     args = ap.parse_args()
     if args.token_gap_ms < 0:
@@ -400,6 +490,10 @@ def main() -> int:
     os.sched_setaffinity(0, {1})
     load_at_start = list(os.getloadavg())
 
+    references: dict[str, dict[str, str]] = {
+        RUST_REFERENCE: {"package": REFERENCE_PACKAGE},
+        "production-stack router (reference)": {"package": "-", "skipped": NOT_ON_PYPI},
+    }
     procs: list[subprocess.Popen[bytes]] = []
     try:
         stub_port = free_port()
@@ -434,6 +528,24 @@ def main() -> int:
             results[f"router ({parser})"] = res
             print(parser, res, flush=True)
             stop(router, procs)
+
+        if args.no_reference:
+            references[RUST_REFERENCE]["skipped"] = "--no-reference"
+        else:
+
+            def rust_reference() -> dict[str, float]:
+                ref, ref_port = start_rust_reference(stub_port, procs)
+                res = measure(ref_port, n1, n16, ref.pid, stub.pid, args.repeat)
+                stop(ref, procs)
+                return res
+
+            res = optional(rust_reference)
+            if "error" in res:
+                references[RUST_REFERENCE]["skipped"] = str(res["error"])
+            else:
+                added(res, direct)
+                results[RUST_REFERENCE] = res
+                print("rust reference", res, flush=True)
     finally:
         end_all(procs)
 
@@ -448,7 +560,8 @@ def main() -> int:
 
     report = {
         "request": "POST /v1/chat/completions, stream=true, 8 tokens (stub engine)",
-        "setup": "measured process (router or floor) pinned to core 0; stub engine + load generator on core 1",
+        "setup": "measured process (router, floor or reference router) pinned to core 0; "
+        "stub engine + load generator on core 1",
         "stub": {"name": args.stub, "description": STUBS[args.stub][1]},
         "host": {
             "cpus": os.cpu_count(),
@@ -460,6 +573,7 @@ def main() -> int:
         "repeat": args.repeat,
         "targets": {"cpu_us_per_request": 150, "added_c1_p50_ms": 0.2, "c16_p99_over_p50": 2.0},
         "reference": FACTS_REFERENCE,
+        "reference_routers": references,
         "results": results,
         "tokens_spaced": spaced,
         "json_parser_us_per_parse": optional(parser_microbench),
@@ -504,7 +618,8 @@ def render_markdown(report: dict) -> str:
     ]
     for name, r in report["results"].items():
         calls = (
-            f"{r['reads_per_request']:.1f} / {r['writes_per_request']:.1f}"
+            f"{'-' if name == RUST_REFERENCE else format(r['reads_per_request'], '.1f')} / "
+            f"{r['writes_per_request']:.1f}"
             if "reads_per_request" in r
             else "-"
         )
@@ -564,7 +679,31 @@ def render_markdown(report: dict) -> str:
         "connection, hot-path handler and relay driven in-process, fake transports, the stub's answer "
         f"fed to a pooled upstream connection): {handler_text}.\n\n"
         "Targets: <= 150 us/request, <= 0.2 ms added median at c=1, p99 < 2 x p50 at c=16. "
-        "Reference (FACTS.md): production-stack 380-415 us/req, +0.41 ms; Rust vllm-router 105-110 us/req, +0.17 ms.\n"
+        "Reference (FACTS.md, measured on a different stub): production-stack 380-415 us/req, +0.41 ms; "
+        "Rust vllm-router 105-110 us/req, +0.17 ms. " + render_references(report) + "\n"
+    )
+
+
+def render_references(report: dict) -> str:
+    """What the reference rows are, and why any of them is missing (first line of the reason)."""
+    parts = []
+    for name, ref in report.get("reference_routers", {}).items():
+        if "skipped" in ref:
+            reason = (ref["skipped"].strip().splitlines() or ["?"])[0]
+            parts.append(f"{name}: not measured ({reason}).")
+            continue
+        text = (
+            f"{name}: {ref['package']} from PyPI, in front of the same stub, pinned to core 0 like the "
+            "router rows (CPU of all its threads; its reads are not shown: it reads sockets with recv(2), "
+            "which /proc/<pid>/io does not count, while its writev(2) calls are counted)"
+        )
+        errors = report["results"].get(name, {}).get("errors", 0)
+        parts.append(text + (f"; {errors:.0f} requests failed." if errors else ", no request failed."))
+    if not parts:
+        return ""
+    return (
+        "The reference rows in the table above were measured in this run, on this stub, so they compare "
+        "with the router rows directly (FACTS.md's figures do not, figure for figure). " + " ".join(parts)
     )
 
 
