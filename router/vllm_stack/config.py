@@ -52,6 +52,7 @@ class RouterConfig:
     connect_timeout: float = 5.0
     engine_ca_file: str | None = None  # CA bundle that signs https engines' certificates (default: system)
     max_body_bytes: int = 32 * 1024 * 1024
+    max_connections: int = 10_000  # client connections held at once; more are answered 503 and closed
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
@@ -77,6 +78,8 @@ class RouterConfig:
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
         if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
             raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
+        if self.max_connections <= 0:
+            raise ConfigError("max_connections must be > 0")
         if self.engine_scrape_interval <= 0 or self.health_check_interval <= 0:
             raise ConfigError("scrape and health-check intervals must be > 0")
         if self.session_balance_epsilon <= 0:

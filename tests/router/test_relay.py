@@ -125,3 +125,21 @@ async def test_stream_metrics_count_every_event() -> None:
         itl = metric_value(router, "vllm_stack_router_itl_seconds_count", model="stub-model")
         assert ttft == 1
         assert itl == 6  # 6 token events + [DONE] = 7 events, 6 gaps
+
+
+async def test_connections_beyond_the_limit_get_503_and_are_closed(two_stubs) -> None:
+    """A connection flood cannot grow memory: past max_connections new ones get a 503 and a close,
+    and the held ones keep working."""
+    _, urls = two_stubs
+    async with running_router(urls, max_connections=3) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+        reader, writer = await asyncio.open_connection(host, int(port))
+        answer = await asyncio.wait_for(reader.read(), 5)  # answered and closed without a request
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in answer
+        writer.close()
+        r, w = held[0]
+        w.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200 ")
+        for _, w in held:
+            w.close()

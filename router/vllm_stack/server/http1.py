@@ -98,6 +98,8 @@ class ServerContext(Protocol):
 
     def body_limit(self) -> int: ...
 
+    def connection_limit(self) -> int: ...
+
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None: ...
 
 
@@ -169,7 +171,21 @@ class HttpConnection(asyncio.Protocol):
     # ---- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server.connections.add(self)
+        connections = self.server.connections
+        if len(connections) >= self.server.connection_limit():  # bounded memory under a connection flood
+            self.busy = True
+            self.send_error(
+                RouterError(
+                    503,
+                    "Too many connections.",
+                    code="too_many_connections",
+                    headers=[(b"retry-after", b"1")],
+                ),
+                new_request_id(),
+                keep_alive=False,
+            )
+            return
+        connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering >= 0:

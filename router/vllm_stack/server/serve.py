@@ -58,6 +58,9 @@ class RouterServer:
     def body_limit(self) -> int:
         return self.router.max_body_bytes
 
+    def connection_limit(self) -> int:
+        return self.router.config.max_connections
+
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
         if request.method == "POST" and request.path in self._proxied_paths:
             proxied.handle(self.router, conn, request)
