@@ -8,6 +8,7 @@ call it again and swap the result in.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -19,6 +20,9 @@ import yaml
 ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
+
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -111,10 +115,19 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
+#: Settings earlier versions had: accepted with a warning so an old file still loads.
+RETIRED = {
+    "upstream_client": "the router has one upstream client, its own relay (benchmarks/router/README.md)",
+}
+
+
 def _normalise(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = str(key).replace("-", "_")
+        if name in RETIRED:
+            log.warning("%s: %r is ignored: %s", source, key, RETIRED[name])
+            continue
         if name in ("api_keys", "config_file"):
             raise ConfigError(f"{source}: {key!r} cannot be set here (use api_keys_file / --config)")
         if name not in _FIELD_TYPES:

@@ -49,6 +49,10 @@ def test_yaml_then_cli_precedence_and_validation(tmp_path) -> None:
     assert cfg.static_backends == ("http://a:1", "http://b:2")
     assert cfg.static_models == ("m1", "m2")
     assert (cfg.routing_logic, cfg.retries) == ("p2c", 1)
+    f.write_text(
+        "static-backends: http://a:1\nupstream-client: aiohttp\n"
+    )  # retired: a warning, not an error
+    assert load_config({}, str(f), environ={}).static_backends == ("http://a:1",)
     f.write_text("static-backends: http://a:1\nbogus: 1\n")
     with pytest.raises(ConfigError, match="bogus"):
         load_config({}, str(f), environ={})

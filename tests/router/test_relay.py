@@ -17,6 +17,15 @@ from vllm_stack.server import RouterServer
 MSG = [{"role": "user", "content": "hi"}]
 
 
+async def started_server(engine_url: str, shutdown_grace: float) -> RouterServer:
+    """A started router server over one engine, once the engine is healthy (the test stops it)."""
+    router = build_router({**FAST, "static_backends": engine_url}, environ={})
+    server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=shutdown_grace)
+    await server.start()
+    await wait_for(lambda: router.registry.healthy_count == 1)
+    return server
+
+
 @pytest.fixture
 def self_signed(tmp_path) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1, made with the openssl command line."""
@@ -48,13 +57,10 @@ async def test_https_engine_is_proxied_over_tls(self_signed) -> None:
 
 async def test_stop_lets_a_running_stream_finish_and_refuses_new_connections() -> None:
     """SIGTERM semantics: the listener closes at once, an answer under way completes (within the
-    grace period) with `connection: close`, and only then does the router stop."""
+    grace period), its connection is closed after it, and only then does the router stop."""
     engine = StubEngine("slow", ["stub-model"], StubBehaviour(token_delay_s=0.1))
     async with stubs(engine) as urls:
-        router = build_router({**FAST, "static_backends": urls[0]}, environ={})
-        server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=10.0)
-        await server.start()
-        await wait_for(lambda: router.registry.healthy_count == 1)
+        server = await started_server(urls[0], shutdown_grace=10.0)
         port = server.port
         async with http(server.url) as h:
             async with h.stream(
@@ -78,10 +84,7 @@ async def test_stop_cuts_what_outlives_the_grace_period() -> None:
     """A stream longer than the grace period is cut when it ends, and the engine aborts it."""
     engine = StubEngine("slow", ["stub-model"], StubBehaviour(token_delay_s=0.2))
     async with stubs(engine) as urls:
-        router = build_router({**FAST, "static_backends": urls[0]}, environ={})
-        server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=0.5)
-        await server.start()
-        await wait_for(lambda: router.registry.healthy_count == 1)
+        server = await started_server(urls[0], shutdown_grace=0.5)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         body = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":50}'
         writer.write(
