@@ -11,6 +11,9 @@
 {{- $args = concat $args (list "--routing-logic" $r.routingLogic) -}}
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
 {{- $args = concat $args (list "--engine-scrape-interval" (include "vllm-stack.str" $r.engineScrapeInterval) "--health-check-interval" (include "vllm-stack.str" $r.healthCheckInterval) "--request-timeout" (include "vllm-stack.str" $r.requestTimeout) "--max-body-bytes" (include "vllm-stack.str" $r.maxBodyBytes) "--log-level" $r.logLevel) -}}
+{{- /* What is left of the pod's grace period after the preStop sleep, minus 5 s to exit cleanly. */}}
+{{- $grace := max 1 (sub (sub (int $r.terminationGracePeriodSeconds) (int $r.preStopSleepSeconds)) 5) -}}
+{{- $args = concat $args (list "--shutdown-grace" (toString $grace)) -}}
 {{- if $r.config }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
 {{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end -}}

@@ -134,7 +134,24 @@ def test_router_args_follow_the_contract():
         "33554432",
         "--log-level",
         "info",
+        "--shutdown-grace",
+        "50",
     ]
+
+
+def test_router_stops_gracefully_within_the_pod_grace_period(tmp_path):
+    """SIGTERM handling fits Kubernetes: a preStop sleep while the pod leaves the Service, then the
+    router's own drain (--shutdown-grace) ends before the kubelet's kill."""
+    d = one(render([SEED]), "Deployment", f"{RELEASE}-router")
+    pod = d["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 60
+    assert container(d)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    vf = values_file(
+        tmp_path, {"routerSpec": {"terminationGracePeriodSeconds": 300, "preStopSleepSeconds": 0}}
+    )
+    d = one(render([SEED, str(vf)]), "Deployment", f"{RELEASE}-router")
+    assert "lifecycle" not in container(d)
+    assert flag(container(d)["args"], "--shutdown-grace") == "295"
 
 
 def test_two_releases_never_see_each_others_engines():
