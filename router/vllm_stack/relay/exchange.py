@@ -111,7 +111,6 @@ class Exchange:
         "status",
         "committed",
         "done",
-        "upstream_done",
         "keep_alive",
         "chunked",
         "sse",
@@ -160,7 +159,6 @@ class Exchange:
         self.status = "none"  # the outcome label of the request counter
         self.committed = False  # the answer is being forwarded: no retry, no error JSON any more
         self.done = False
-        self.upstream_done = False
         self.keep_alive = request.keep_alive
         self.chunked = False  # the engine's (and so our) body framing
         self.close_delimited = False
@@ -288,7 +286,6 @@ class Exchange:
         self.held.clear()
         self.held_size = 0
         self.head = b""
-        self.upstream_done = False
         self.sse = False
         self.chunked = False
         self.close_delimited = False

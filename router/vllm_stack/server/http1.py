@@ -26,7 +26,6 @@ import collections
 import http
 import logging
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 import httptools
@@ -418,6 +417,3 @@ class HttpConnection(asyncio.Protocol):
 def _too_large(limit: int, declared: int | None = None) -> RouterError:
     what = f"Request body of {declared} bytes" if declared is not None else "Request body"
     return RouterError(413, f"{what} exceeds the limit of {limit} bytes.", code="body_too_large")
-
-
-ServerFactory = Callable[[], HttpConnection]
