@@ -2,11 +2,11 @@
 
 An :class:`UpstreamConnection` parses the engine's response with httptools only to find where the
 head ends and where the message ends; the body bytes are handed to the exchange as they were read,
-framing included (``on_head`` once, then ``on_read`` per socket read), so whatever arrived together leaves together in one write and no
-Python code runs per chunk. The parser has no body callback on purpose: it would cost a call per
-streamed token. A connection goes back to its pool only
-when its response was read to the end with keep-alive; any other end (client gone, error, timeout)
-closes it, which is how an engine learns to abort the request.
+framing included (``on_head`` once, then ``on_read`` per socket read), so whatever arrived together
+leaves together in one write and no Python code runs per chunk. The parser has no body callback on
+purpose: it would cost a call per streamed token. A connection goes back to its pool only when its
+response was read to the end with keep-alive; any other end (client gone, error, timeout) closes
+it, which is how an engine learns to abort the request.
 """
 
 from __future__ import annotations
