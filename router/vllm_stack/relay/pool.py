@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import httptools
 
 MAX_IDLE_PER_ENGINE = 512
+MAX_HEAD_BYTES = 256 * 1024  # an engine's response head still incomplete after this many bytes is refused
 MAX_POOLS = 4096  # engines come and go (Kubernetes); the map of pools stays bounded
 
 
@@ -97,7 +98,11 @@ class UpstreamConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(exchange, exc)
             return
-        if self.exchange is not exchange or not self.head_done:  # let go of (a retry), or more head to come
+        if self.exchange is not exchange:  # the exchange let go of this response (a retry)
+            return
+        if not self.head_done:  # more head to come, but not without end
+            if len(self.head) > MAX_HEAD_BYTES:
+                self._fail(exchange, httptools.HttpParserError("response head too large"))
             return
         data = self.head  # what followed the head in the same read (see on_headers_complete)
         self.head = b""
