@@ -187,3 +187,31 @@ async def test_an_engine_sending_an_endless_head_is_cut_not_buffered() -> None:
         assert "too large" in r.json()["error"]["message"]
     finally:
         server.close()
+
+
+async def test_pipelined_bodies_beyond_one_body_limit_wait_and_are_all_answered() -> None:
+    """Memory per connection stays bounded under pipelining: once the queued bodies reach the body
+    limit the router stops reading, and reads on as the queue drains, answering everything in order."""
+    engine = StubEngine("e", ["stub-model"], StubBehaviour(token_delay_s=0.05))
+    async with stubs(engine) as urls, running_router(urls, max_body_bytes=2000) as (url, router):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        requests = []
+        for i in range(6):  # ~1.5 KB each: three of them already pass the 2,000-byte limit
+            body = b'{"model":"stub-model","prompt":"%s","max_tokens":2,"stream":true,"user":"%d"}' % (
+                b"x" * 1450,
+                i,
+            )
+            requests.append(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"x-request-id: pipe-%d\r\ncontent-length: %d\r\n\r\n%b" % (i, len(body), body)
+            )
+        writer.write(b"".join(requests))
+        ids = []
+        for _ in range(6):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200 ")
+            ids.append(head.lower().split(b"x-request-id: ")[1].split(b"\r\n")[0])
+            await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n\r\n0\r\n\r\n"), 10)
+        writer.close()
+    assert ids == [b"pipe-%d" % i for i in range(6)]

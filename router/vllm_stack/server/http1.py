@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
 MAX_HEADERS = 256
-MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered
+MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered (and their bodies: one limit)
 LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is read and dropped
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
 
@@ -131,6 +131,7 @@ class HttpConnection(asyncio.Protocol):
         "_limit",
         "_expect",
         "_reading_paused",
+        "_queued_bytes",
         "writing_paused",
         "_drain_waiters",
         "_lingering",
@@ -150,6 +151,7 @@ class HttpConnection(asyncio.Protocol):
         self.idle_since = time.monotonic()  # 0.0 while a request is being read or answered
         self.head_started = 0.0  # when the current request's first byte arrived (slow-client timeout)
         self._reading_paused = False
+        self._queued_bytes = 0
         self.writing_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._lingering = -1  # >= 0: closing, dropping what the client still sends (bytes so far)
@@ -218,6 +220,7 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
         self.server.connections.discard(self)
         self.queue.clear()
+        self._queued_bytes = 0
         handler = self.handler
         if handler is not None:
             self.handler = None
@@ -324,7 +327,8 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.busy:
             self.queue.append(request)
-            if len(self.queue) >= MAX_PIPELINED and not self._reading_paused:
+            self._queued_bytes += len(request.body)
+            if self._queue_full() and not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pause_reading()
         else:
@@ -358,10 +362,16 @@ class HttpConnection(asyncio.Protocol):
             return
         self.idle_since = time.monotonic()
         if self.queue:
-            self._start(self.queue.popleft())
-            if self._reading_paused and len(self.queue) < MAX_PIPELINED:
+            request = self.queue.popleft()
+            self._queued_bytes -= len(request.body)
+            self._start(request)
+            if self._reading_paused and not self._queue_full() and not self.closed:
                 self._reading_paused = False
                 self.transport.resume_reading()
+
+    def _queue_full(self) -> bool:
+        """Pipelined requests wait within bounds: a count, and their bodies within one body limit."""
+        return len(self.queue) >= MAX_PIPELINED or self._queued_bytes >= self.server.body_limit()
 
     def send_error(self, error: RouterError, request_id: bytes | None, keep_alive: bool) -> None:
         """Answer the current request with an OpenAI-style JSON error and finish it."""
@@ -387,6 +397,7 @@ class HttpConnection(asyncio.Protocol):
         """Malformed or refused input: answer it (unless a response is under way) and close."""
         self.parser = httptools.HttpRequestParser(self)  # the old one is in an error state
         self.queue.clear()
+        self._queued_bytes = 0
         if self.closed:
             return
         if self.busy:  # a response is being written for an earlier request: just stop here
