@@ -226,11 +226,10 @@ class Exchange:
         self.connecting = None
         if exc is None:
             self._send(task.result(), reused=False)
-        elif isinstance(exc, UpstreamConnectError):
-            self._attempt_failed(f"Could not reach engine {self._engine_name()}: {exc}", "connect_error")
-        else:
+            return
+        if not isinstance(exc, UpstreamConnectError):
             log.error("connecting to %s failed unexpectedly", self._engine_name(), exc_info=exc)
-            self._attempt_failed(f"Could not reach engine {self._engine_name()}: {exc}", "connect_error")
+        self._attempt_failed(f"Could not reach engine {self._engine_name()}: {exc}", "connect_error")
 
     def _send(self, up: UpstreamConnection, reused: bool) -> None:
         self.up = up
@@ -385,15 +384,12 @@ class Exchange:
 
     def _observe_tokens(self, now: float, events: int) -> None:
         """TTFT at the first streamed event; an ITL sample per event (events read together: gap 0)."""
-        itl = self.itl
         if self.last_event:
-            itl.observe(now - self.last_event)
-            if events > 1:
-                itl.observe_zeros(events - 1)
+            self.itl.observe(now - self.last_event)
         else:
             self.router.metrics.observe_ttft(self.model_label, now - self.started)
-            if events > 1:
-                itl.observe_zeros(events - 1)
+        if events > 1:
+            self.itl.observe_zeros(events - 1)
         self.last_event = now
 
     def _complete(self) -> None:

@@ -225,10 +225,7 @@ class HttpConnection(asyncio.Protocol):
         if handler is not None:
             self.handler = None
             handler.client_lost()
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._drain_waiters.clear()
+        self._wake_drainers()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -239,6 +236,9 @@ class HttpConnection(asyncio.Protocol):
         self.writing_paused = False
         if self.handler is not None:
             self.handler.resume()
+        self._wake_drainers()
+
+    def _wake_drainers(self) -> None:
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
