@@ -41,6 +41,8 @@ class SessionEngines:
         self.log_dir = log_dir
         self.chat: EngineGroup | None = None
         self.embed: EngineGroup | None = None
+        self.spare: Engine | None = None  # the one tests may kill, stop or restart
+        self._spare_spec: EngineSpec | None = None
         self.used: list[Engine] = []
 
     def _launch_all(self) -> None:
@@ -55,6 +57,14 @@ class SessionEngines:
             launch(chat, name=f"chat-{i}", cpu=cpus[i], log_dir=self.log_dir) for i in range(2)
         )
         self.embed = EngineGroup([launch(embed, name="embed-0", cpu=cpus[2], log_dir=self.log_dir)])
+        # Started with the others so its start-up overlaps theirs; it also parses tool calls.
+        self._spare_spec = EngineSpec(
+            self.model_dir,
+            CHAT_MODEL,
+            kv_events=False,
+            extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        )
+        self.spare = launch(self._spare_spec, name="spare", cpu=cpus[1], log_dir=self.log_dir)
 
     def chat_engines(self) -> EngineGroup:
         self._launch_all()
@@ -70,10 +80,29 @@ class SessionEngines:
         wait_ready(self.embed.engines, READY_TIMEOUT)
         return self.embed[0]
 
+    def spare_engine(self) -> Engine:
+        """The spare engine, ready (unless a test killed it; see :meth:`restart_spare`)."""
+        self._launch_all()
+        assert self.spare is not None
+        self.used.append(self.spare)
+        if self.spare.is_running():
+            wait_ready([self.spare], READY_TIMEOUT)
+        return self.spare
+
+    def restart_spare(self) -> Engine:
+        """Start the spare again at its port (its process must be gone); does not wait for it."""
+        assert self.spare is not None and self._spare_spec is not None and not self.spare.is_running()
+        port = self.spare.port
+        self.spare = launch(self._spare_spec, name="spare-restarted", cpu=self.spare.cpu, log_dir=self.log_dir, port=port)
+        self.used.append(self.spare)
+        return self.spare
+
     def stop(self) -> None:
         for group in (self.chat, self.embed):
             if group is not None:
                 group.stop()
+        if self.spare is not None:
+            self.spare.stop()
 
 
 @pytest.fixture(scope="session")

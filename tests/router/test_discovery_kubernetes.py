@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import pathlib
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -389,3 +390,45 @@ def test_rejects_bad_arguments() -> None:
         KubernetesDiscovery(NS, SELECTOR, PORT, backoff_initial=5, backoff_max=1)
     with pytest.raises(ValueError):
         KubernetesDiscovery("", SELECTOR, PORT)
+
+
+async def test_pod_deleted_during_a_watch_gap_gets_no_traffic_after_the_relist(api: FakeKubeApi) -> None:
+    """End to end through the router: a pod deleted while the watch was down (its process still
+    serving, as a terminating pod's may) gets no request within 5 s of the re-list. The pods' stub
+    engines listen on 127.0.0.2 and 127.0.0.3 at one port, as pods share a container port."""
+    from tests.fakes.stub_engine import StubEngine, serve
+    from tests.router.helpers import FAST, http, serving, wait_for
+    from vllm_stack.app import build_router
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        port = s.getsockname()[1]
+    a, b = StubEngine("a", ["tiny"]), StubEngine("b", ["tiny"])
+
+    async def api_client() -> ApiClient:
+        return ApiClient(configuration=Configuration(host=api.url))
+
+    discovery = KubernetesDiscovery(NS, SELECTOR, port, api_client_factory=api_client, backoff_initial=0.02, backoff_max=0.1)  # type: ignore[arg-type]
+    cli = {**FAST, "routing_logic": "roundrobin", "service_discovery": "k8s", "k8s_namespace": NS}
+    router = build_router(cli, discovery=discovery, environ={})
+    api.add_pod("a", labels=LABELS, ip="127.0.0.2")
+    api.add_pod("b", labels=LABELS, ip="127.0.0.3")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    async with serve(a, host="127.0.0.2", port=port), serve(b, host="127.0.0.3", port=port), serving(router) as url:
+        await wait_for(lambda: router.registry.healthy_count == 2, what="both pods routable")
+        async with http(url) as h:
+            for _ in range(4):
+                assert (await h.post("/v1/completions", json=body)).status_code == 200
+            assert a.completed > 0 and b.completed > 0
+            await eventually(lambda: api.open_watches == 1)
+            async with api.holding_requests():
+                await api.drop_watches()
+                api.delete_pod("a")
+                await eventually(lambda: api.held_requests >= 1)
+            relisted = time.monotonic()
+            await wait_for(lambda: router.registry.get("a") is None, 5, "pod a gone after the re-list")
+            assert time.monotonic() - relisted <= 5
+            served_by_a = a.completed
+            codes = [(await h.post("/v1/completions", json=body)).status_code for _ in range(20)]
+    assert codes == [200] * 20
+    assert a.completed == served_by_a, "the deleted pod still got traffic"

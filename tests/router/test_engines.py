@@ -17,7 +17,6 @@ import openai
 import pytest
 
 from tests.router.helpers import client, http, metric_value, running_router, wait_for
-from vllm_stack.testbed.engines import start_engines
 
 pytestmark = pytest.mark.engine
 
@@ -30,20 +29,10 @@ def successes(engine) -> float:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def killable(tiny_model_dir, engine_logs_dir):  # noqa: ANN001, ANN201
-    """One extra tiny-llama engine this module may kill; it also parses tool calls (hermes)."""
-    group = start_engines(
-        1,
-        tiny_model_dir,
-        MODEL,
-        log_dir=engine_logs_dir,
-        name_prefix="killable",
-        kv_events=False,
-        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        ready_timeout=420,
-    )
-    yield group[0]
-    group.stop()
+def killable(session_engines):  # noqa: ANN001, ANN201
+    """The session's spare tiny-llama engine, which this module may kill; it also parses tool calls
+    (hermes). test_engine_faults.py runs first and leaves it restarted and serving."""
+    return session_engines.spare_engine()
 
 
 async def test_chat_and_completions_streaming_and_not(engines) -> None:

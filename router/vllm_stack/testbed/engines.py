@@ -154,10 +154,35 @@ class Engine:
         self.process.wait(timeout=10)
 
 
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU advertises AMX tiles (``amx_tile`` in /proc/cpuinfo's flags)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return any(line.startswith("flags") and " amx_tile" in line for line in cpuinfo.splitlines())
+
+
+def dtype_override() -> list[str]:
+    """``--dtype float32`` on CPUs with AMX, unless ``VLLM_STACK_ENGINE_DTYPE`` names a dtype.
+
+    Why: for bfloat16 models vLLM 0.32's CPU attention picks its AMX kernels whenever the CPU
+    advertises AMX, without asking Linux for the AMX permission first, and the engine's worker dies
+    with SIGILL on its first request (measured on this project's machines, which advertise
+    ``amx_tile``); with the permission granted by hand, warm-up stalled for over a minute. float32
+    has no AMX path. Elsewhere the model's own dtype (bfloat16) stays.
+    """
+    forced = os.environ.get("VLLM_STACK_ENGINE_DTYPE")
+    if forced:
+        return ["--dtype", forced]
+    return ["--dtype", "float32"] if cpu_has_amx() else []
+
+
 def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list[str]:
     """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
-    if spec.args is not None:
-        return [*spec.args, "--host", "127.0.0.1", "--port", str(port)]
+    if spec.args is not None:  # the dtype substitution goes last, so it wins over a rendered one
+        return [*spec.args, "--host", "127.0.0.1", "--port", str(port), *dtype_override()]
     args = [
         "--model", str(spec.model_dir),
         "--served-model-name", spec.served_model_name,
@@ -184,7 +209,7 @@ def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list
     if kv_events_port is not None:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}
         args += ["--kv-events-config", json.dumps(config)]
-    return [*args, *spec.extra_args]
+    return [*args, *spec.extra_args, *dtype_override()]
 
 
 def engine_env(spec: EngineSpec, cpu: int | None) -> dict[str, str]:
