@@ -93,7 +93,9 @@ class SessionEngines:
         """Start the spare again at its port (its process must be gone); does not wait for it."""
         assert self.spare is not None and self._spare_spec is not None and not self.spare.is_running()
         port = self.spare.port
-        self.spare = launch(self._spare_spec, name="spare-restarted", cpu=self.spare.cpu, log_dir=self.log_dir, port=port)
+        self.spare = launch(
+            self._spare_spec, name="spare-restarted", cpu=self.spare.cpu, log_dir=self.log_dir, port=port
+        )
         self.used.append(self.spare)
         return self.spare
 

@@ -408,13 +408,19 @@ async def test_pod_deleted_during_a_watch_gap_gets_no_traffic_after_the_relist(a
     async def api_client() -> ApiClient:
         return ApiClient(configuration=Configuration(host=api.url))
 
-    discovery = KubernetesDiscovery(NS, SELECTOR, port, api_client_factory=api_client, backoff_initial=0.02, backoff_max=0.1)  # type: ignore[arg-type]
+    discovery = KubernetesDiscovery(
+        NS, SELECTOR, port, api_client_factory=api_client, backoff_initial=0.02, backoff_max=0.1
+    )  # type: ignore[arg-type]
     cli = {**FAST, "routing_logic": "roundrobin", "service_discovery": "k8s", "k8s_namespace": NS}
     router = build_router(cli, discovery=discovery, environ={})
     api.add_pod("a", labels=LABELS, ip="127.0.0.2")
     api.add_pod("b", labels=LABELS, ip="127.0.0.3")
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
-    async with serve(a, host="127.0.0.2", port=port), serve(b, host="127.0.0.3", port=port), serving(router) as url:
+    async with (
+        serve(a, host="127.0.0.2", port=port),
+        serve(b, host="127.0.0.3", port=port),
+        serving(router) as url,
+    ):
         await wait_for(lambda: router.registry.healthy_count == 2, what="both pods routable")
         async with http(url) as h:
             for _ in range(4):

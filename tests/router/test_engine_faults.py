@@ -92,7 +92,9 @@ async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(sessi
             await asyncio.to_thread(wait_ready, [restarted], 420)
             ready = time.monotonic()
             await wait_for(
-                lambda: restarted.metric_value("vllm:request_success_total") >= 1, 10, "traffic on the restart"
+                lambda: restarted.metric_value("vllm:request_success_total") >= 1,
+                10,
+                "traffic on the restart",
             )
             traffic_after = time.monotonic() - ready
             await load.served(20, "requests on both engines again")
@@ -125,7 +127,9 @@ async def test_hung_engine_opens_its_circuit_and_comes_back(engines) -> None:
             await wait_for(lambda: engine.breaker.state is BreakerState.CLOSED, 10, "the circuit to close")
             closed_after = time.monotonic() - resumed
             before = hung.metric_value("vllm:request_success_total")
-            await wait_for(lambda: hung.metric_value("vllm:request_success_total") >= before + 3, 60, "traffic back")
+            await wait_for(
+                lambda: hung.metric_value("vllm:request_success_total") >= before + 3, 60, "traffic back"
+            )
         print(f"circuit open {opened_after:.1f} s after SIGSTOP, closed {closed_after:.1f} s after SIGCONT")
         assert opened_after <= 5.0
         assert load.failed == []  # requests caught on the hung engine waited for it; none was lost
@@ -142,7 +146,9 @@ async def test_busy_engine_is_not_ejected(engines) -> None:
         c = client(url).with_options(timeout=300)
         long = [
             asyncio.ensure_future(
-                c.completions.create(model=MODEL, prompt="a", max_tokens=2000, extra_body={"ignore_eos": True})
+                c.completions.create(
+                    model=MODEL, prompt="a", max_tokens=2000, extra_body={"ignore_eos": True}
+                )
             )
             for _ in range(8)
         ]

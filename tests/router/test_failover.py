@@ -7,10 +7,12 @@ stream); the real-engine versions (kill before responding, disconnect abort) are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import httpx
 
+from tests.fakes.raw_engine import raw_engine
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 
@@ -276,33 +278,19 @@ async def test_a_poison_request_takes_no_engine_down() -> None:
     crashes an engine's HTTP layer would): one 502 of the router's own after at most 1 + retries
     attempts, no engine ejected, no breaker opened, and the next 100 requests succeed. Raw-socket fake
     engines, because a real vLLM engine cannot be told to close on one request only."""
-    models = b'{"object":"list","data":[{"id":"stub-model","object":"model","root":"stub-model","parent":null}]}'
     poison_seen = 0
 
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def engine(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
         nonlocal poison_seen
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith(b"GET "):
-                    body = models if b"/v1/models" in head else b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
-                    continue
-                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-                body = await reader.readexactly(length)
-                if b"poison" in body:
-                    poison_seen += 1
-                    return  # closes without a byte of answer
-                answer = b'{"ok":true}'
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(answer), answer))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        if b"poison" in body:
+            poison_seen += 1
+            return False  # closes without a byte of answer
+        answer = b'{"ok":true}'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(answer), answer))
+        return True
 
-    servers = [await asyncio.start_server(engine, "127.0.0.1", 0) for _ in range(3)]
-    urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in servers]
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(raw_engine(engine)) for _ in range(3)]
         async with running_router(urls, retries=2) as (url, router), http(url) as h:
             r = await h.post("/v1/completions", json={"model": "stub-model", "prompt": "poison"})
             assert r.status_code == 502 and r.headers["x-vllm-stack-error"] == "upstream_closed", r.text
@@ -311,9 +299,9 @@ async def test_a_poison_request_takes_no_engine_down() -> None:
             engines = router.registry.engines()
             assert all(e.healthy for e in engines), [e.describe() for e in engines]
             assert all(e.breaker.state.name == "CLOSED" for e in engines)
-            codes = [(await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})).status_code for _ in range(100)]
+            codes = [
+                (await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})).status_code
+                for _ in range(100)
+            ]
             assert codes == [200] * 100
             assert all(e.healthy and e.breaker.state.name == "CLOSED" for e in router.registry.engines())
-    finally:
-        for s in servers:
-            s.close()

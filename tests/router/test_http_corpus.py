@@ -25,8 +25,9 @@ import pytest
 import uvicorn
 import yaml
 
+from tests.fakes.raw_engine import raw_engine
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import running_router, stubs
+from tests.router.helpers import running_router, stubs, wait_for
 
 CORPUS = Path(__file__).parent / "corpus"
 MARKER = "x-vllm-stack-error"
@@ -145,9 +146,12 @@ def corpus_stub() -> StubEngine:
 @contextlib.asynccontextmanager
 async def _router(kind: str, stub: StubEngine) -> AsyncIterator[str]:
     environ = {"VLLM_STACK_API_KEYS": "k1"} if kind == "keyed" else {}
-    async with stubs(stub) as urls, running_router(urls, environ=environ, session_key="x-session-id") as (
-        url,
-        _,
+    async with (
+        stubs(stub) as urls,
+        running_router(urls, environ=environ, session_key="x-session-id") as (
+            url,
+            _,
+        ),
     ):
         yield url
 
@@ -170,7 +174,9 @@ async def test_client_to_router(case: dict[str, Any], corpus_stub: StubEngine) -
         import orjson
 
         error = orjson.loads(last.body)["error"]
-        assert set(error) == {"message", "type", "param", "code"} and str(error["code"]) == last.headers[MARKER]
+        assert (
+            set(error) == {"message", "type", "param", "code"} and str(error["code"]) == last.headers[MARKER]
+        )
         assert last.status < 500 or case["name"].startswith("engine"), "a router 5xx for client input"
     seen = corpus_stub.seen[-1].headers if corpus_stub.seen else {}
     for name in expect.get("engine_lacks", ()):
@@ -200,8 +206,7 @@ async def _h11_server() -> AsyncIterator[str]:
     config = uvicorn.Config(app, host="127.0.0.1", port=0, http="h11", log_level="critical", lifespan="off")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: server.started, what="uvicorn started")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"
@@ -221,39 +226,15 @@ async def test_same_bytes_on_uvicorn_h11(case: dict[str, Any]) -> None:
 
 # ---- engine -> router -------------------------------------------------------------------------------
 ENGINE_CASES = _load("engine_to_router.yaml")
-_MODELS = b'{"object":"list","data":[{"id":"stub-model","object":"model","root":"stub-model","parent":null}]}'
 
 
-@contextlib.asynccontextmanager
-async def raw_engine(answer: bytes, close_after: bool) -> AsyncIterator[str]:
-    """A fake engine: a normal model list for health checks, ``answer`` to every POST."""
+def _answering(answer: bytes, close_after: bool):  # noqa: ANN202
+    async def answer_post(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(answer)
+        await writer.drain()
+        return not close_after
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith(b"GET "):
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                        % (len(_MODELS), _MODELS)
-                    )
-                    continue
-                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-                await reader.readexactly(length)
-                writer.write(answer)
-                await writer.drain()
-                if close_after:
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    return answer_post
 
 
 CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"h"}]}'
@@ -267,7 +248,7 @@ CHAT_REQUEST = (
 async def test_engine_to_router(case: dict[str, Any]) -> None:
     expect = case["expect"]
     async with (
-        raw_engine(_bytes(case["answer"]), case.get("close_after", False)) as engine_url,
+        raw_engine(_answering(_bytes(case["answer"]), case.get("close_after", False))) as engine_url,
         running_router([engine_url], health_check_interval=30) as (url, router),
     ):
         got = await exchange(url, CHAT_REQUEST)
@@ -282,6 +263,5 @@ async def test_engine_to_router(case: dict[str, Any]) -> None:
         for name in expect.get("client_lacks", ()):
             assert name not in answer.headers, f"{name} reached the client"
         if expect.get("engine_healthy"):
-            (engine,) = router.registry.engines() if hasattr(router.registry, "engines") else [None]
             assert router.registry.candidates("stub-model"), "the engine was ejected"
             assert all(e.breaker.available() for e in router.registry.candidates("stub-model"))

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -29,7 +29,12 @@ SETTLE_S = 5.0
 MAX_POOLED = 64  # idle keep-alive connections to the stub the pool may keep (the loops use <= 50)
 CHAT = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 STREAM = orjson.dumps(
-    {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
+    {
+        "model": "stub-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
 )
 
 
@@ -84,15 +89,34 @@ def router_process() -> Iterator[RouterProcess]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         stub = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks/router/fast_stub.py"), "--port", str(stub_port),
-             "--token-gap-ms", "2"],
+            [
+                sys.executable,
+                str(ROOT / "benchmarks/router/fast_stub.py"),
+                "--port",
+                str(stub_port),
+                "--token-gap-ms",
+                "2",
+            ],
         )
         procs.append(stub)
         _wait_port(stub_port, stub)
         router = subprocess.Popen(
-            [str(Path(sys.executable).parent / "vllm-stack"), "router", "--service-discovery", "static",
-             "--static-backends", f"http://127.0.0.1:{stub_port}", "--port", str(router_port),
-             "--host", "127.0.0.1", "--log-level", "error", "--max-body-bytes", str(8 << 20)],
+            [
+                str(Path(sys.executable).parent / "vllm-stack"),
+                "router",
+                "--service-discovery",
+                "static",
+                "--static-backends",
+                f"http://127.0.0.1:{stub_port}",
+                "--port",
+                str(router_port),
+                "--host",
+                "127.0.0.1",
+                "--log-level",
+                "error",
+                "--max-body-bytes",
+                str(8 << 20),
+            ],
         )
         procs.append(router)
         _wait_port(router_port, router)
@@ -239,7 +263,9 @@ def test_memory_comes_back_after(loop, router_process: RouterProcess, baseline: 
     asyncio.run(loop(router_process.port))
     time.sleep(SETTLE_S)
     rss, fds, held = router_process.rss_mb(), router_process.fds(), router_process.client_connections()
-    print(f"{loop.__name__}: RSS {base_rss:.0f} -> {rss:.0f} MB, fds {base_fds} -> {fds}, client connections {held}")
+    print(
+        f"{loop.__name__}: RSS {base_rss:.0f} -> {rss:.0f} MB, fds {base_fds} -> {fds}, client connections {held}"
+    )
     assert rss <= base_rss + SLACK_MB, f"{loop.__name__}: RSS {rss:.0f} MB, baseline {base_rss:.0f} MB"
     assert held == 0, f"{loop.__name__}: {held} client connections still open"
     assert fds <= base_fds + MAX_POOLED, f"{loop.__name__}: {fds} open fds, baseline {base_fds}"

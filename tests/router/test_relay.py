@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from tests.fakes.raw_engine import raw_engine
 from tests.fakes.stub_engine import StubBehaviour, StubEngine, serve
 from tests.router.helpers import FAST, client, http, metric_value, running_router, stubs, wait_for
 from vllm_stack.app import build_router
@@ -152,41 +153,20 @@ async def test_an_engine_sending_an_endless_head_is_cut_not_buffered() -> None:
     """Memory stays bounded even against a broken engine: a response head that never ends is refused
     (502) instead of being buffered without limit. The fake engine answers its model list normally,
     so the router sees it healthy, and streams header lines forever to a chat request."""
-    models = (
-        b'{"object":"list","data":[{"id":"stub-model","object":"model","root":"stub-model","parent":null}]}'
-    )
 
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith(b"GET "):
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                        % (len(models), models)
-                    )
-                    continue
-                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-                await reader.readexactly(length)
-                writer.write(b"HTTP/1.1 200 OK\r\n")
-                for _ in range(10_000):  # 10 MB of headers if nobody stops it
-                    writer.write(b"x-filler: " + b"y" * 1000 + b"\r\n")
-                    await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    async def engine(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for _ in range(10_000):  # 10 MB of headers if nobody stops it
+            writer.write(b"x-filler: " + b"y" * 1000 + b"\r\n")
+            await writer.drain()
+        return False
 
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
+    async with raw_engine(engine) as url:
         async with running_router([url], retries=0) as (router_url, _), http(router_url) as h:
             r = await h.post("/v1/chat/completions", json={"model": "stub-model", "messages": MSG})
         assert r.status_code == 502, r.text
         assert r.json()["error"]["code"] == "upstream_broken"
         assert "too large" in r.json()["error"]["message"]
-    finally:
-        server.close()
 
 
 async def test_pipelined_bodies_beyond_one_body_limit_wait_and_are_all_answered() -> None:

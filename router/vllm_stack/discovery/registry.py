@@ -195,7 +195,9 @@ class EngineRegistry:
         engine.silent_scrapes += 1
         if engine.silent_scrapes >= HANG_AFTER_SILENT_SCRAPES:
             if engine.breaker.state is not BreakerState.OPEN:
-                log.warning("engine %s silent for %d scrapes: circuit opened", engine.name, engine.silent_scrapes)
+                log.warning(
+                    "engine %s silent for %d scrapes: circuit opened", engine.name, engine.silent_scrapes
+                )
             engine.breaker.trip()
 
     def engine_unreachable(self, engine: Engine) -> None:

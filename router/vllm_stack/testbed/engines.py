@@ -282,9 +282,7 @@ class EngineGroup:
             thread.join()
 
 
-def launch(
-    spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port: int | None = None
-) -> Engine:
+def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port: int | None = None) -> Engine:
     """Start one engine process (does not wait for readiness); ``port``: e.g. the port of an engine
     that was stopped, to restart it at the same address."""
     port = free_port() if port is None else port
