@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from tests.fakes.stub_engine import StubEngine
+from tests.fakes.stub_engine import StubEngine, receive_body
 
 MAX_TOKENS = 8  # bounded output whatever the request asks for
 
@@ -42,14 +42,9 @@ class NeverFailingStub:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] == "GET":
             return await self.engine(scope, receive, send)
-        body = b""
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await receive_body(receive)
+        if body is None:
+            return
         replay = [{"type": "http.request", "body": _sanitised(body), "more_body": False}]
 
         async def replayed() -> dict[str, Any]:
