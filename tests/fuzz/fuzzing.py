@@ -196,6 +196,7 @@ def _show(case: Any) -> str:
 def summary(report: Report) -> str:
     lines = [f"{report.total} examples over {len(report.examples)} operations"]
     lines += [f"  {k}: {v}" for k, v in sorted(report.examples.items())]
+    lines.append("statuses: " + ", ".join(f"{k}={v}" for k, v in sorted(report.statuses.items())))
     lines.append(
         "router error codes: " + ", ".join(f"{k}={v}" for k, v in report.router_errors.most_common())
     )
