@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm_stack.app import build_router
     from vllm_stack.server import RouterServer, serve_forever
+    from vllm_stack.server.memory import Allocator
 
     try:
         router = build_router(cli, args.config_file)
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    server = RouterServer(router, config.host, config.port, shutdown_grace=config.shutdown_grace)
+    allocator = Allocator()  # process-wide too: memory freed after a burst goes back to the system
+    allocator.configure()
+    server = RouterServer(
+        router, config.host, config.port, shutdown_grace=config.shutdown_grace, allocator=allocator
+    )
     uvloop.run(serve_forever(server))
     return 0
 

@@ -225,7 +225,7 @@ async def test_engine_dying_while_request_in_flight_is_retried_elsewhere() -> No
             assert r.status_code == 200 and r.json()["engine"] == "live"
             assert (
                 metric_value(
-                    router, "vllm_stack_router_retries_total", model="stub-model", reason="connect_error"
+                    router, "vllm_stack_router_retries_total", model="stub-model", reason="upstream_closed"
                 )
                 == 1
             )

@@ -2,6 +2,10 @@
 
 Clients (the official SDKs included) parse this shape to raise typed exceptions, so every error the
 router itself produces uses it, with the HTTP status the SDKs map to the right exception class.
+
+Every such response also carries ``x-vllm-stack-error: <code>`` (:data:`ERROR_MARKER`), so "a 5xx
+from the router itself" can be told apart from an engine's 5xx, which passes through unchanged and
+never carries it (docs/contracts.md).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from typing import Any
 import orjson
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+#: The header on every error response the router writes itself; its value is the error's code.
+ERROR_MARKER = b"x-vllm-stack-error"
 
 _TYPES = {
     400: "invalid_request_error",
@@ -50,6 +57,10 @@ class RouterError(Exception):
     def body(self) -> bytes:
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
+    def marker(self) -> bytes:
+        """The value of :data:`ERROR_MARKER`: the error's code (its status when it has none)."""
+        return (self.code or str(self.status)).encode("latin-1")
+
 
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> bytes:
     """The JSON body of an OpenAI-style error."""
@@ -79,6 +90,7 @@ async def send_error(send: Send, error: RouterError, request_id: bytes | None = 
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
+        (ERROR_MARKER, error.marker()),
         *error.headers,
     ]
     if request_id:

@@ -42,6 +42,10 @@ def _bad_json(exc: Exception) -> RouterError:
     return RouterError(400, f"Request body is not a valid JSON object: {exc}", code="invalid_json")
 
 
+def _too_deep() -> RouterError:
+    return RouterError(400, "Request body is nested too deeply.", code="invalid_json")
+
+
 def _check_model(model: Any) -> str | None:
     if model is None or isinstance(model, str):
         return model
@@ -60,6 +64,8 @@ class MsgspecParser:
             f = self._decoder.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _bad_json(exc) from None
+        except RecursionError:  # msgspec's depth limit, in any field (skipped ones too)
+            raise _too_deep() from None
         raw = f.messages or f.prompt or f.input
         prefix = bytes(memoryview(raw)[: self._prefix_bytes]) if raw else None  # no copy of the prompt
         user = f.user if isinstance(f.user, str) else None
@@ -77,10 +83,15 @@ class OrjsonParser:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise _bad_json(exc) from None
+        except RecursionError:
+            raise _too_deep() from None
         if not isinstance(doc, dict):
             raise _bad_json(ValueError("expected an object"))
         raw = doc.get("messages") or doc.get("prompt") or doc.get("input")
-        prefix = orjson.dumps(raw)[: self._prefix_bytes] if raw else None
+        try:
+            prefix = orjson.dumps(raw)[: self._prefix_bytes] if raw else None
+        except TypeError:  # orjson.JSONEncodeError: a prompt deeper than orjson writes
+            raise _too_deep() from None
         user = doc.get("user")
         return RoutingFields(_check_model(doc.get("model")), user if isinstance(user, str) else None, prefix)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from vllm_stack.api.errors import RouterError
 from vllm_stack.api.parsing import multipart_field
-from vllm_stack.api.request_id import new_request_id
+from vllm_stack.api.request_id import new_request_id, valid_request_id
 from vllm_stack.relay.exchange import Exchange
 from vllm_stack.relay.headers import REQUEST_DROP, connection_listed
 from vllm_stack.scheduling.framework import RequestContext
@@ -110,6 +110,8 @@ def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
                 connection = value
             continue
         if name == b"x-request-id":
+            if not valid_request_id(value):  # replaced below by an id of the router's own
+                continue
             request_id = value
         elif name == session_header:
             session_value = value

@@ -256,14 +256,25 @@ class Exchange:
             self.gauge.dec()
 
     def _attempt_failed(self, message: str, reason: str) -> None:
-        """Nothing reached the client: count the failure against the engine and try another one."""
+        """Nothing reached the client: try another engine, counting the failure as ``reason`` says.
+
+        ``connect_error``: the engine could not be reached; it is ejected until healthy again.
+        ``upstream_broken``: it began an answer and broke it; the breaker counts a failure.
+        ``upstream_closed``: it took the request and closed without a byte of answer. That is what
+        one poison request does on every engine, so it counts against the request, not the engine:
+        no ejection, no breaker failure (an engine that really died refuses the next connect).
+        """
         engine = self.engine
         assert engine is not None
-        engine.breaker.failure()
         if reason == "connect_error":
+            engine.breaker.failure()
             self.router.registry.eject(engine, reason)
             self.last_error = RouterError(502, message, code="upstream_unreachable")
+        elif reason == "upstream_closed":
+            engine.breaker.release()
+            self.last_error = RouterError(502, message, code="upstream_closed")
         else:
+            engine.breaker.failure()
             self.last_error = RouterError(502, message, code="upstream_broken")
         self.ctx.excluded.add(engine.name)
         self.status = "upstream_error"
@@ -429,7 +440,9 @@ class Exchange:
             if up.got_bytes:
                 self._attempt_failed(f"Engine {name} broke the response: {error}", "upstream_broken")
             else:
-                self._attempt_failed(f"Could not reach engine {name}: {error}", "connect_error")
+                self._attempt_failed(
+                    f"Engine {name} closed the connection without answering: {error}", "upstream_closed"
+                )
             return
         self._broken_midway(f"engine {self._engine_name()} failed mid-stream", error)
 

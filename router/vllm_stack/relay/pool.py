@@ -51,6 +51,7 @@ class UpstreamConnection(asyncio.Protocol):
         "closed",
         "head",
         "head_done",
+        "interim",
     )
 
     def __init__(self, pool: EnginePool) -> None:
@@ -64,6 +65,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.head = b""  # the response head read so far (until the head is complete)
         self.head_done = False
+        self.interim = False  # the head being parsed is an interim (1xx) one, skipped
 
     def send(self, exchange: Exchange, request: bytes) -> None:
         self.exchange = exchange
@@ -125,12 +127,18 @@ class UpstreamConnection(asyncio.Protocol):
     # ---- httptools callbacks (no per-header one: the exchange reads the raw head) -------------------------
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if status < 200:  # interim answers are never asked for (no Expect upstream); refuse them
-            raise httptools.HttpParserError(f"unexpected interim response {status}")
+        if status == 101:  # the router never offers an upgrade to an engine
+            raise httptools.HttpParserError("unexpected 101 Switching Protocols")
         received = self.head
         end = received.find(b"\r\n\r\n")
         if end < 0:  # a head with bare LF line ends: not something this relay forwards
             raise httptools.HttpParserError("response head without CRLF line ends")
+        if status < 200:
+            # An interim answer (100 Continue unasked, 102, 103): skipped, the final one follows
+            # (RFC 9110 15.2). httptools ends it as a message and parses the next head.
+            self.interim = True
+            self.head = received[end + 4 :]
+            return
         self.head_done = True
         self.head = received[end + 4 :]  # body bytes read together with the head
         self.keep_alive = self.parser.should_keep_alive()
@@ -138,6 +146,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange.on_head(status, received[: end + 2])
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
 
     # ---- ending ----------------------------------------------------------------------------------------

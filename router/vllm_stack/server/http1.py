@@ -13,6 +13,11 @@ What the connection guarantees, whatever the handler:
 - a body over the limit is refused with 413 as soon as its declared or received size passes it,
   without reading the rest; request lines and headers are bounded too (431);
 - ``Expect: 100-continue`` is answered when the request's turn comes;
+- only the request head carries headers: chunked trailer fields are read and discarded, never
+  merged into the head (a credential or routing header sent as a trailer would otherwise slip past
+  any front proxy that checks headers);
+- memory is given back when a connection ends: the parser's reference to its connection (a cycle
+  the collector would find only rarely) is cut, and a refused body is dropped at once;
 - keep-alive follows the client (HTTP/1.0 and ``Connection: close`` end the connection after the
   answer); malformed input gets a 400 and the connection is closed, never a 500;
 - the handler learns of a client that went away (:meth:`Handler.client_lost`) and of a slow reader
@@ -30,20 +35,26 @@ from typing import Protocol
 
 import httptools
 
-from vllm_stack.api.errors import RouterError
+from vllm_stack.api.errors import ERROR_MARKER, RouterError
 from vllm_stack.api.request_id import new_request_id
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024  # request line + headers
 MAX_HEADERS = 256
+#: Connections past the connection limit that may still reach the reserved (probe) paths, so a flood
+#: of clients cannot fail the liveness probe; past this many more, a connection gets 503 at once.
+RESERVED_CONNECTIONS = 64
+RESERVED_WAIT = 0.5  # seconds such a connection may take to start its request; then it gets the 503
 MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered (and their bodies: one limit)
 LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is read and dropped
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
 
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_NOTED = frozenset({b"content-length", b"expect", b"upgrade"})  # headers the connection itself acts on
+_MARKER_PREFIX = b"\r\n" + ERROR_MARKER + b": "
+_NOTED = frozenset({b"content-length", b"expect", b"upgrade", b"host"})  # headers the connection itself acts on
+_DECLINED_OFFER = frozenset({b"upgrade", b"connection", b"http2-settings"})
 
 
 def status_line(status: int) -> bytes:
@@ -69,6 +80,9 @@ class HttpRequest:
         self.method = method
         self.target = target  # raw request target: path and query as the client sent them
         path, _, self.query = target.partition(b"?")
+        if path[:1] != b"/" and b"://" in path:  # absolute form (RFC 9112 3.2.2): only the path routes
+            path = b"/" + path.partition(b"://")[2].partition(b"/")[2]
+            self.target = path + (b"?" + self.query if self.query else b"")
         self.path = path.decode("latin-1")
         self.headers = headers
         self.body = body
@@ -94,6 +108,7 @@ class ServerContext(Protocol):
 
     connections: set[HttpConnection]
     draining: bool
+    reserved_paths: frozenset[str]  # answered even on a connection past the limit (probes)
 
     def body_limit(self) -> int: ...
 
@@ -138,6 +153,11 @@ class HttpConnection(asyncio.Protocol):
         "_upgrade_offer",
         "_declined_head",
         "_declared",
+        "_head_done",
+        "_head_raw",
+        "_hosts",
+        "_pending_error",
+        "restricted",
     )
 
     def __init__(self, server: ServerContext) -> None:
@@ -156,6 +176,8 @@ class HttpConnection(asyncio.Protocol):
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._lingering = -1  # >= 0: closing, dropping what the client still sends (bytes so far)
         self._declined_head = b""  # a request head to parse again without its upgrade offer
+        self._pending_error: RouterError | None = None  # malformed input behind requests still answered
+        self.restricted = False  # past the connection limit: only the reserved paths are answered
         self._begin()
 
     def _begin(self) -> None:
@@ -168,25 +190,23 @@ class HttpConnection(asyncio.Protocol):
         self._expect = False
         self._upgrade_offer = False
         self._declared: bytes | None = None
+        self._head_done = False  # headers complete: header callbacks from here on are trailers
+        self._hosts = 0  # Host headers seen
+        self._head_raw = 0  # bytes of reads that carried only an unfinished head (see data_received)
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         connections = self.server.connections
-        if len(connections) >= self.server.connection_limit():  # bounded memory under a connection flood
+        limit = self.server.connection_limit()
+        if len(connections) >= limit + RESERVED_CONNECTIONS:  # bounded memory under a connection flood
             self.busy = True
-            self.send_error(
-                RouterError(
-                    503,
-                    "Too many connections.",
-                    code="too_many_connections",
-                    headers=[(b"retry-after", b"1")],
-                ),
-                new_request_id(),
-                keep_alive=False,
-            )
+            self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
             return
         connections.add(self)
+        if len(connections) > limit:  # probes still get through (see RESERVED_CONNECTIONS)
+            self.restricted = True
+            asyncio.get_running_loop().call_later(RESERVED_WAIT, self._refuse_if_idle)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering >= 0:
@@ -194,8 +214,15 @@ class HttpConnection(asyncio.Protocol):
             if self._lingering > LINGER_BYTES:
                 self.transport.close()
             return
+        in_head = self.head_started and not self._head_done
         try:
             self.parser.feed_data(data)
+            if in_head and self.head_started and not self._head_done:
+                # httptools buffers an unfinished header line whole before any callback can count
+                # it, so reads that carried nothing but an unfinished head are counted here.
+                self._head_raw += len(data)
+                if self._head_raw > MAX_HEAD_BYTES:
+                    self._fail(RouterError(431, "Request headers too large.", code="headers_too_large"))
         except httptools.HttpParserUpgrade as exc:
             # An offer to switch protocols (h2c from `curl --http2`, websocket). httptools stops at the
             # end of the head, before any body; the offer is declined (RFC 9110 7.8) by parsing the
@@ -221,6 +248,11 @@ class HttpConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.queue.clear()
         self._queued_bytes = 0
+        # The parser holds this protocol (a reference cycle): cut it, with what a request left behind,
+        # so the memory goes back now rather than at a rare full collection.
+        self.parser = None  # type: ignore[assignment]
+        self._begin()
+        self._declined_head = b""
         handler = self.handler
         if handler is not None:
             self.handler = None
@@ -267,19 +299,28 @@ class HttpConnection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise _Reject(RouterError(431, "Request headers too large.", code="headers_too_large"))
+        if self._head_done:  # a chunked trailer field: read, bounded, and dropped (RFC 9112 7.1.2)
+            return
         name = name.lower()
         if name in _NOTED:
             if name == b"content-length":
                 self._declared = value
             elif name == b"expect":
                 self._expect = value.lower() == b"100-continue"
+            elif name == b"host":
+                self._hosts += 1
             else:
                 self._upgrade_offer = True
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self._head_done = True
         if len(self._headers) > MAX_HEADERS:  # counted once here: MAX_HEAD_BYTES bounds them meanwhile
             raise _Reject(RouterError(431, "Too many request headers.", code="headers_too_large"))
+        if self._hosts != 1 and self.parser.get_http_version() != "1.0":
+            raise _Reject(  # RFC 9112 3.2: an HTTP/1.1 request has exactly one Host
+                RouterError(400, "An HTTP/1.1 request needs exactly one Host header.", code="bad_request")
+            )
         limit = self._limit = self.server.body_limit()
         if self._declared is not None:
             try:
@@ -302,11 +343,14 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         parser = self.parser
-        if self._upgrade_offer:  # see data_received: this request is parsed again without the offer
+        if self._upgrade_offer and parser.should_upgrade():
+            # An offer httptools acts on (``Connection: upgrade`` too): see data_received, this
+            # request is parsed again without it. A bare ``Upgrade`` header is no offer (RFC 9110
+            # 7.8) and the request is answered as it is.
             version = b"HTTP/1.0" if parser.get_http_version() == "1.0" else b"HTTP/1.1"
             head = [parser.get_method(), b" ", self._url, b" ", version, b"\r\n"]
             for name, value in self._headers:
-                if name not in (b"upgrade", b"connection", b"http2-settings"):
+                if name not in _DECLINED_OFFER:
                     head += (name, b": ", value, b"\r\n")
             head.append(b"\r\n")
             self._declined_head = b"".join(head)
@@ -322,6 +366,7 @@ class HttpConnection(asyncio.Protocol):
             parser.get_http_version() == "1.0",
             self._expect,
         )
+        self._body = []
         self.head_started = 0.0
         if self.closed:
             return
@@ -340,6 +385,9 @@ class HttpConnection(asyncio.Protocol):
             return
         self.busy = True
         self.idle_since = 0.0
+        if self.restricted and request.path not in self.server.reserved_paths:
+            self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
+            return
         if request.expect:
             self.transport.write(_CONTINUE)
         try:
@@ -351,6 +399,12 @@ class HttpConnection(asyncio.Protocol):
                     RouterError(500, "Internal router error.", code="internal_error"), None, False
                 )
 
+    def _refuse_if_idle(self) -> None:
+        """A connection past the limit that has not started a request by now gets the 503."""
+        if not self.closed and not self.busy and not self.head_started:
+            self.busy = True
+            self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
+
     def finish(self, keep_alive: bool) -> None:
         """The current response was completely written: answer the next request or close."""
         self.handler = None
@@ -361,11 +415,17 @@ class HttpConnection(asyncio.Protocol):
             self.close()
             return
         self.idle_since = time.monotonic()
+        if not self.queue and self._pending_error is not None:  # what followed the last good request
+            error, self._pending_error = self._pending_error, None
+            self.busy = True
+            self.send_error(error, new_request_id(), keep_alive=False)
+            return
         if self.queue:
             request = self.queue.popleft()
             self._queued_bytes -= len(request.body)
             self._start(request)
-            if self._reading_paused and not self._queue_full() and not self.closed:
+            paused = self._reading_paused and self._pending_error is None
+            if paused and not self._queue_full() and not self.closed:
                 self._reading_paused = False
                 self.transport.resume_reading()
 
@@ -380,6 +440,8 @@ class HttpConnection(asyncio.Protocol):
             status_line(error.status),
             b"content-type: application/json\r\ncontent-length: ",
             b"%d" % len(body),
+            _MARKER_PREFIX,
+            error.marker(),
         ]
         for name, value in error.headers:
             head += (b"\r\n", name, b": ", value)
@@ -394,15 +456,23 @@ class HttpConnection(asyncio.Protocol):
         self.finish(keep_alive)
 
     def _fail(self, error: RouterError) -> None:
-        """Malformed or refused input: answer it (unless a response is under way) and close."""
+        """Malformed or refused input: answer it and close.
+
+        Complete requests read before it (pipelined) are still answered, in order; the error comes
+        after them, and nothing more is read meanwhile.
+        """
         self.parser = httptools.HttpRequestParser(self)  # the old one is in an error state
-        self.queue.clear()
-        self._queued_bytes = 0
+        self._begin()  # a refused body is not kept
         if self.closed:
             return
-        if self.busy:  # a response is being written for an earlier request: just stop here
-            self.close()
+        if self.busy:  # earlier requests are being answered: the error waits for its turn
+            self._pending_error = error
+            if not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pause_reading()
             return
+        self.queue.clear()
+        self._queued_bytes = 0
         self.busy = True
         self.send_error(error, new_request_id(), keep_alive=False)
 
@@ -423,6 +493,10 @@ class HttpConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)
         else:
             transport.close()
+
+
+def _too_many_connections() -> RouterError:
+    return RouterError(503, "Too many connections.", code="too_many_connections", headers=[(b"retry-after", b"1")])
 
 
 def _too_large(limit: int, declared: int | None = None) -> RouterError:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from vllm_stack.api import proxied
 from vllm_stack.server.asgi_bridge import AsgiCall
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
+from vllm_stack.server.memory import Allocator
 
 if TYPE_CHECKING:
     from vllm_stack.app import Router
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE_TIMEOUT = 75.0  # idle keep-alive connections are closed after this (above common LB idle timeouts)
 REQUEST_READ_TIMEOUT = 300.0  # a request still arriving after this (slowloris) is dropped
 SWEEP_INTERVAL = 1.0
+#: Answered even on connections past the connection limit: the probes must not fail under a flood.
+RESERVED_PATHS = frozenset({"/health", "/ready"})
+TRIM_EVERY = 5  # sweeps between two trims of the allocator's free pages (when one is given)
 
 
 class RouterServer:
@@ -42,14 +46,17 @@ class RouterServer:
         port: int,
         shutdown_grace: float = 30.0,
         keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
+        allocator: Allocator | None = None,
     ) -> None:
         self.router = router
         self.host = host
         self.port = port
         self.shutdown_grace = shutdown_grace
         self.keep_alive_timeout = keep_alive_timeout
+        self.allocator = allocator  # set by the entry point: its free pages are trimmed by the sweep
         self.connections: set[HttpConnection] = set()
         self.draining = False
+        self.reserved_paths = RESERVED_PATHS
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._proxied_paths = proxied.PROXIED_PATHS
@@ -84,9 +91,14 @@ class RouterServer:
         log.info("router listening on %s:%d", self.host, self.port)
 
     async def _sweep(self) -> None:
-        """Timeouts of every kind, checked together: idle keep-alive, slow requests, silent engines."""
+        """Timeouts of every kind, checked together: idle keep-alive, slow requests, silent engines;
+        and, every few sweeps, free heap pages handed back (see :mod:`.memory`)."""
+        sweeps = 0
         while True:
             await asyncio.sleep(min(SWEEP_INTERVAL, self.router.proxy_settings.request_timeout / 4))
+            sweeps += 1
+            if self.allocator is not None and sweeps % TRIM_EVERY == 0:
+                self.allocator.trim()
             now = time.monotonic()
             tick = time.perf_counter()  # the clock exchanges stamp their activity with
             for conn in list(self.connections):
