@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ class Report:
     statuses: collections.Counter[str] = field(default_factory=collections.Counter)  # "path status"
     router_errors: collections.Counter[str] = field(default_factory=collections.Counter)  # marker values
     failures: list[str] = field(default_factory=list)
+    seconds: collections.Counter[str] = field(default_factory=collections.Counter)  # per "METHOD path mode"
+    request_seconds: float = 0.0  # time spent waiting for answers (the rest is case generation)
 
     @property
     def total(self) -> int:
@@ -125,7 +128,9 @@ def fuzz(target: Target, ops: list[Any], examples: int) -> Report:
             [GenerationMode.POSITIVE, GenerationMode.NEGATIVE] if has_inputs else [GenerationMode.POSITIVE]
         )
         for mode in modes:
+            started = time.perf_counter()
             _fuzz_operation(target, op, mode, examples)
+            target.report.seconds[f"{op.method.upper()} {op.path} {mode}"] += time.perf_counter() - started
     return target.report
 
 
@@ -151,11 +156,14 @@ def _fuzz_operation(target: Target, op: Any, mode: GenerationMode, examples: int
             if target.adjust_body is not None:
                 target.adjust_body(case.body)
         report.examples[key] += 1
+        sent = time.perf_counter()
         try:
             response = case.call(base_url=target.base_url, session=target.session, timeout=target.timeout)
         except requests.RequestException as exc:
+            report.request_seconds += time.perf_counter() - sent
             report.failures.append(f"no answer ({type(exc).__name__}) | {key} {mode} | {_show(case)}")
             return
+        report.request_seconds += time.perf_counter() - sent
         report.statuses[f"{op.path} {response.status_code}"] += 1
         marker = header(response, MARKER)
         if marker is not None:
@@ -194,8 +202,12 @@ def _show(case: Any) -> str:
 
 
 def summary(report: Report) -> str:
-    lines = [f"{report.total} examples over {len(report.examples)} operations"]
+    lines = [
+        f"{report.total} examples over {len(report.examples)} operations, "
+        f"{report.request_seconds:.1f} s waiting for answers"
+    ]
     lines += [f"  {k}: {v}" for k, v in sorted(report.examples.items())]
+    lines.append("slowest: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.most_common(6)))
     lines.append("statuses: " + ", ".join(f"{k}={v}" for k, v in sorted(report.statuses.items())))
     lines.append(
         "router error codes: " + ", ".join(f"{k}={v}" for k, v in report.router_errors.most_common())

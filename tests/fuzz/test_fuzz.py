@@ -8,6 +8,7 @@ answer it makes itself (``x-vllm-stack-error`` header) is an OpenAI-shaped JSON 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -18,7 +19,10 @@ from tests.fakes.stub_engine import StubEngine
 from tests.fuzz import fuzzing
 from tests.fuzz.stack import router_in_thread
 
-STUB_EXAMPLES = 10  # per operation and generation mode; ~25 operations
+# Cases per operation and generation mode (positive, negative). Generation dominates the time (the
+# engine schemas are large; answers take a few per cent of it): 6 is about 25 s on an idle core, 60 s
+# on a loaded one. More for a deeper local run: VLLM_STACK_FUZZ_EXAMPLES=100.
+STUB_EXAMPLES = int(os.environ.get("VLLM_STACK_FUZZ_EXAMPLES", "6"))
 ENGINE_EXAMPLES = 3
 
 
