@@ -470,7 +470,8 @@ async def drive(args: argparse.Namespace, router: Proc, engines: list[Proc]) -> 
     samples: list[dict] = []
     fault_log: list[dict] = []
     tasks = [asyncio.ensure_future(gen.worker(stop)) for _ in range(args.concurrency)]
-    tasks.append(asyncio.ensure_future(faults(engines, args.fault_every, stop, fault_log)))
+    if args.fault_every > 0:
+        tasks.append(asyncio.ensure_future(faults(engines, args.fault_every, stop, fault_log)))
     sample_task = asyncio.ensure_future(sampler(router.pid, tally, args.interval, stop, samples))
     deadline = time.monotonic() + args.minutes * 60
     while time.monotonic() < deadline:
@@ -505,7 +506,8 @@ def report(args: argparse.Namespace, result: dict, started: str, wall: float) ->
         f"# Router soak ({args.minutes:g}-minute run{'' if args.minutes >= 30 else ', shorter than the default 30'})",
         "",
         f"Started {started}, {wall:.0f} s wall, {args.concurrency} client workers, 3 stub engines "
-        f"(flaky_stub.py, 5 ms token gap), a fault every {args.fault_every:g} s, sampled every {args.interval:g} s.",
+        f"(flaky_stub.py, 5 ms token gap), {f'a fault every {args.fault_every:g} s' if args.fault_every > 0 else 'no faults'}, sampled every {args.interval:g} s.",
+        *(["", args.note] if args.note else []),
         "",
         "| measure | first sample | last sample | min | max |",
         "|---|---|---|---|---|",
@@ -566,7 +568,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--fault-every", type=float, default=10.0, help="seconds between faults")
+    p.add_argument(
+        "--fault-every", type=float, default=10.0, help="seconds between faults (0: none, a baseline)"
+    )
+    p.add_argument("--note", default="", help="a line added to the table (e.g. what else ran on the machine)")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024)
     p.add_argument("--seed", type=int, default=1)
