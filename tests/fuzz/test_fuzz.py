@@ -64,9 +64,10 @@ def test_fuzz_against_a_stub_engine_no_router_5xx_and_openai_errors() -> None:
 
 @pytest.mark.engine
 def test_fuzz_against_real_engines_no_router_5xx(engines, embedding_engine) -> None:
-    """Real-engine pass (the session's two chat engines and its embedding engine): the engine may answer anything, including its
-    own 5xx (passed through, not a router failure); a 5xx made by the router is. Generation is bounded
-    (``max_tokens``/``n`` capped) so that the pass stays short on CPU engines."""
+    """Real-engine pass (the session's two chat engines and its embedding engine): the same cases reach
+    real vLLM, whose answers (its own 4xx and 5xx included) pass through unmarked and are not failures;
+    a 5xx the router makes is. Generation is bounded (``max_tokens``/``n`` capped) so the pass stays
+    about 30 s on CPU engines."""
     ops = fuzzing.operations(fuzzing.engine_schema())
     report = fuzzing.Report()
     chat, embed = engines[0].served_model_name, embedding_engine.served_model_name
@@ -101,8 +102,8 @@ async def test_lora_load_for_an_unknown_base_model_is_404() -> None:
     """Found by the stub fuzz pass: ``POST /v1/load_lora_adapter`` naming a ``base_model`` that no
     engine serves is answered 503 ``no_healthy_engine`` with ``Retry-After`` (a client retries a
     request that can never succeed) instead of 404 ``model_not_found`` as for an unknown ``model``
-    on the proxied endpoints. Strict xfail: once fixed it fails, and the entry in
-    ``fuzzing.KNOWN_ROUTER_BUGS`` and this marker go."""
+    on the proxied endpoints. A stub engine: only the router's own answer matters. Strict xfail: once
+    fixed it fails, and the entry in ``fuzzing.KNOWN_ROUTER_BUGS`` and this marker go."""
     from tests.router.helpers import http, running_router, stubs
 
     async with stubs(StubEngine("s", ["stub-model"])) as urls, running_router(urls) as (url, _):
