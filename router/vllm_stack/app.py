@@ -97,7 +97,9 @@ class Router:
             static_models=_static_models(config),
         )
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
-        self.scraper = EngineScraper(self.registry.engines, self._fetch_metrics, self.metrics)
+        self.scraper = EngineScraper(
+            self.registry.engines, self._fetch_metrics, self.metrics, liveness=self.registry
+        )
         self._apply_runtime(config)
         # https engines: verified against the system's CAs, or against engine_ca_file when given.
         self.engine_tls = (
@@ -188,7 +190,9 @@ class Router:
 
     async def _fetch_metrics(self, engine: Engine) -> str:
         assert self.control_session is not None
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.engine_scrape_interval * 2))
+        # 1.5 intervals: two timed-out scrapes in a row (a hang, see EngineRegistry.engine_silent)
+        # take about 3 s at the default interval.
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.engine_scrape_interval * 1.5))
         async with self.control_session.get(
             engine.url + "/metrics", headers=self._engine_headers(), timeout=timeout
         ) as resp:

@@ -62,9 +62,12 @@ async def test_retry_on_connection_refused_and_passive_ejection() -> None:
         from tests.fakes.stub_engine import serve
 
         async with serve(doomed, port=dead_port) as doomed_url:
-            cm = running_router([live_urls[0], doomed_url], health_check_interval=30, retries=2)
+            cm = running_router(
+                [live_urls[0], doomed_url], health_check_interval=30, engine_scrape_interval=30, retries=2
+            )
             url, router = await cm.__aenter__()
-        # the doomed engine is gone now, but the router still believes it healthy (no check for 30 s)
+        # the doomed engine is gone now, but the router still believes it healthy (no check or scrape,
+        # whose refused connect would eject it too, for 30 s): the request path must find out itself
         try:
             async with http(url) as h:
                 codes = [(await h.post("/v1/chat/completions", json=BODY)).status_code for _ in range(4)]

@@ -79,6 +79,14 @@ class CircuitBreaker:
             self._opened_at = self._clock()
             self._set(BreakerState.OPEN)
 
+    def trip(self) -> None:
+        """Open now, whatever the count: the engine stopped answering even its metrics (a hang).
+        Each call restarts the cool-down, so it stays open while the hang lasts."""
+        self._opened_at = self._clock()
+        self._probing = False
+        if self.state is not BreakerState.OPEN:
+            self._set(BreakerState.OPEN)
+
     def release(self) -> None:
         """The request ended without telling anything about the engine (e.g. the client went away)."""
         self._probing = False

@@ -46,6 +46,7 @@ class Engine:
         "stale_after",
         "last_check",
         "last_error",
+        "silent_scrapes",
     )
 
     def __init__(
@@ -73,6 +74,7 @@ class Engine:
         self.stale_after = stale_after
         self.last_check = 0.0
         self.last_error: str | None = None
+        self.silent_scrapes = 0  # consecutive scrapes that timed out (see EngineRegistry.engine_silent)
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
         """Scraped figures, or None when missing or older than ``stale_after`` (unknown is not zero)."""

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 #: Fetches an engine's ``/v1/models`` ``data`` list; raises on any failure.
 ModelsFetcher = Callable[[Engine], Awaitable[list[dict[str, Any]]]]
 
+#: Unhealthy engines are checked this often (seconds), not only every health-check interval, so an
+#: engine restarted on its address is back in rotation within about a second of being ready.
+RECOVERY_INTERVAL = 0.5
+#: Consecutive timed-out scrapes after which an engine counts as hung and its breaker opens.
+HANG_AFTER_SILENT_SCRAPES = 2
 MAX_MODELS_PER_ENGINE = 1024  # bound on what one engine can make us store
 _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission")
 
@@ -158,13 +163,44 @@ class EngineRegistry:
             await asyncio.gather(*(self.probe(e) for e in engines))
 
     async def run_health_checks(self, interval: float) -> None:
-        """Run :meth:`check_all` every ``interval`` seconds until cancelled."""
+        """Check every engine every ``interval`` seconds, and unhealthy ones every
+        :data:`RECOVERY_INTERVAL` in between, until cancelled."""
+        tick = min(interval, RECOVERY_INTERVAL)
+        next_round = time.monotonic() + interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(tick)
             try:
-                await self.check_all()
+                if time.monotonic() >= next_round:
+                    next_round = time.monotonic() + interval
+                    await self.check_all()
+                else:
+                    down = [e for e in self._engines.values() if not e.healthy]
+                    if down:
+                        await asyncio.gather(*(self.probe(e) for e in down))
             except Exception:  # pragma: no cover - never let the loop die
                 log.exception("health-check round failed")
+
+    # ---- liveness from the metrics scrapes (every second, so faster than the health checks) ---------
+    def engine_answered(self, engine: Engine) -> None:
+        """A scrape was answered: an engine that had gone silent is live again (its breaker closes)."""
+        if engine.silent_scrapes >= HANG_AFTER_SILENT_SCRAPES:
+            log.info("engine %s answers again", engine.name)
+            engine.breaker.success()
+        engine.silent_scrapes = 0
+
+    def engine_silent(self, engine: Engine) -> None:
+        """A scrape timed out. A busy engine still answers its metrics (vLLM's API server is not its
+        engine core), so a few in a row mean a hang: the breaker opens and new requests go elsewhere;
+        requests already there wait for it (their own timeout applies)."""
+        engine.silent_scrapes += 1
+        if engine.silent_scrapes >= HANG_AFTER_SILENT_SCRAPES:
+            if engine.breaker.state is not BreakerState.OPEN:
+                log.warning("engine %s silent for %d scrapes: circuit opened", engine.name, engine.silent_scrapes)
+            engine.breaker.trip()
+
+    def engine_unreachable(self, engine: Engine) -> None:
+        """A scrape's connection was refused: nothing listens there any more."""
+        self.eject(engine, "connect_error")
 
     def record_check(self, engine: Engine, *, ok: bool, error: str | None = None) -> None:
         engine.last_check = time.monotonic()

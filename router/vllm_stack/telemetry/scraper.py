@@ -11,6 +11,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import aiohttp
 
 from vllm_stack.discovery.engine import Engine, EngineTelemetry
 from vllm_stack.metrics import RouterMetrics
@@ -62,23 +65,58 @@ def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry
     )
 
 
+class Liveness(Protocol):
+    """What a scrape's outcome says about the engine (the registry acts on it)."""
+
+    def engine_answered(self, engine: Engine) -> None: ...
+
+    def engine_silent(self, engine: Engine) -> None: ...
+
+    def engine_unreachable(self, engine: Engine) -> None: ...
+
+
 class EngineScraper:
-    """Periodic concurrent scrape of every engine known to a registry."""
+    """Periodic concurrent scrape of every engine known to a registry.
+
+    Scrapes run every second, more often than health checks, so their outcome also feeds liveness:
+    a refused connection means the engine is gone, a timeout that it hangs (see :class:`Liveness`).
+    """
 
     def __init__(
-        self, engines: Callable[[], list[Engine]], fetch: MetricsFetcher, metrics: RouterMetrics
+        self,
+        engines: Callable[[], list[Engine]],
+        fetch: MetricsFetcher,
+        metrics: RouterMetrics,
+        liveness: Liveness | None = None,
     ) -> None:
         self._engines = engines
         self._fetch = fetch
         self._metrics = metrics
+        self._liveness = liveness
 
     async def scrape(self, engine: Engine) -> None:
+        liveness = self._liveness
         try:
-            engine.telemetry = parse_engine_metrics(await self._fetch(engine))
+            text = await self._fetch(engine)
         except Exception as exc:  # noqa: BLE001 - any failure makes the data unknown
-            engine.telemetry = None
-            self._metrics.engine_scrape_errors.labels(engine.name).inc()
-            log.debug("scrape of %s failed: %s", engine.name, exc)
+            self._failed(engine, exc)
+            if liveness is not None:
+                if isinstance(exc, TimeoutError):
+                    liveness.engine_silent(engine)
+                elif isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+                    liveness.engine_unreachable(engine)
+            return
+        if liveness is not None:
+            liveness.engine_answered(engine)
+        try:
+            engine.telemetry = parse_engine_metrics(text)
+        except ValueError as exc:
+            self._failed(engine, exc)
+
+    def _failed(self, engine: Engine, exc: Exception) -> None:
+        engine.telemetry = None
+        self._metrics.engine_scrape_errors.labels(engine.name).inc()
+        log.debug("scrape of %s failed: %s", engine.name, exc)
 
     async def scrape_all(self) -> None:
         engines = self._engines()

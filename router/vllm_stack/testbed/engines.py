@@ -142,6 +142,11 @@ class Engine:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5)
 
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the engine's whole process group (SIGSTOP/SIGCONT: a hang and its end)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
     def kill(self) -> None:
         """SIGKILL the engine at once (failure-injection tests)."""
         with contextlib.suppress(ProcessLookupError):
@@ -252,9 +257,12 @@ class EngineGroup:
             thread.join()
 
 
-def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path) -> Engine:
-    """Start one engine process (does not wait for readiness)."""
-    port = free_port()
+def launch(
+    spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port: int | None = None
+) -> Engine:
+    """Start one engine process (does not wait for readiness); ``port``: e.g. the port of an engine
+    that was stopped, to restart it at the same address."""
+    port = free_port() if port is None else port
     kv_port = free_port() if spec.kv_events and spec.args is None and not spec.runner else None
     command = [
         str(engine_python()),

@@ -1,0 +1,246 @@
+"""Memory stays bounded under abuse: for each abusive class a bounded loop against the router
+process, then its resident memory (from /proc) must be back within 50 MB of the baseline 5 s later.
+
+The router runs as its own process through its real entry point (``vllm-stack router``), so any
+allocator or GC setting the result depends on is the router's own (router_cli.py,
+server/memory.py), never the test's; nothing here or in the router calls ``gc.collect()``. The
+engine is ``benchmarks/router/fast_stub.py`` in a process of its own: the point is the router's
+memory, and a real vLLM engine could not take these loops on two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SLACK_MB = 50
+SETTLE_S = 5.0
+MAX_POOLED = 64  # idle keep-alive connections to the stub the pool may keep (the loops use <= 50)
+CHAT = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+STREAM = orjson.dumps(
+    {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+class RouterProcess:
+    def __init__(self, pid: int, port: int) -> None:
+        self.pid = pid
+        self.port = port
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def client_connections(self) -> int:
+        """Client connections the router still holds open (established or half-closed by the client).
+
+        Counted from /proc/net/tcp by the router's listening port, so the pooled keep-alive
+        connections to the engine (bounded by the pool, and meant to stay) are not counted."""
+        held = 0
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == self.port and fields[3] in ("01", "08"):  # ESTABLISHED, CLOSE_WAIT
+                held += 1
+        return held
+
+
+@pytest.fixture(scope="module")
+def router_process() -> Iterator[RouterProcess]:
+    stub_port, router_port = _free_port(), _free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        stub = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks/router/fast_stub.py"), "--port", str(stub_port),
+             "--token-gap-ms", "2"],
+        )
+        procs.append(stub)
+        _wait_port(stub_port, stub)
+        router = subprocess.Popen(
+            [str(Path(sys.executable).parent / "vllm-stack"), "router", "--service-discovery", "static",
+             "--static-backends", f"http://127.0.0.1:{stub_port}", "--port", str(router_port),
+             "--host", "127.0.0.1", "--log-level", "error", "--max-body-bytes", str(8 << 20)],
+        )
+        procs.append(router)
+        _wait_port(router_port, router)
+        yield RouterProcess(router.pid, router_port)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+def _post(body: bytes, path: str = "/v1/chat/completions") -> bytes:
+    return (
+        b"POST %b HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+        % (path.encode(), len(body), body)
+    )
+
+
+async def _until_answered(port: int, n: int = 5) -> None:
+    """A few plain requests: the router is serving (and has warmed its pools)."""
+    reader, writer = await _connect(port)
+    for _ in range(n):
+        writer.write(_post(CHAT))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+    writer.close()
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+
+
+# ---- the abusive classes (each bounded in count and time) -------------------------------------------
+async def refused_large_bodies(port: int) -> None:
+    """Chunked bodies streamed past the body limit (413 mid-body, the rest drained and dropped)."""
+    chunk = b"%x\r\n%b\r\n" % (1 << 20, b"x" * (1 << 20))
+    for _ in range(12):
+        reader, writer = await _connect(port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(24):  # 24 MiB against an 8 MiB limit
+                writer.write(chunk)
+                await writer.drain()
+        with contextlib.suppress(Exception):
+            assert (await asyncio.wait_for(reader.read(12), 5)).startswith(b"HTTP/1.1 413")
+        await _close(writer)
+
+
+async def huge_headers(port: int) -> None:
+    """Header lines of 2 MiB (431 once the head passes its bound, whatever the line length)."""
+    for _ in range(30):
+        reader, writer = await _connect(port)
+        with contextlib.suppress(ConnectionError):
+            writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * (2 << 20) + b"\r\n\r\n")
+            await writer.drain()
+        with contextlib.suppress(Exception):
+            assert (await asyncio.wait_for(reader.read(12), 5)).startswith(b"HTTP/1.1 431")
+        await _close(writer)
+
+
+async def slowloris(port: int) -> None:
+    """300 connections each trickling a request head, a few bytes at a time, then leaving."""
+    conns = [await _connect(port) for _ in range(300)]
+    for step in range(20):
+        for _, writer in conns:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n"[:0] if step else b"GET /health HTTP/1.1\r\n")
+            writer.write(b"X-Slow-%d: %s\r\n" % (step, b"v" * 200))
+        await asyncio.sleep(0.1)
+    for _, writer in conns:
+        await _close(writer)
+
+
+async def many_idle_connections(port: int) -> None:
+    """2,000 keep-alive connections, one request each, then idle, then closed."""
+    conns = []
+    for _ in range(2000):
+        reader, writer = await _connect(port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        conns.append((reader, writer))
+    for reader, _ in conns:
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    await asyncio.sleep(1.0)
+    for _, writer in conns:
+        await _close(writer)
+
+
+async def pipelining_flood(port: int) -> None:
+    """50 connections each writing 200 pipelined requests at once and never reading the answers."""
+    conns = [await _connect(port) for _ in range(50)]
+    flood = _post(CHAT) * 200
+    for _, writer in conns:
+        writer.write(flood)
+    await asyncio.sleep(2.0)
+    for _, writer in conns:
+        writer.transport.abort()
+
+
+async def disconnect_mid_stream(port: int) -> None:
+    """200 long streams whose clients leave after the first events (the engine request is aborted)."""
+
+    async def one() -> None:
+        reader, writer = await _connect(port)
+        writer.write(_post(STREAM))
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        await asyncio.wait_for(reader.read(4096), 10)
+        writer.transport.abort()
+
+    for _ in range(10):
+        await asyncio.gather(*(one() for _ in range(20)))
+
+
+LOOPS: list[Callable[[int], Awaitable[None]]] = [
+    refused_large_bodies,
+    huge_headers,
+    slowloris,
+    many_idle_connections,
+    pipelining_flood,
+    disconnect_mid_stream,
+]
+
+
+@pytest.fixture(scope="module")
+def baseline(router_process: RouterProcess) -> tuple[float, int]:
+    asyncio.run(_until_answered(router_process.port))
+    time.sleep(1.0)
+    return router_process.rss_mb(), router_process.fds()
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=[f.__name__ for f in LOOPS])
+def test_memory_comes_back_after(loop, router_process: RouterProcess, baseline: tuple[float, int]) -> None:
+    base_rss, base_fds = baseline
+    asyncio.run(loop(router_process.port))
+    time.sleep(SETTLE_S)
+    rss, fds, held = router_process.rss_mb(), router_process.fds(), router_process.client_connections()
+    print(f"{loop.__name__}: RSS {base_rss:.0f} -> {rss:.0f} MB, fds {base_fds} -> {fds}, client connections {held}")
+    assert rss <= base_rss + SLACK_MB, f"{loop.__name__}: RSS {rss:.0f} MB, baseline {base_rss:.0f} MB"
+    assert held == 0, f"{loop.__name__}: {held} client connections still open"
+    assert fds <= base_fds + MAX_POOLED, f"{loop.__name__}: {fds} open fds, baseline {base_fds}"
+    asyncio.run(_until_answered(router_process.port, 2))  # and it still serves
