@@ -12,8 +12,9 @@ What runs (all on 127.0.0.1, all started here and stopped by PID at the end):
   port; engine 1 SIGSTOPped for 6 s (longer than the router's request timeout) then SIGCONTed;
   engine 2 closing every connection (open ones at once, new ones on arrival) for 3 s;
 - a sampler, every ``--interval`` seconds: the router's RSS (``/proc/PID/status`` VmRSS), open fds
-  (``/proc/PID/fd``), and p50/p99 latency of the requests answered successfully in the interval (chat
-  and completions, streamed or not, and pipelined ones; from writing the request to the answer's end).
+  (``/proc/PID/fd``), and p50/p99 latency of the requests answered in the interval (chat and
+  completions, streamed or not, and pipelined ones, successes and errors alike; from writing the
+  request to the answer's end).
 
 "Nothing lost": every request is answered exactly once, with a success or a clear error (an
 OpenAI-shaped JSON error, or a stream that ends with an error event), its answer carrying its own
@@ -68,7 +69,8 @@ MIX = {
 }
 
 
-#: Scenarios whose successful answers make the latency samples (a slow reader is slow on purpose).
+#: Scenarios whose answers (successes and errors alike: a 504 after a stall counts) make the latency
+#: samples; a slow reader is slow on purpose, bad inputs are answered at once.
 TIMED = frozenset({"chat", "chat_stream", "completion", "completion_stream", "pipelined"})
 
 
@@ -248,7 +250,7 @@ class Tally:
         self.per_scenario[scenario][result] += 1
         if result != "client_left":
             self.answers[request_id] += 1
-        if seconds is not None and result == "ok" and scenario in TIMED:
+        if seconds is not None and scenario in TIMED and not result.startswith("lost"):
             self.latencies.append(seconds)
         if result.startswith("lost") and len(self.lost_examples) < 20:
             self.lost_examples.append(f"{scenario} {request_id} {result}")
