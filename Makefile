@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-engine lint format bench clean help
+.PHONY: install run test test-fast test-engine lint format bench soak clean help
 
 help:
 	@echo "make run        run the local stack (2 real vLLM engines + router) until Ctrl-C"
@@ -15,6 +15,7 @@ help:
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
+	@echo "make soak       router soak under faults, 30 min (SOAK_ARGS=\"--minutes 3\"); not part of make test"
 
 # The project environment; re-installed only when pyproject.toml changes. uv does the installing.
 $(STAMP): pyproject.toml
@@ -53,6 +54,10 @@ format: $(STAMP)
 
 bench: install
 	@$(BIN)/python benchmarks/router/run.py
+
+SOAK_ARGS ?=
+soak: $(STAMP)
+	@$(BIN)/python benchmarks/soak/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-engine .tools .cache .pytest_cache .ruff_cache

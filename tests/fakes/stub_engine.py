@@ -42,6 +42,18 @@ class SeenRequest:
     body: bytes
 
 
+async def receive_body(receive: Any) -> bytes | None:
+    """The whole ASGI request body, or None when the client left first."""
+    body = b""
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
+
+
 class StubEngine:
     """Raw ASGI app. ``name`` shows up in every answer (``x-stub-engine`` header) so tests see routing."""
 
@@ -99,14 +111,9 @@ class StubEngine:
             if path == "/metrics":
                 return await self._metrics(send)
             return await self._json(send, 404, {"error": "not found"})
-        body = b""
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await receive_body(receive)
+        if body is None:
+            return
         headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"]}
         self.seen.append(SeenRequest(scope["method"], path, scope.get("query_string", b""), headers, body))
         b = self.behaviour

@@ -27,7 +27,9 @@ NAMESPACE = "llm"
 def helm_path(name: str) -> Path:
     path = HELMS[name]
     if not path.exists():
-        pytest.skip(f"{path.relative_to(ROOT)} missing: run `make install`")
+        pytest.fail(
+            f"{path.relative_to(ROOT)} missing: run `make install` (unpacks the Helm binaries into .tools)"
+        )
     return path
 
 

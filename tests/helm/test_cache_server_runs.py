@@ -37,7 +37,10 @@ def _tcp_probe(port: int) -> bool:
 def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
     wheels = sorted(WHEELS.glob("lmcache-0.5.6-*.whl")) + sorted(WHEELS.glob("sortedcontainers-*.whl"))
     if len(wheels) < 2 or not engine_python().exists():
-        pytest.skip("LMCache / sortedcontainers wheels or the engine environment missing: run `make install`")
+        pytest.fail(
+            "LMCache / sortedcontainers wheels (.cache/wheels) or the engine environment (.venv-engine)"
+            " missing: run `make install`"
+        )
     for wheel in wheels:
         zipfile.ZipFile(wheel).extractall(tmp_path / "site")
 

@@ -24,7 +24,9 @@ EXPECTED = {("CKV_K8S_14", "seed-mistral.yaml")}
 
 def test_checkov_passes_on_every_example(tmp_path):
     if not CHECKOV.exists():
-        pytest.skip(".tools/checkov-venv missing: run `make install`")
+        pytest.fail(
+            ".tools/checkov-venv missing: run `make install` (installs checkov into .tools/checkov-venv)"
+        )
     for values in [None, *sorted(EXAMPLES.glob("*.yaml"))]:
         name = "defaults.yaml" if values is None else values.name
         args = ["template", "vllm-stack", ".", "--namespace", "llm"] + (

@@ -25,7 +25,7 @@ POD_FIELDS = {"metadata.name": "engine-pod-0", "status.podIP": "10.0.0.7"}
 @pytest.fixture(scope="module")
 def lmcache_config(tmp_path_factory):
     if not WHEELS:
-        pytest.skip("LMCache 0.5.6 wheel missing in .cache/wheels: run `make install`")
+        pytest.fail("LMCache 0.5.6 wheel missing in .cache/wheels: run `make install` (downloads it there)")
     dest = tmp_path_factory.mktemp("lmcache")
     with zipfile.ZipFile(WHEELS[-1]) as wheel:
         for name in ("lmcache/logging.py", "lmcache/v1/config_base.py", "lmcache/v1/config.py"):

@@ -17,7 +17,10 @@ GENERATOR = ROOT / ".tools" / "node" / "node_modules" / ".bin" / "readme-generat
 
 def test_readme_parameters_are_in_sync(tmp_path):
     if not GENERATOR.exists() or not shutil.which("node"):
-        pytest.skip("readme-generator missing: run `make install`")
+        pytest.fail(
+            "readme-generator or node missing: run `make install` (npm installs"
+            " @bitnami/readme-generator-for-helm into .tools/node)"
+        )
     readme = tmp_path / "README.md"
     shutil.copy(CHART / "README.md", readme)
     proc = subprocess.run(
