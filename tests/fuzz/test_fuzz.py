@@ -98,13 +98,11 @@ def test_fuzz_against_real_engines_no_router_5xx(engines, embedding_engine) -> N
 POOLING_PATHS = frozenset({"/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank"})
 
 
-@pytest.mark.xfail(strict=True, reason="router bug found by the fuzz pass: unknown base_model is a 503")
 async def test_lora_load_for_an_unknown_base_model_is_404() -> None:
     """Found by the stub fuzz pass: ``POST /v1/load_lora_adapter`` naming a ``base_model`` that no
     engine serves is answered 503 ``no_healthy_engine`` with ``Retry-After`` (a client retries a
     request that can never succeed) instead of 404 ``model_not_found`` as for an unknown ``model``
-    on the proxied endpoints. A stub engine: only the router's own answer matters. Strict xfail: once
-    fixed it fails, and the entry in ``fuzzing.KNOWN_ROUTER_BUGS`` and this marker go."""
+    on the proxied endpoints. A stub engine: only the router's own answer matters."""
     from tests.router.helpers import http, running_router, stubs
 
     async with stubs(StubEngine("s", ["stub-model"])) as urls, running_router(urls) as (url, _):

@@ -183,6 +183,8 @@ async def test_client_to_router(case: dict[str, Any], corpus_stub: StubEngine) -
         assert name not in seen, f"{name} reached the engine: {seen}"
     for name in expect.get("engine_has", ()):
         assert name in seen, f"{name} did not reach the engine: {seen}"
+    if "request_id" in expect:
+        assert last.headers.get("x-request-id") == expect["request_id"], last.headers
     if "request_id_replaced" in expect:
         sent_id = sent.split(b"X-Request-Id: ")[1].split(b"\r\n")[0] if b"X-Request-Id: " in sent else b""
         echoed = last.headers["x-request-id"].encode("latin-1")

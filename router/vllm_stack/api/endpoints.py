@@ -99,6 +99,14 @@ async def lora_fanout(router: Router, scope: dict[str, Any], receive: Receive, s
                 )
             base = bases[0]
         targets = list(registry.candidates(str(base)))
+        if not targets and not registry.is_known(str(base)) and registry.healthy_count > 0:
+            raise RouterError(  # as for an unknown model on the proxied paths: retrying cannot help
+                404,
+                f"The base model '{base}' does not exist. Available models: "
+                f"{', '.join(registry.available_models()) or 'none'}.",
+                param="base_model",
+                code="model_not_found",
+            )
         if not targets:
             raise RouterError(
                 503,

@@ -36,7 +36,7 @@ from typing import Protocol
 import httptools
 
 from vllm_stack.api.errors import ERROR_MARKER, RouterError
-from vllm_stack.api.request_id import new_request_id
+from vllm_stack.api.request_id import new_request_id, valid_request_id
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,8 @@ class HttpConnection(asyncio.Protocol):
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._lingering = -1  # >= 0: closing, dropping what the client still sends (bytes so far)
         self._declined_head = b""  # a request head to parse again without its upgrade offer
-        self._pending_error: RouterError | None = None  # malformed input behind requests still answered
+        # malformed input behind requests still answered, with the request id to answer it under
+        self._pending_error: tuple[RouterError, bytes] | None = None
         self.restricted = False  # past the connection limit: only the reserved paths are answered
         self._begin()
 
@@ -418,9 +419,9 @@ class HttpConnection(asyncio.Protocol):
             return
         self.idle_since = time.monotonic()
         if not self.queue and self._pending_error is not None:  # what followed the last good request
-            error, self._pending_error = self._pending_error, None
+            (error, request_id), self._pending_error = self._pending_error, None
             self.busy = True
-            self.send_error(error, new_request_id(), keep_alive=False)
+            self.send_error(error, request_id, keep_alive=False)
             return
         if self.queue:
             request = self.queue.popleft()
@@ -464,11 +465,12 @@ class HttpConnection(asyncio.Protocol):
         after them, and nothing more is read meanwhile.
         """
         self.parser = httptools.HttpRequestParser(self)  # the old one is in an error state
+        request_id = _client_request_id(self._headers)  # the head may be whole (413): keep its id
         self._begin()  # a refused body is not kept
         if self.closed:
             return
         if self.busy:  # earlier requests are being answered: the error waits for its turn
-            self._pending_error = error
+            self._pending_error = (error, request_id)
             if not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pause_reading()
@@ -476,7 +478,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue.clear()
         self._queued_bytes = 0
         self.busy = True
-        self.send_error(error, new_request_id(), keep_alive=False)
+        self.send_error(error, request_id, keep_alive=False)
 
     def close(self) -> None:
         """Close after what was written is flushed; nothing is written or dispatched after this.
@@ -495,6 +497,14 @@ class HttpConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)
         else:
             transport.close()
+
+
+def _client_request_id(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The client's own ``X-Request-Id`` among ``headers`` when it is a valid one, else a new id."""
+    for name, value in headers:
+        if name == b"x-request-id" and valid_request_id(value):
+            return value
+    return new_request_id()
 
 
 def _too_many_connections() -> RouterError:
