@@ -40,31 +40,43 @@ DEFAULTS = {  # the chart's routerSpec defaults (helm/values.yaml), not the fast
 
 
 class Load:
-    """``workers`` clients sending short non-streamed completions in a loop; every outcome counted."""
+    """Open-loop load: a short non-streamed completion every ``gap`` seconds, whatever the answers
+    (a closed loop would stall once its clients all wait on a hung engine). Every outcome is counted;
+    leaving :meth:`running` waits for every request sent."""
 
-    def __init__(self, url: str, workers: int) -> None:
+    def __init__(self, url: str, gap: float = 0.05, max_pending: int = 400) -> None:
         self.client = client(url).with_options(timeout=120)
-        self.workers = workers
+        self.gap = gap
+        self.max_pending = max_pending
         self.ok = 0
         self.failed: list[str] = []
-        self._stop = asyncio.Event()
+        self._pending: set[asyncio.Task[None]] = set()
 
-    async def _worker(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
-                self.ok += 1
-            except openai.APIError as exc:
-                self.failed.append(f"{type(exc).__name__}: {exc}")
+    async def _one(self) -> None:
+        try:
+            await self.client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+            self.ok += 1
+        except openai.APIError as exc:
+            self.failed.append(f"{type(exc).__name__}: {exc}")
+
+    async def _send(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if len(self._pending) < self.max_pending:
+                task = asyncio.create_task(self._one())
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+            await asyncio.sleep(self.gap)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Load]:
-        tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
+        stop = asyncio.Event()
+        sender = asyncio.create_task(self._send(stop))
         try:
             yield self
         finally:
-            self._stop.set()
-            await asyncio.gather(*tasks)
+            stop.set()
+            await sender
+            await asyncio.gather(*list(self._pending))
 
     async def served(self, more: int, what: str) -> None:
         target = self.ok + more
@@ -79,7 +91,7 @@ async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(sessi
     ):
         engine = router.registry.get(spare.address)
         assert engine is not None
-        load = Load(url, workers=4)
+        load = Load(url)
         async with load.running():
             await load.served(20, "requests on both engines")
             await wait_for(lambda: engine.in_flight > 0, 30, "a request on the spare")
@@ -112,7 +124,7 @@ async def test_hung_engine_opens_its_circuit_and_comes_back(engines) -> None:
     ):
         engine = router.registry.get(hung.address)
         assert engine is not None
-        load = Load(url, workers=2)
+        load = Load(url)
         async with load.running():
             await load.served(10, "requests on both engines")
             hung.signal(signal.SIGSTOP)
