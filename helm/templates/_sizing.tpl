@@ -72,12 +72,13 @@ The sizing of one engine as YAML: what it holds at start and the requests/limits
 {{- $footMi := include "vllm-stack.mebibytes" $spec.engineMemoryFootprint | int64 -}}
 {{- $needMi := add $bufferMi $shmMi $footMi -}}
 {{- $why := join " + " (concat $bufferWhat (list (printf "%s /dev/shm (shmSize)" (include "vllm-stack.quantityMi" $shmMi)) (printf "%s engine footprint (servingEngineSpec.engineMemoryFootprint)" (include "vllm-stack.quantityMi" $footMi)))) -}}
+{{- $why = printf "%s = %s" $why (include "vllm-stack.quantityMi" $needMi) -}}
 {{- $busy := ternary (add 2 $parallel) 2 (gt $parallel 1) -}}
 shm: {{ $shm | quote }}
 bufferMi: {{ $bufferMi }}
 needMi: {{ $needMi }}
 need: {{ include "vllm-stack.quantityMi" $needMi | quote }}
-memoryWhy: {{ printf "%s = %s" $why (include "vllm-stack.quantityMi" $needMi) | quote }}
+memoryWhy: {{ $why | quote }}
 busyCores: {{ $busy }}
 cpuWhy: {{ printf "%d processes keep a core busy each (API server, engine core%s)" $busy (ternary (printf ", %d GPU workers" $parallel) "" (gt $parallel 1)) | quote }}
 {{- if $m.resources }}
