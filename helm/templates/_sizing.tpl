@@ -39,7 +39,8 @@ from it (README "Engine memory and CPU"). Call with (dict "root" $ "model" $mode
 {{/*
 The sizing of one engine as YAML: what it holds at start and the requests/limits rendered.
   bufferMi     LMCache's pinned CPU buffer: LMCache 0.5.6 allocates max_local_cpu_size GiB (default 5)
-               whenever the connector runs, whether or not local_cpu is on; plus a PD buffer on the CPU
+               whenever the connector runs, whether or not local_cpu is on, in every GPU worker (TP x PP);
+               plus a PD buffer on the CPU
   shm          the memory-backed /dev/shm size (tmpfs pages count against the container's memory)
   footprintMi  servingEngineSpec.engineMemoryFootprint: the vLLM processes themselves
   needMi       their sum: the smallest memory limit that does not OOM-kill the engine
@@ -52,21 +53,24 @@ The sizing of one engine as YAML: what it holds at start and the requests/limits
 {{- $spec := $root.Values.servingEngineSpec -}}
 {{- $vc := $m.vllmConfig | default dict -}}
 {{- $lm := eq (include "vllm-stack.model.lmcacheEnabled" .) "true" -}}
+{{- $parallel := mul (int ($vc.tensorParallelSize | default 1)) (int ($vc.pipelineParallelSize | default 1)) -}}
 {{- $bufferMi := 0 -}}
 {{- $bufferWhat := list -}}
 {{- if $lm -}}
 {{- $lc := $m.lmcacheConfig -}}
 {{- $gib := 5.0 -}}
 {{- if not (kindIs "invalid" $lc.cpuOffloadingBufferSize) }}{{ if ne (toString $lc.cpuOffloadingBufferSize) "" }}{{ $gib = float64 (include "vllm-stack.str" $lc.cpuOffloadingBufferSize) }}{{ end }}{{ end -}}
-{{- $bufferMi = ceil (mulf $gib 1024) | int64 -}}
-{{- if $bufferMi }}{{ $bufferWhat = append $bufferWhat (printf "%s LMCache CPU buffer (lmcacheConfig.cpuOffloadingBufferSize%s)" (include "vllm-stack.quantityMi" $bufferMi) (ternary "" ", LMCache's default 5" (hasKey $lc "cpuOffloadingBufferSize"))) }}{{ end -}}
+{{- /* Each GPU worker (tensor x pipeline parallel rank) runs its own LMCache engine with its own buffer. */ -}}
+{{- $bufferMi = mul (ceil (mulf $gib 1024) | int64) $parallel -}}
+{{- $source := printf "lmcacheConfig.cpuOffloadingBufferSize%s" (ternary "" ", LMCache's default 5" (hasKey $lc "cpuOffloadingBufferSize")) -}}
+{{- if gt $parallel 1 }}{{ $source = printf "%s, %s per GPU worker x %d workers" $source (include "vllm-stack.quantityMi" (ceil (mulf $gib 1024) | int64)) $parallel }}{{ end -}}
+{{- if $bufferMi }}{{ $bufferWhat = append $bufferWhat (printf "%s LMCache CPU buffer (%s)" (include "vllm-stack.quantityMi" $bufferMi) $source) }}{{ end -}}
 {{- with $lc.pd }}{{ if and .role (eq (.bufferDevice | default "cuda") "cpu") -}}
 {{- $pdMi := ceil (divf (float64 (.bufferSize | default 2147483648)) 1048576) | int64 -}}
 {{- $bufferMi = add $bufferMi $pdMi -}}
 {{- $bufferWhat = append $bufferWhat (printf "%s PD buffer on the CPU (lmcacheConfig.pd.bufferSize)" (include "vllm-stack.quantityMi" $pdMi)) -}}
 {{- end }}{{ end -}}
 {{- end -}}
-{{- $parallel := mul (int ($vc.tensorParallelSize | default 1)) (int ($vc.pipelineParallelSize | default 1)) -}}
 {{- $shm := $m.shmSize | default (ternary "20Gi" "2Gi" (gt $parallel 1)) -}}
 {{- $shmMi := include "vllm-stack.mebibytes" $shm | int64 -}}
 {{- $footMi := include "vllm-stack.mebibytes" $spec.engineMemoryFootprint | int64 -}}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helm.chart import ROOT, container, one, render, values_file
+from tests.helm.chart import ROOT, container, dockerfile_instructions, one, render, values_file
 
 pytestmark = pytest.mark.helm
 
@@ -22,14 +22,7 @@ DOCKERFILE = ROOT / "engine-image" / "engine.Dockerfile"
 
 
 def _instructions() -> list[tuple[str, str]]:
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
+    return dockerfile_instructions(DOCKERFILE)
 
 
 def _args() -> dict[str, str]:

@@ -23,6 +23,7 @@ from tests.helm.chart import (
     container,
     env_of,
     find,
+    flag,
     helm_path,
     one,
     values_file,
@@ -255,11 +256,12 @@ def dropped(values: dict, steps: tuple, value) -> str | None:
 
 def helm_values_enabled() -> dict:
     """production-stack's default values.yaml with its one model turned on (its defaults say `enabled:
-    false`) and a memory limit that holds the 30 GiB LMCache buffer it asks for."""
+    false`) and a memory limit that holds what it asks for: 30 GiB of LMCache buffer in each of its 2
+    tensor-parallel workers + 20Gi /dev/shm + 4Gi (its own limitMemory, 32Gi, is refused with that sum)."""
     values = load("helm__values.yaml")
     m = values["servingEngineSpec"]["modelSpec"][0]
     m["enabled"] = True
-    m["limitMemory"] = "64Gi"
+    m["limitMemory"] = "84Gi"
     return values
 
 
@@ -309,6 +311,11 @@ def held_gib(deployment: dict) -> float:
     buffer = 0.0
     if any(name.startswith("LMCACHE_") for name in env):
         buffer = float(env.get("LMCACHE_MAX_LOCAL_CPU_SIZE", {"value": "5"})["value"])  # LMCache's default 5
+        args = c["args"]
+        workers = int(flag(args, "--tensor-parallel-size") or 1) * int(
+            flag(args, "--pipeline-parallel-size") or 1
+        )
+        buffer *= workers  # every GPU worker runs its own LMCache engine with its own buffer
     vols = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     shm = quantity_gib(vols["dshm"]["emptyDir"]["sizeLimit"])
     return buffer + shm + FOOTPRINT_GIB
@@ -361,6 +368,19 @@ def test_a_memory_limit_below_the_buffers_is_refused_with_the_arithmetic():
     assert rc != 0 and "20Gi /dev/shm (shmSize) + 4Gi engine footprint" in err
     rc, _, err = dry_run(_model(resources={"limits": {"memory": "4Gi", "cpu": "4"}}))
     assert rc != 0 and "resources.limits.memory 4Gi is below" in err
+
+
+def test_every_gpu_worker_pins_its_own_lmcache_buffer():
+    objs, lines = rendered("tutorials__gke-example__values-01-offload-kv-cache-local-disk.yaml")
+    (d,) = engines(objs)
+    res = container(d)["resources"]
+    # 128 GiB per worker x 8 tensor-parallel workers + 20Gi /dev/shm (TP > 1) + 4Gi: the file asks for 1024Gi.
+    assert res["requests"]["memory"] == res["limits"]["memory"] == "1048Gi"
+    line = lines[("servingEngineSpec.modelSpec[0].requestMemory",)]
+    assert (
+        "1024Gi LMCache CPU buffer (lmcacheConfig.cpuOffloadingBufferSize, 128Gi per GPU worker x 8 workers)"
+        in line
+    )
 
 
 def test_a_cpu_limit_below_the_busy_processes_is_refused():
@@ -462,6 +482,14 @@ def test_implemented_production_stack_keys():
     objs, _ = rendered("tutorials__values-22-gateway-api.yaml")
     http = one(objs, "HTTPRoute", f"{RELEASE}-router-http")["spec"]["rules"][0]
     assert http["filters"][0]["type"] == "RequestRedirect" and "backendRefs" not in http
+
+
+def test_default_values_file_model_as_given_is_refused_with_the_arithmetic():
+    values = helm_values_enabled()
+    values["servingEngineSpec"]["modelSpec"][0]["limitMemory"] = "32Gi"
+    rc, _, err = dry_run(values)
+    assert rc != 0 and "limitMemory 32Gi is below what the engine holds: 60Gi LMCache CPU buffer" in err
+    assert "30Gi per GPU worker x 2 workers" in err and "= 84Gi" in err
 
 
 def test_default_values_file_keys_are_implemented():
