@@ -19,8 +19,21 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- $ctlPorts := list -}}
 {{- range list "lmcacheControllerPort" "lmcacheControllerReplyPort" "lmcacheControllerHeartbeatPort" }}{{ if not (empty (get $r .)) }}{{ $ctlPorts = append $ctlPorts (printf "routerSpec.%s" .) }}{{ end }}{{ end -}}
 {{- with $ctlPorts }}{{ $n = append $n (printf "%s: production-stack's router hosts an LMCache controller there for kvaware routing only; with routingLogic %s nothing uses it and this router hosts none" (join ", " .) $r.routingLogic) }}{{ end -}}
+{{- $probePorts := list -}}
+{{- range $spec := list "servingEngineSpec" "routerSpec" }}{{ range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
+{{- with (get (get $v $spec) $probe) }}{{ with .httpGet }}{{ if hasKey . "port" }}{{ $probePorts = append $probePorts (printf "%s.%s.httpGet.port" $spec $probe) }}{{ end }}{{ end }}{{ end }}
+{{- end }}{{ end -}}
+{{- with $probePorts }}{{ $n = append $n (printf "%s: not used: the probes always use the container's named port (http, the containerPort)" (join ", " .)) }}{{ end -}}
+{{- with $v.sharedPvcStorage }}{{ with .image }}{{ $n = append $n "sharedPvcStorage.image: not used: production-stack runs it in its LoRA controller only, which this chart does not ship" }}{{ end }}{{ end -}}
 {{- /* ---- engines ---- */ -}}
+{{- $ownRuntime := true -}}
+{{- $anyModel := false -}}
+{{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $anyModel = true }}{{ if not .runtimeClassName }}{{ $ownRuntime = false }}{{ end }}{{ end }}{{ end -}}
+{{- if and $anyModel $ownRuntime $v.servingEngineSpec.runtimeClassName }}{{ $n = append $n "servingEngineSpec.runtimeClassName: not used: every deployed model sets its own runtimeClassName, which wins" }}{{ end -}}
 {{- with $v.servingEngineSpec.sidecar }}{{ $n = append $n "servingEngineSpec.sidecar: production-stack's LoRA sidecar is not shipped: load adapters with vllmConfig.loraModules or at run time (/v1/load_lora_adapter with vllmConfig.allowRuntimeLoraUpdating)" }}{{ end -}}
+{{- $deployed := false -}}
+{{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $deployed = true }}{{ end }}{{ end -}}
+{{- if and $v.servingEngineSpec.modelSpec (not $deployed) }}{{ $n = append $n "servingEngineSpec: no model is deployed (every modelSpec entry is disabled), so its engine-wide settings render nothing" }}{{ end -}}
 {{- range $i, $m := $v.servingEngineSpec.modelSpec }}
 {{- $p := printf "servingEngineSpec.modelSpec[%d]" $i -}}
 {{- $ctx := dict "root" $ "model" $m -}}
@@ -29,6 +42,7 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- else -}}
 {{- $vc := $m.vllmConfig | default dict -}}
 {{- $size := include "vllm-stack.engine.sizing" $ctx | fromYaml -}}
+{{- if and (hasKey $m "replicaCount") (eq (include "vllm-stack.model.kedaEnabled" $ctx) "true") }}{{ $n = append $n (printf "%s.replicaCount: not rendered: the keda block is on, so KEDA owns the replica count (between minReplicaCount and maxReplicaCount), as in production-stack" $p) }}{{ end -}}
 {{- with $size.memoryRaised }}{{ $n = append $n (printf "%s.requestMemory: %s" $p .) }}{{ end -}}
 {{- with $size.cpuRaised }}{{ $n = append $n (printf "%s.requestCPU: %s; a CPU quota below them throttles the engine every 100 ms CFS period" $p .) }}{{ end -}}
 {{- $g := include "vllm-stack.str" ($m.requestGPU | default 0) -}}
