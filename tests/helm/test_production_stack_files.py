@@ -543,3 +543,23 @@ def test_notes_curl_carries_the_api_key_when_client_keys_are_on():
     assert 'curl -H "Authorization: Bearer $KEY"' in text and "get secret keys" in text
     _, notes = manifest_and_notes({})
     assert "Authorization" not in "\n".join(notes)
+
+
+@pytest.mark.parametrize("name", rendering())
+def test_every_rendered_object_validates(name):
+    """Built-in kinds against the Kubernetes schemas, custom resources against their CRDs and CEL rules
+    (tests/helm/test_validate_objects.py's checks), for production-stack's files as well."""
+    from tests.helm.test_validate_objects import validate
+
+    for obj in rendered(name)[0]:
+        text = json.dumps(obj, sort_keys=True)
+        if text in _VALIDATED:  # the router's objects repeat across files
+            continue
+        try:
+            validate(obj)
+        except Exception as exc:
+            raise AssertionError(f"{name}: {obj['kind']}/{obj['metadata']['name']}: {exc}") from None
+        _VALIDATED.add(text)
+
+
+_VALIDATED: set[str] = set()
