@@ -26,6 +26,10 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- with $vc.maxCpuLoras }}{{ $args = append (append $args "--max-cpu-loras") (include "vllm-stack.str" .) }}{{ end -}}
 {{- range $vc.loraModules }}{{ $args = append (append $args "--lora-modules") (printf "%s=%s" .name .path) }}{{ end -}}
 {{- end -}}
+{{- with $m.modelRevision }}{{ $args = append (append $args "--revision") . }}{{ end -}}
+{{- if $m.enableTool }}{{ $args = append $args "--enable-auto-tool-choice" }}{{ end -}}
+{{- with $m.toolCallParser }}{{ $args = append (append $args "--tool-call-parser") . }}{{ end -}}
+{{- with (include "vllm-stack.engine.chatTemplatePath" .) }}{{ $args = append (append $args "--chat-template") . }}{{ end -}}
 {{- if eq (include "vllm-stack.kvEvents.enabled" $root) "true" -}}
 {{- $kv := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $root.Values.servingEngineSpec.kvEvents.port)) -}}
 {{- $args = append (append $args "--kv-events-config") (toJson $kv) -}}
@@ -88,7 +92,10 @@ secretKeyRef:
 - name: LMCACHE_REMOTE_SERDE
   value: {{ $lc.remoteSerde | default $root.Values.cacheserverSpec.serde | quote }}
 {{- end }}
-{{- if $lc.enableController }}
+{{- /* production-stack spells the controller as ports on its own router, which hosts an LMCache
+     controller for kvaware routing only; this chart's router hosts none, so that spelling leaves the
+     controller off (NOTES says so) instead of pointing the engines at an address nothing answers. */}}
+{{- if and $lc.enableController (or $lc.controllerPullUrl (not $lc.controllerPort)) }}
 - name: LMCACHE_ENABLE_CONTROLLER
   value: "true"
 - name: LMCACHE_LMCACHE_INSTANCE_ID
@@ -99,22 +106,35 @@ secretKeyRef:
   value: {{ required "lmcacheConfig.controllerPullUrl is required with enableController" $lc.controllerPullUrl | quote }}
 - name: LMCACHE_CONTROLLER_REPLY_URL
   value: {{ required "lmcacheConfig.controllerReplyUrl is required with enableController" $lc.controllerReplyUrl | quote }}
+{{- with $lc.workerHeartbeatTime }}
+- name: LMCACHE_LMCACHE_WORKER_HEARTBEAT_TIME
+  value: {{ include "vllm-stack.str" . | quote }}
+{{- end }}
+{{- end }}
 {{- with $lc.workerPorts }}
 - name: LMCACHE_LMCACHE_WORKER_PORTS
-  value: {{ join "," . | quote }}
-{{- end }}
+  value: {{ include "vllm-stack.portList" . | quote }}
 {{- end }}
 {{- if $lc.enableP2P }}
 - name: LMCACHE_ENABLE_P2P
   value: "true"
+{{- end }}
+{{- if $lc.p2pHost }}
+- name: LMCACHE_P2P_HOST
+  value: {{ $lc.p2pHost | quote }}
+{{- else if $lc.enableP2P }}
 - name: LMCACHE_P2P_HOST
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- end }}
+{{- if or $lc.enableP2P $lc.p2pInitPorts }}
 - name: LMCACHE_P2P_INIT_PORTS
-  value: {{ join "," ($lc.p2pInitPorts | default (list 8200)) | quote }}
+  value: {{ include "vllm-stack.portList" ($lc.p2pInitPorts | default (list 8200)) | quote }}
+{{- end }}
+{{- if or $lc.enableP2P $lc.p2pLookupPorts }}
 - name: LMCACHE_P2P_LOOKUP_PORTS
-  value: {{ join "," ($lc.p2pLookupPorts | default (list 8201)) | quote }}
+  value: {{ include "vllm-stack.portList" ($lc.p2pLookupPorts | default (list 8201)) | quote }}
 {{- end }}
 {{- with $lc.pd }}
 {{- if .role }}
@@ -154,7 +174,7 @@ secretKeyRef:
 - name: PYTHONHASHSEED
   value: {{ include "vllm-stack.str" $root.Values.servingEngineSpec.pythonHashSeed | quote }}
 - name: HF_HOME
-  value: {{ $root.Values.servingEngineSpec.modelCacheMountPath | quote }}
+  value: {{ ternary "/data/shared-pvc-storage" $root.Values.servingEngineSpec.modelCacheMountPath (and $root.Values.sharedPvcStorage $root.Values.sharedPvcStorage.enabled) | quote }}
 {{- with $m.hf_token }}{{ if or (kindIs "string" .) .secretName }}
 - name: HF_TOKEN
   valueFrom:
@@ -176,4 +196,24 @@ secretKeyRef:
 {{- with $m.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* Ports as LMCache's comma-separated list: a list, a number, or production-stack's "8001" / "8001,8002". */}}
+{{- define "vllm-stack.portList" -}}
+{{- if kindIs "slice" . -}}
+{{- $out := list -}}{{- range . }}{{ $out = append $out (include "vllm-stack.str" .) }}{{ end -}}{{- join "," $out -}}
+{{- else -}}
+{{- include "vllm-stack.str" . | replace " " "" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The --chat-template path: production-stack's file name in chatTemplateConfigMap (mounted at
+     /templates), or an absolute path to a file in the image or a volume. */}}
+{{- define "vllm-stack.engine.chatTemplatePath" -}}
+{{- $m := .model -}}
+{{- if $m.chatTemplateConfigMap -}}
+{{- printf "/templates/%s" (base ($m.chatTemplate | default "chat-template.jinja")) -}}
+{{- else if and $m.chatTemplate (hasPrefix "/" $m.chatTemplate) -}}
+{{- $m.chatTemplate -}}
+{{- end -}}
 {{- end -}}

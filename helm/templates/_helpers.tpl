@@ -229,3 +229,13 @@ key: {{ required "routerSpec.vllmApiKey.secretKey is required with secretName" $
 {{- toYaml $r.hpa -}}
 {{- end -}}
 {{- end -}}
+
+{{/* An IntOrString as YAML: "1" and 1 -> 1, "25%" -> "25%". */}}
+{{- define "vllm-stack.intOrPercent" -}}
+{{- $v := include "vllm-stack.str" . -}}
+{{- if regexMatch "^[0-9]+$" $v }}{{ $v }}{{ else }}{{ $v | quote }}{{ end -}}
+{{- end -}}
+
+{{- define "vllm-stack.sharedPvc.fullname" -}}
+{{- printf "%s-shared-pvc-storage" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}

@@ -20,18 +20,27 @@
 {{- toYaml $args -}}
 {{- end -}}
 
+{{- define "vllm-stack.router.serviceAccountName" -}}
+{{- .Values.routerSpec.serviceAccountName | default (include "vllm-stack.router.fullname" .) -}}
+{{- end -}}
+
 {{/*
-The router image. production-stack's router images (`lmcache/lmstack-router`) take a different command
-line, so a values file carried over from production-stack that names one gets this chart's router image
-instead (NOTES.txt says so); any other repository is used as given.
+The router image. The chart renders this project's router command line (production-stack's flag names,
+this router's semantics); another router image, production-stack's (`lmcache/lmstack-router`) or a
+build of it (`git-act-router` in its CI), would crash on it or misread it. So a repository is used as
+given only when it is this project's router: the default, a mirror of it (the image name, the last path
+segment, is `router`), or any repository with `routerSpec.vllmStackImage: true`. Anything else is
+replaced by the default image and NOTES.txt says so (`vllmStackImage: false` replaces even a `router`).
 */}}
-{{- define "vllm-stack.router.productionStackImage" -}}
-{{- if has .Values.routerSpec.repository (list "lmcache/lmstack-router" "docker.io/lmcache/lmstack-router") }}true{{ end -}}
+{{- define "vllm-stack.router.foreignImage" -}}
+{{- $r := .Values.routerSpec -}}
+{{- $own := ternary (eq (toString $r.vllmStackImage) "true") (eq (last (splitList "/" $r.repository)) "router") (ne (toString $r.vllmStackImage) "<nil>") -}}
+{{- if not $own }}true{{ end -}}
 {{- end -}}
 
 {{- define "vllm-stack.router.image" -}}
 {{- $r := .Values.routerSpec -}}
-{{- if include "vllm-stack.router.productionStackImage" . -}}
+{{- if include "vllm-stack.router.foreignImage" . -}}
 {{- printf "%s:%s" "ghcr.io/vllm-stack/router" .Chart.AppVersion -}}
 {{- else -}}
 {{- printf "%s:%s" $r.repository (toString ($r.tag | default .Chart.AppVersion)) -}}

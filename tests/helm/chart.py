@@ -117,3 +117,15 @@ def env_of(c: dict) -> dict[str, dict]:
 def flag(args: list[str], name: str) -> str | None:
     """The value following `name` in an argument list (None when absent)."""
     return args[args.index(name) + 1] if name in args else None
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """A Dockerfile as (INSTRUCTION, rest) pairs: continuations joined, comments and blank lines left out."""
+    text = path.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out

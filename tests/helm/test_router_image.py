@@ -8,20 +8,13 @@ from __future__ import annotations
 import re
 import tomllib
 
-from tests.helm.chart import ROOT
+from tests.helm.chart import ROOT, dockerfile_instructions
 
 DOCKERFILE = ROOT / "engine-image" / "router.Dockerfile"
 
 
 def _instructions() -> list[tuple[str, str]]:
-    text = DOCKERFILE.read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
+    return dockerfile_instructions(DOCKERFILE)
 
 
 def test_multi_stage_non_root_router_entrypoint():

@@ -1,6 +1,7 @@
 """Every rendered object validates: built-in kinds against the Kubernetes JSON schemas (kubernetes-validate,
 strict: unknown fields are errors) for the oldest supported (1.30) and the newest available version, custom
-resources against the upstream CRD schemas in ../shared/crds/ (unknown fields also rejected)."""
+resources against the upstream CRD schemas in ../shared/crds/ (unknown fields also rejected) and their CEL
+rules (`x-kubernetes-validations`, evaluated with cel-python: tests/helm/cel.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.helm import cel
 from tests.helm.chart import CRDS, file_id, render, values_files
 
 pytestmark = pytest.mark.helm
@@ -64,6 +66,8 @@ def validate(obj: dict) -> None:
     key = (obj["apiVersion"], obj["kind"])
     if "/" in obj["apiVersion"] and obj["apiVersion"].split("/")[0].count(".") and key in crd_schemas():
         jsonschema.Draft7Validator(crd_schemas()[key]).validate(obj)
+        broken = cel.violations(obj)
+        assert not broken, f"{obj['kind']}/{obj['metadata']['name']} breaks its CRD's CEL rules: {broken}"
         return
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(obj, version, strict=True)
@@ -114,3 +118,44 @@ def test_crd_validation_rejects_unknown_fields():
     bad["spec"]["triggers"] = {"type": "prometheus"}  # production-stack's fault: triggers as an object
     with pytest.raises(jsonschema.ValidationError):
         validate(bad)
+
+
+def test_every_cel_rule_of_the_crds_compiles():
+    """cel-python compiles every x-kubernetes-validations rule (cel.crd_rules raises on the first it cannot);
+    only transition rules (oldSelf, checked on update only) are left out."""
+    total = 0
+
+    def count(node):
+        nonlocal total
+        if isinstance(node, dict):
+            total += sum("oldSelf" not in r["rule"] for r in node.get("x-kubernetes-validations", []))
+            for v in node.values():
+                count(v)
+        elif isinstance(node, list):
+            for v in node:
+                count(v)
+
+    for path in CRDS.glob("*.yaml"):
+        count(yaml.safe_load(path.read_text())["spec"]["versions"])
+    assert total > 100 and cel.rule_count() == total
+
+
+def test_cel_rules_reject_a_redirect_next_to_backend_refs():
+    """What the chart rendered for production-stack's httpsRedirect before: the CRD's CEL rule rejects it."""
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "r"},
+        "spec": {
+            "parentRefs": [{"name": "gw"}],
+            "rules": [
+                {
+                    "filters": [{"type": "RequestRedirect", "requestRedirect": {"scheme": "https"}}],
+                    "backendRefs": [{"name": "router", "port": 80}],
+                }
+            ],
+        },
+    }
+    assert any("must not be used together with backendRefs" in v for v in cel.violations(route))
+    del route["spec"]["rules"][0]["backendRefs"]
+    assert cel.violations(route) == []

@@ -1,0 +1,82 @@
+{{/* ---------------------------------------------------------------------------------------------
+What the chart did with production-stack keys it honours differently or ignores, one line each,
+printed by NOTES.txt: "<key path>[, <key path>...]: <what was done>". A path names the key and
+everything under it; tests/helm/test_production_stack_files.py reads these lines.
+--------------------------------------------------------------------------------------------- */}}
+{{- define "vllm-stack.compat.notes" -}}
+{{- $v := .Values -}}
+{{- $r := $v.routerSpec -}}
+{{- $n := list -}}
+{{- /* ---- router ---- */ -}}
+{{- if and $r.enableRouter (include "vllm-stack.router.foreignImage" .) -}}
+{{- $n = append $n (printf "routerSpec.repository, routerSpec.tag: %s%s is not this project's router (its command line differs; these args would crash or be misread); %s is deployed instead. Set routerSpec.vllmStackImage: true if it is your build of engine-image/router.Dockerfile" $r.repository (ternary (printf ":%s" (toString $r.tag)) "" (not (empty $r.tag))) (include "vllm-stack.router.image" .)) -}}
+{{- end -}}
+{{- if hasKey $r "requestStatsWindow" }}{{ $n = append $n "routerSpec.requestStatsWindow: ignored: the vllm-stack router takes its load signals from the engines' /metrics every engineScrapeInterval, not from a window of its own requests" }}{{ end -}}
+{{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
+{{- with $r.otel }}{{ $n = append $n (printf "routerSpec.otel: the vllm-stack router has no tracing yet: no spans are sent%s (the engines' own OTEL_* env, if any, is passed through)" (ternary (printf " to %s" .endpoint) "" (not (empty .endpoint)))) }}{{ end -}}
+{{- with $r.lmcacheConfig }}{{ $n = append $n "routerSpec.lmcacheConfig: ignored: production-stack's router embeds LMCache for kvaware routing only; this router does not" }}{{ end -}}
+{{- if and $r.hf_token (kindIs "string" $r.hf_token) }}{{ $n = append $n "routerSpec.hf_token: not needed: the vllm-stack router never loads a tokenizer" }}{{ end -}}
+{{- $ctlPorts := list -}}
+{{- range list "lmcacheControllerPort" "lmcacheControllerReplyPort" "lmcacheControllerHeartbeatPort" }}{{ if not (empty (get $r .)) }}{{ $ctlPorts = append $ctlPorts (printf "routerSpec.%s" .) }}{{ end }}{{ end -}}
+{{- with $ctlPorts }}{{ $n = append $n (printf "%s: production-stack's router hosts an LMCache controller there for kvaware routing only; with routingLogic %s nothing uses it and this router hosts none" (join ", " .) $r.routingLogic) }}{{ end -}}
+{{- $probePorts := list -}}
+{{- range $spec := list "servingEngineSpec" "routerSpec" }}{{ range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
+{{- with (get (get $v $spec) $probe) }}{{ with .httpGet }}{{ if hasKey . "port" }}{{ $probePorts = append $probePorts (printf "%s.%s.httpGet.port" $spec $probe) }}{{ end }}{{ end }}{{ end }}
+{{- end }}{{ end -}}
+{{- with $probePorts }}{{ $n = append $n (printf "%s: not used: the probes always use the container's named port (http, the containerPort)" (join ", " .)) }}{{ end -}}
+{{- with $v.sharedPvcStorage }}{{ with .image }}{{ $n = append $n "sharedPvcStorage.image: not used: production-stack runs it in its LoRA controller only, which this chart does not ship" }}{{ end }}{{ end -}}
+{{- /* ---- engines ---- */ -}}
+{{- $ownRuntime := true -}}
+{{- $anyModel := false -}}
+{{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $anyModel = true }}{{ if not .runtimeClassName }}{{ $ownRuntime = false }}{{ end }}{{ end }}{{ end -}}
+{{- if and $anyModel $ownRuntime $v.servingEngineSpec.runtimeClassName }}{{ $n = append $n "servingEngineSpec.runtimeClassName: not used: every deployed model sets its own runtimeClassName, which wins" }}{{ end -}}
+{{- with $v.servingEngineSpec.sidecar }}{{ $n = append $n "servingEngineSpec.sidecar: production-stack's LoRA sidecar is not shipped: load adapters with vllmConfig.loraModules or at run time (/v1/load_lora_adapter with vllmConfig.allowRuntimeLoraUpdating)" }}{{ end -}}
+{{- $deployed := false -}}
+{{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $deployed = true }}{{ end }}{{ end -}}
+{{- if and $v.servingEngineSpec.modelSpec (not $deployed) }}{{ $n = append $n "servingEngineSpec: no model is deployed (every modelSpec entry is disabled), so its engine-wide settings render nothing" }}{{ end -}}
+{{- range $i, $m := $v.servingEngineSpec.modelSpec }}
+{{- $p := printf "servingEngineSpec.modelSpec[%d]" $i -}}
+{{- $ctx := dict "root" $ "model" $m -}}
+{{- if ne (include "vllm-stack.model.enabled" $ctx) "true" -}}
+{{- $n = append $n (printf "%s: %s is not deployed (%s), so none of its settings is rendered" $p $m.name (ternary "servingEngineSpec.enableEngine: false" "enabled: false" (not $v.servingEngineSpec.enableEngine))) -}}
+{{- else -}}
+{{- $vc := $m.vllmConfig | default dict -}}
+{{- $size := include "vllm-stack.engine.sizing" $ctx | fromYaml -}}
+{{- if and (hasKey $m "replicaCount") (eq (include "vllm-stack.model.kedaEnabled" $ctx) "true") }}{{ $n = append $n (printf "%s.replicaCount: not rendered: the keda block is on, so KEDA owns the replica count (between minReplicaCount and maxReplicaCount), as in production-stack" $p) }}{{ end -}}
+{{- with $size.memoryRaised }}{{ $n = append $n (printf "%s.requestMemory: %s" $p .) }}{{ end -}}
+{{- with $size.cpuRaised }}{{ $n = append $n (printf "%s.requestCPU: %s; a CPU quota below them throttles the engine every 100 ms CFS period" $p .) }}{{ end -}}
+{{- $g := include "vllm-stack.str" ($m.requestGPU | default 0) -}}
+{{- if ne $g (include "vllm-stack.engine.gpus" $ctx) -}}
+{{- $n = append $n (printf "%s.requestGPU: %s rendered as %s: %s (extended resources are whole numbers; production-stack requests no GPU for a fraction). Several engines share a GPU only where the device plugin shares GPUs (NVIDIA time-slicing or MPS replicas), each nvidia.com/gpu then being a share; keep vllmConfig.gpuMemoryUtilization (or --gpu-memory-utilization) within it" $p $g ($m.requestGPUType | default "nvidia.com/gpu") (include "vllm-stack.engine.gpus" $ctx)) -}}
+{{- end -}}
+{{- if hasKey $vc "v0" }}{{ $n = append $n (printf "%s.vllmConfig.v0: ignored: vLLM 0.32 has only the V1 engine, which runs (production-stack would set VLLM_USE_V1=0)" $p) }}{{ end -}}
+{{- if and $m.vllmConfig (not (hasKey $vc "enablePrefixCaching")) }}{{ $n = append $n (printf "%s.vllmConfig.enablePrefixCaching: not given, so vLLM's default (on); production-stack renders --no-enable-prefix-caching here" $p) }}{{ end -}}
+{{- if and $vc.maxLoras (not (or $vc.enableLoRA $m.enableLoRA)) }}{{ $n = append $n (printf "%s.vllmConfig.maxLoras: --enable-lora added (vLLM ignores --max-loras without it; production-stack passes --max_loras alone)" $p) }}{{ end -}}
+{{- if and $m.enableLoRA $m.pvcStorage }}{{ $n = append $n (printf "%s.enableLoRA: --enable-lora; production-stack would also add its LoRA sidecar here (enableLoRA with pvcStorage), which is not shipped: load adapters with vllmConfig.loraModules or /v1/load_lora_adapter" $p) }}{{ end -}}
+{{- with $m.pvcMatchLabels }}{{ $n = append $n (printf "%s.pvcMatchLabels: the model's PVC selects a pre-provisioned PersistentVolume labelled %s" $p (toJson .)) }}{{ end -}}
+{{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) }}{{ $n = append $n (printf "%s.chatTemplate: --chat-template %s as given; the file must be in the image or a volume you mount (extraVolumes); production-stack would look for it under /templates on a PVC named vllm-templates-pvc" $p $m.chatTemplate) }}{{ end -}}
+{{- if eq (include "vllm-stack.model.lmcacheEnabled" $ctx) "true" -}}
+{{- $lc := $m.lmcacheConfig -}}
+{{- if and $lc.enableController $lc.controllerPort (not $lc.controllerPullUrl) -}}
+{{- $keys := list "enableController" "controllerPort" -}}
+{{- range list "controllerReplyPort" "workerHeartbeatTime" }}{{ if hasKey $lc . }}{{ $keys = append $keys . }}{{ end }}{{ end -}}
+{{- $paths := list }}{{ range $keys }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end -}}
+{{- $n = append $n (printf "%s: these point the engine at an LMCache controller on production-stack's router, which hosts one for kvaware routing only; this chart's router hosts none, so the controller stays off (give controllerPullUrl and controllerReplyUrl of an lmcache_controller to turn it on)" (join ", " $paths)) -}}
+{{- end -}}
+{{- if and (not $lc.enableP2P) (or $lc.p2pHost $lc.p2pInitPorts $lc.p2pLookupPorts) -}}
+{{- $paths := list }}{{ range list "p2pHost" "p2pInitPorts" "p2pLookupPorts" }}{{ if hasKey $lc . }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end }}{{ end -}}
+{{- $n = append $n (printf "%s: rendered (LMCACHE_P2P_*) as production-stack does, but enableP2P is not true, so LMCache does not use them" (join ", " $paths)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
+{{- /* ---- production-stack components this chart does not bundle ---- */ -}}
+{{- range $key := list "kube-prometheus-stack" "prometheus-adapter" }}
+{{- with (get $v $key) }}{{ $n = append $n (printf "%s: not bundled%s: install prometheus-community/%s yourself; this chart's ServiceMonitors (monitoring.serviceMonitor.enabled) and KEDA triggers work with it" $key (ternary " (enabled: true asks for it)" "" (eq (toString .enabled) "true")) $key) }}{{ end -}}
+{{- end -}}
+{{- with $v.loraAdapters }}{{ $n = append $n "loraAdapters: no entry is enabled; production-stack's LoRA operator is not part of this chart" }}{{ end -}}
+{{- with $v.loraController }}{{ $n = append $n "loraController: enableLoraController is not true; production-stack's LoRA operator is not part of this chart" }}{{ end -}}
+{{- range $n }}
+  {{ . }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,104 @@
+"""The `helm test` pod's command, run as rendered against the local router with real vLLM engines (CPU build):
+it proves a chat completion for every chat model and an embedding for the embedding model, and fails when no
+engine is up. The success case needs the session's real engines (marker `engine`); the zero-engine case needs
+only the router and runs with the chart tests.
+
+What is changed from the rendered pod, and why: `ROUTER_URL` (a cluster DNS name) becomes the local router's
+loopback address; the router runs from its rendered arguments with static discovery, as in
+test_rendered_commands_run.py (no Kubernetes API server here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helm.chart import RELEASE, container, env_of, one, render, values_file
+from tests.helm.test_rendered_commands_run import ROOT, ROUTER, _request, router_args_for_static
+from vllm_stack.testbed.engines import free_port, stop_process
+
+pytestmark = pytest.mark.helm
+
+
+def _start_router(
+    rendered_args: list[str], backends: str, log_path, wait_for: str
+) -> tuple[subprocess.Popen, int]:
+    """The router from its rendered arguments; waits until `wait_for` (/ready: an engine is up; /health:
+    the router itself is up) answers 200."""
+    port = free_port()
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [str(ROUTER), "router", *router_args_for_static(rendered_args, backends, port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 60
+    while _request(f"http://127.0.0.1:{port}{wait_for}", timeout=2)[0] != 200:
+        assert proc.poll() is None, log_path.read_text()
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.2)
+    return proc, port
+
+
+def _run_pod_command(pod: dict, router_port: int) -> subprocess.CompletedProcess[str]:
+    c = pod["spec"]["containers"][0]
+    env = {name: e["value"] for name, e in env_of(c).items() if "value" in e}
+    env["ROUTER_URL"] = f"http://127.0.0.1:{router_port}"
+    assert c["command"] == ["python", "-c"]
+    return subprocess.run(
+        [sys.executable, "-c", *c["args"]],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _two_models(tmp_path, chat: str, embed: str) -> list[dict]:
+    values = {
+        "servingEngineSpec": {
+            "modelSpec": [
+                {"name": "chat", "modelURL": chat},
+                {"name": "embed", "modelURL": embed, "vllmConfig": {"runner": "pooling", "convert": "embed"}},
+            ]
+        }
+    }
+    return render([values_file(tmp_path, values)])
+
+
+def _fails_without_engines(objs: list[dict], tmp_path) -> None:
+    pod = one(objs, "Pod", f"{RELEASE}-router-test")
+    router_args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: zero engines
+    router, port = _start_router(router_args, dead, tmp_path / "router-none.log", "/health")
+    try:
+        proc = _run_pod_command(pod, port)
+        assert proc.returncode != 0 and "not served by any engine" in proc.stdout + proc.stderr
+    finally:
+        stop_process(router, timeout=15)
+
+
+def test_helm_test_pod_fails_with_zero_engines(tmp_path):
+    _fails_without_engines(_two_models(tmp_path, "tiny-llama", "tiny-embed"), tmp_path)
+
+
+@pytest.mark.engine
+def test_helm_test_pod_proves_every_model_and_fails_without_engines(engines, embedding_engine, tmp_path):
+    chat, embed = engines[0].served_model_name, embedding_engine.served_model_name
+    objs = _two_models(tmp_path, chat, embed)
+    pod = one(objs, "Pod", f"{RELEASE}-router-test")
+    router_args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+
+    backends = ",".join([*engines.urls(), embedding_engine.url])
+    router, port = _start_router(router_args, backends, tmp_path / "router.log", "/ready")
+    try:
+        proc = _run_pod_command(pod, port)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"{chat} chat ok" in proc.stdout and f"{embed} embed ok" in proc.stdout
+    finally:
+        stop_process(router, timeout=15)
+    _fails_without_engines(objs, tmp_path)
