@@ -223,6 +223,9 @@ async def test_tool_call_then_engine_killed_mid_stream_and_before_responding(eng
             tools=tools,
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             max_tokens=120,
+            # Random weights: whether the arguments close within 120 tokens depends on the sampling;
+            # a fixed seed makes it repeatable (seed 0 does, on the float32 engines of AMX machines too).
+            seed=0,
         )
         assert out.choices[0].message.tool_calls, out.model_dump()  # random weights: check shape, not content
         call = out.choices[0].message.tool_calls[0]
