@@ -67,16 +67,26 @@ _CHUNK_END = b"0\r\n\r\n"
 _NO_HISTOGRAM = _HistogramChild(())
 
 
+class _BodyParts:
+    """The parser callback of :class:`Dechunker`: an object apart, so the parser holds no cycle."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+
+
 class Dechunker:
     """Chunked to plain body bytes, for the rare HTTP/1.0 client of an engine that answers chunked."""
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
-        self._parser = httptools.HttpResponseParser(self)
+        sink = _BodyParts()
+        self._parts = sink.parts
+        self._parser = httptools.HttpResponseParser(sink)
         self._parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-
-    def on_body(self, body: bytes) -> None:
-        self._parts.append(body)
 
     def feed(self, data: bytes) -> bytes:
         self._parser.feed_data(data)

@@ -118,6 +118,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.parser = None  # type: ignore[assignment]  # it holds this protocol: no cycle left behind
         self.pool.discard(self)
         exchange = self.exchange
         if exchange is not None and not self.complete:

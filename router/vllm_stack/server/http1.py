@@ -237,9 +237,11 @@ class HttpConnection(asyncio.Protocol):
             if rest:
                 self.data_received(rest)
         except httptools.HttpParserCallbackError as exc:
-            reject = exc.__context__
-            if isinstance(reject, _Reject):
-                self._fail(reject.error)
+            # No local may hold the _Reject: its traceback reaches this frame (through the callback's
+            # frame), and the cycle would keep this connection and ``data`` alive until a full collection.
+            error = exc.__context__.error if isinstance(exc.__context__, _Reject) else None
+            if error is not None:
+                self._fail(error)
             else:
                 log.exception("request parsing failed")
                 self._fail(RouterError(400, "Malformed HTTP request.", code="bad_request"))
