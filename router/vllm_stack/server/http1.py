@@ -53,9 +53,8 @@ LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MARKER_PREFIX = b"\r\n" + ERROR_MARKER + b": "
-_NOTED = frozenset(
-    {b"content-length", b"expect", b"upgrade", b"host"}
-)  # headers the connection itself acts on
+#: Headers the connection itself acts on.
+_NOTED = frozenset({b"content-length", b"expect", b"upgrade", b"host"})
 _DECLINED_OFFER = frozenset({b"upgrade", b"connection", b"http2-settings"})
 
 
