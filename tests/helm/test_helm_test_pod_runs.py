@@ -93,7 +93,7 @@ def test_helm_test_pod_proves_every_model_and_fails_without_engines(engines, emb
     pod = one(objs, "Pod", f"{RELEASE}-router-test")
     router_args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
 
-    backends = ",".join([*engines.urls(), embedding_engine.url])
+    backends = ",".join([*engines.urls, embedding_engine.url])
     router, port = _start_router(router_args, backends, tmp_path / "router.log", "/ready")
     try:
         proc = _run_pod_command(pod, port)

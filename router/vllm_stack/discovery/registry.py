@@ -166,12 +166,13 @@ class EngineRegistry:
         """Check every engine every ``interval`` seconds, and unhealthy ones every
         :data:`RECOVERY_INTERVAL` in between, until cancelled."""
         tick = min(interval, RECOVERY_INTERVAL)
-        next_round = time.monotonic() + interval
+        every = max(1, round(interval / tick))  # ticks per full round
+        ticks = 0
         while True:
             await asyncio.sleep(tick)
+            ticks += 1
             try:
-                if time.monotonic() >= next_round:
-                    next_round = time.monotonic() + interval
+                if ticks % every == 0:
                     await self.check_all()
                 else:
                     down = [e for e in self._engines.values() if not e.healthy]
