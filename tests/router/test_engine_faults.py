@@ -25,7 +25,8 @@ import pytest
 
 from tests.router.helpers import client, running_router, wait_for
 from vllm_stack.discovery.circuit import BreakerState
-from vllm_stack.testbed.engines import wait_ready
+from vllm_stack.discovery.engine import Engine as RegisteredEngine
+from vllm_stack.testbed.engines import Engine, wait_ready
 
 pytestmark = pytest.mark.engine
 
@@ -83,14 +84,21 @@ class Load:
         await wait_for(lambda: self.ok >= target, 120, what)
 
 
-async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(session_engines, engines) -> None:
-    spare = session_engines.spare_engine()
-    async with running_router([spare.url, engines[0].url], routing_logic="roundrobin", **DEFAULTS) as (
+@contextlib.asynccontextmanager
+async def _round_robin(victim: Engine, survivor: Engine) -> AsyncIterator[tuple[str, RegisteredEngine]]:
+    """A router with the chart's defaults over the two engines; yields its URL and its view of ``victim``."""
+    async with running_router([victim.url, survivor.url], routing_logic="roundrobin", **DEFAULTS) as (
         url,
         router,
     ):
-        engine = router.registry.get(spare.address)
+        engine = router.registry.get(victim.address)
         assert engine is not None
+        yield url, engine
+
+
+async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(session_engines, engines) -> None:
+    spare = session_engines.spare_engine()
+    async with _round_robin(spare, engines[0]) as (url, engine):
         load = Load(url)
         async with load.running():
             await load.served(20, "requests on both engines")
@@ -118,12 +126,7 @@ async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(sessi
 
 async def test_hung_engine_opens_its_circuit_and_comes_back(engines) -> None:
     hung, survivor = engines[1], engines[0]
-    async with running_router([hung.url, survivor.url], routing_logic="roundrobin", **DEFAULTS) as (
-        url,
-        router,
-    ):
-        engine = router.registry.get(hung.address)
-        assert engine is not None
+    async with _round_robin(hung, survivor) as (url, engine):
         load = Load(url)
         async with load.running():
             await load.served(10, "requests on both engines")

@@ -7,18 +7,16 @@ locally, the test failed, and the break was reverted (it is not committed).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import orjson
 
+from tests.fakes.raw_engine import raw_engine
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import FAST, client, http, running_router, serving, stubs, wait_for
 from tests.router.test_http_server import connect, post_chat, read_final, sse_data
 from vllm_stack.app import build_router
 
 MSG = [{"role": "user", "content": "hi"}]
-_MODELS = b'{"object":"list","data":[{"id":"stub-model","object":"model","root":"stub-model","parent":null}]}'
 #: What the engine sends on every answer: hop-by-hop headers (RFC 9110 7.6.1) and an end-to-end one.
 HOP_HEADERS = (
     b"Connection: x-foo, Keep-Alive\r\n"
@@ -32,56 +30,24 @@ HOP_HEADERS = (
 HOP_NAMES = {"keep-alive", "proxy-connection", "upgrade", "x-foo", "trailer"}
 
 
-@contextlib.asynccontextmanager
-async def hop_header_engine() -> AsyncIterator[str]:
-    """A raw-socket engine (uvicorn would rewrite the very headers under test) that answers every
-    request with :data:`HOP_HEADERS`: a JSON chat answer by Content-Length, or a chunked SSE stream."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lowered = head.lower()
-                if b"content-length:" in lowered:
-                    length = int(lowered.split(b"content-length:")[1].split(b"\r\n")[0])
-                    body = await reader.readexactly(length)
-                else:
-                    body = b""
-                if head.startswith(b"GET /v1/models"):
-                    payload, ctype = _MODELS, b"application/json"
-                elif head.startswith(b"GET "):
-                    payload, ctype = b"", b"text/plain"
-                elif orjson.loads(body).get("stream"):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n" + HOP_HEADERS)
-                    writer.write(b"transfer-encoding: chunked\r\n\r\n")
-                    for event in (
-                        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
-                        b"data: [DONE]\n\n",
-                    ):
-                        writer.write(b"%x\r\n%b\r\n" % (len(event), event))
-                    writer.write(b"0\r\n\r\n")
-                    await writer.drain()
-                    continue
-                else:
-                    payload, ctype = (
-                        b'{"choices":[{"index":0,"message":{"content":"a"}}]}',
-                        b"application/json",
-                    )
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: %b\r\n%bcontent-length: %d\r\n\r\n%b"
-                    % (ctype, HOP_HEADERS if head.startswith(b"POST ") else b"", len(payload), payload)
-                )
-                await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+async def _hop_header_answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+    """Every POST is answered with :data:`HOP_HEADERS`: a JSON chat answer by Content-Length, or a
+    chunked SSE stream. A raw-socket engine (tests/fakes/raw_engine.py), since uvicorn would rewrite
+    the very headers under test."""
+    if orjson.loads(body).get("stream"):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n" + HOP_HEADERS)
+        writer.write(b"transfer-encoding: chunked\r\n\r\n")
+        for event in (b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+        writer.write(b"0\r\n\r\n")
+    else:
+        payload = b'{"choices":[{"index":0,"message":{"content":"a"}}]}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%bcontent-length: %d\r\n\r\n%b"
+            % (HOP_HEADERS, len(payload), payload)
+        )
+    await writer.drain()
+    return True
 
 
 def _assert_no_hop_headers(headers: list[tuple[str, str]]) -> None:
@@ -105,7 +71,7 @@ async def test_hop_by_hop_headers_of_engine_answers_do_not_reach_the_client() ->
     ``elif False and ...`` (every hop-by-hop header leaks); removing ``b"trailer"`` from
     ``relay/headers.py`` ``HOP_BY_HOP``.
     """
-    async with hop_header_engine() as engine_url, running_router([engine_url]) as (url, _):
+    async with raw_engine(_hop_header_answer) as engine_url, running_router([engine_url]) as (url, _):
         async with connect(url) as (reader, writer):
             for stream in (False, True, False):  # keep-alive: one connection, both kinds of answer
                 body = orjson.dumps({"model": "stub-model", "messages": MSG, "stream": stream})
