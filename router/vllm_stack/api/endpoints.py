@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from vllm_stack.api.errors import RouterError
+from vllm_stack.api.errors import RouterError, model_not_found
 from vllm_stack.api.http import Receive, Send, read_body, send_bytes, send_json
 from vllm_stack.version import router_version
 
@@ -100,12 +100,9 @@ async def lora_fanout(router: Router, scope: dict[str, Any], receive: Receive, s
             base = bases[0]
         targets = list(registry.candidates(str(base)))
         if not targets and not registry.is_known(str(base)) and registry.healthy_count > 0:
-            raise RouterError(  # as for an unknown model on the proxied paths: retrying cannot help
-                404,
-                f"The base model '{base}' does not exist. Available models: "
-                f"{', '.join(registry.available_models()) or 'none'}.",
-                param="base_model",
-                code="model_not_found",
+            # as for an unknown model on the proxied paths: retrying cannot help
+            raise model_not_found(
+                str(base), registry.available_models(), param="base_model", what="base model"
             )
         if not targets:
             raise RouterError(

@@ -62,6 +62,18 @@ class RouterError(Exception):
         return (self.code or str(self.status)).encode("latin-1")
 
 
+def model_not_found(
+    name: str, available: list[str], *, param: str = "model", what: str = "model"
+) -> RouterError:
+    """The 404 for a model (or base model) no engine serves, listing the ones that are."""
+    return RouterError(
+        404,
+        f"The {what} '{name}' does not exist. Available models: {', '.join(available) or 'none'}.",
+        param=param,
+        code="model_not_found",
+    )
+
+
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> bytes:
     """The JSON body of an OpenAI-style error."""
     return orjson.dumps(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from vllm_stack.api.errors import RouterError
+from vllm_stack.api.errors import RouterError, model_not_found
 from vllm_stack.api.parsing import multipart_field
 from vllm_stack.api.request_id import new_request_id, valid_request_id
 from vllm_stack.relay.exchange import Exchange
@@ -77,13 +77,7 @@ def _resolve_model(router: Router, path: str, model: str | None) -> str:
             code="no_healthy_engine",
             headers=[(b"retry-after", b"1")],
         )
-    available = ", ".join(registry.available_models()) or "none"
-    raise RouterError(
-        404,
-        f"The model '{model}' does not exist. Available models: {available}.",
-        param="model",
-        code="model_not_found",
-    )
+    raise model_not_found(model, registry.available_models())
 
 
 def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:
