@@ -26,11 +26,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 install: $(STAMP)
-	@$(BIN)/python -m vllm_stack.devsetup
+	@$(BIN)/python -m vllm_stack_dev.devsetup
 
 # `make run` needs only the two environments, not the test tools.
 install-run: $(STAMP)
-	@$(BIN)/python -m vllm_stack.devsetup engine
+	@$(BIN)/python -m vllm_stack_dev.devsetup engine
 
 run: install-run
 	@$(BIN)/vllm-stack run

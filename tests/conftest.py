@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from vllm_stack.paths import cache_dir, engine_python
-from vllm_stack.testbed.engines import Engine, EngineGroup, EngineSpec, default_cpus, launch, wait_ready
-from vllm_stack.testbed.models import build_lora, build_model
+from vllm_stack_dev.paths import cache_dir, engine_python
+from vllm_stack_dev.testbed.engines import Engine, EngineGroup, EngineSpec, default_cpus, launch, wait_ready
+from vllm_stack_dev.testbed.models import build_lora, build_model
 
 CHAT_MODEL = "tiny-llama"
 EMBED_MODEL = "tiny-embed"

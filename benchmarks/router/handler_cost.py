@@ -4,7 +4,7 @@ Drives the router's hot path in-process exactly as its server does, minus the so
 request bytes go into a real :class:`~vllm_stack.server.http1.HttpConnection` (httptools parsing,
 dispatch by :class:`~vllm_stack.server.serve.RouterServer`), :func:`vllm_stack.api.proxied.handle`
 parses the routing fields, resolves the model and starts an
-:class:`~vllm_stack.relay.exchange.Exchange`, which takes a real
+the director (:class:`~vllm_stack.director.request.ProxiedRequest` and its relay leg), which takes a real
 :class:`~vllm_stack.relay.pool.UpstreamConnection` from the engine's pool and writes the request to
 it. The upstream connection's transport is a fake that only keeps what was written; the engine's
 answer (the fast stub's exact bytes for the benchmark request: a chunked SSE stream of 8 tokens) is
@@ -43,8 +43,8 @@ from fast_stub import Stub  # noqa: E402
 from loadgen import build_request  # noqa: E402
 
 from vllm_stack.app import build_router  # noqa: E402
-from vllm_stack.discovery.base import EndpointInfo  # noqa: E402
-from vllm_stack.discovery.static import endpoint_name  # noqa: E402
+from vllm_stack.engines.discovery.base import EndpointInfo  # noqa: E402
+from vllm_stack.engines.discovery.static import endpoint_name  # noqa: E402
 from vllm_stack.relay.pool import UpstreamConnection  # noqa: E402
 from vllm_stack.server.http1 import HttpConnection  # noqa: E402
 from vllm_stack.server.serve import RouterServer  # noqa: E402

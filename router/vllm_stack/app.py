@@ -1,9 +1,10 @@
-"""Assembles one router: its state objects, background tasks and the ASGI app of its control endpoints.
+"""Assembles one router: its state objects, background tasks, and what the server dispatches to.
 
-Everything a router needs lives on a :class:`Router` instance (registry, metrics registry, scheduler,
-engine connection pools, tasks); nothing is module-global, so several routers can run in one process.
-The proxied endpoints do not go through ASGI: :class:`vllm_stack.server.RouterServer` hands them to
-the relay (:mod:`vllm_stack.api.proxied`), and everything else to this object as an ASGI app.
+Assembly only: everything a router needs lives on a :class:`Router` instance (registry, metrics,
+director, plugin registry and plugin state, engine connection pools, tasks); nothing is
+module-global, so several routers can run in one process. The server hands each request to
+:meth:`Router.dispatch`: proxied paths go to the hot path (:mod:`vllm_stack.api.proxied`, then the
+director), everything else to this object as an ASGI app (:mod:`vllm_stack.api.routes`).
 """
 
 from __future__ import annotations
@@ -13,56 +14,33 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
-from vllm_stack.api import endpoints
+from vllm_stack.api import proxied, routes
 from vllm_stack.api.auth import ApiKeyAuth
-from vllm_stack.api.errors import RouterError, send_error
 from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser, make_parser
-from vllm_stack.api.proxied import PROXIED_PATHS
-from vllm_stack.api.request_id import new_request_id
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
-from vllm_stack.discovery.base import Discovery
-from vllm_stack.discovery.engine import Engine
-from vllm_stack.discovery.registry import EngineRegistry
-from vllm_stack.discovery.static import StaticDiscovery
+from vllm_stack.director.director import Director, ProxySettings
+from vllm_stack.engines.discovery.base import Discovery
+from vllm_stack.engines.discovery.static import StaticDiscovery
+from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.relay.pool import EnginePools
+from vllm_stack.scheduling.config import SchedulingSetup, build_scheduling
 from vllm_stack.scheduling.framework import Scheduler
-from vllm_stack.scheduling.profiles import build_profile
+from vllm_stack.scheduling.plugins import builtin_registry
+from vllm_stack.scheduling.profiles import scheduling_config
+from vllm_stack.scheduling.registry import PluginRegistry, PluginState
+from vllm_stack.server.asgi_bridge import AsgiCall
+from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.telemetry.scraper import EngineScraper
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[["Router", dict[str, Any], Receive, Send], Awaitable[None]]
-
-_GET_ROUTES: dict[str, Handler] = {
-    "/health": endpoints.health,
-    "/ready": endpoints.ready,
-    "/version": endpoints.version,
-    "/metrics": endpoints.metrics,
-    "/engines": endpoints.engines,
-    "/v1/models": endpoints.models,
-}
-_POST_ROUTES: dict[str, Handler] = {
-    "/v1/load_lora_adapter": endpoints.lora_fanout,
-    "/v1/unload_lora_adapter": endpoints.lora_fanout,
-}
-_OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # no API key needed
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    """What the relay reads per request; swapped as a whole on reload."""
-
-    retries: int = 2
-    request_timeout: float = 600.0
-    engine_auth: bytes | None = None  # "Bearer <VLLM_API_KEY>" sent to engines
 
 
 def _static_models(config: RouterConfig) -> dict[str, tuple[str, ...]]:
@@ -72,7 +50,9 @@ def _static_models(config: RouterConfig) -> dict[str, tuple[str, ...]]:
 
 
 class Router:
-    """One router instance. ``discovery`` may be injected (tests); otherwise built from the config."""
+    """One router instance. ``discovery`` may be injected (tests); otherwise built from the config.
+    ``plugins`` is the registry of plugin types the scheduling configuration may name (default: the
+    built-ins)."""
 
     def __init__(
         self,
@@ -80,9 +60,12 @@ class Router:
         discovery: Discovery | None = None,
         environ: Mapping[str, str] | None = None,
         cli_settings: Mapping[str, Any] | None = None,
+        plugins: PluginRegistry | None = None,
     ) -> None:
         environ = os.environ if environ is None else environ
         self.config = config
+        self.plugins = plugins if plugins is not None else builtin_registry()
+        self.plugin_state = PluginState()  # outlives reloads: indexes and positions plugins keep
         self._cli_settings = dict(cli_settings or {})
         self.engine_api_key = environ.get("VLLM_API_KEY") or None
         self.metrics = RouterMetrics()
@@ -100,36 +83,74 @@ class Router:
         self.scraper = EngineScraper(
             self.registry.engines, self._fetch_metrics, self.metrics, liveness=self.registry
         )
-        self._apply_runtime(config)
         # https engines: verified against the system's CAs, or against engine_ca_file when given.
         self.engine_tls = (
             ssl.create_default_context(cafile=config.engine_ca_file) if config.engine_ca_file else None
         )
         self.pools = EnginePools(config.connect_timeout, self.engine_tls)
         self.registry.on_engine_left.append(lambda engine: self.pools.forget(engine.url))
+        self.registry.on_engine_left.append(lambda engine: self.plugin_state.forget_engine(engine.name))
+        setup = self._build_scheduling(config)
+        self.director = Director(self.registry, self.pools, self.metrics, setup, self._proxy_settings(config))
+        self._apply_runtime(config, setup)
         self.control_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._discovery_task: asyncio.Task[None] | None = None
 
     # ---- configuration ---------------------------------------------------------------------------
-    def _apply_runtime(self, config: RouterConfig) -> None:
+    def _build_scheduling(self, config: RouterConfig) -> SchedulingSetup:
+        """Plugins, profiles and hooks for ``config`` (``ConfigError`` when they cannot be built)."""
+        return build_scheduling(scheduling_config(config), self.plugins, self.plugin_state, self.metrics)
+
+    def _proxy_settings(self, config: RouterConfig) -> ProxySettings:
+        return ProxySettings(
+            config.retries,
+            config.request_timeout,
+            b"Bearer " + self.engine_api_key.encode() if self.engine_api_key else None,
+            config.access_log,
+        )
+
+    def _apply_runtime(self, config: RouterConfig, setup: SchedulingSetup) -> None:
         """Settings that can change while running (hot reload): swapped as whole objects."""
         self.config = config
-        self.scheduler = Scheduler(build_profile(config), self.metrics)
+        self._scheduling = setup
+        self.director.configure(setup, self._proxy_settings(config))
         self.parser: BodyParser = make_parser(config.json_parser, config.prefix_chars)
         self.auth = ApiKeyAuth(config.api_keys)
         self.max_body_bytes = config.max_body_bytes
         self.session_header = config.session_key.lower().encode("latin-1")
-        self.proxy_settings = ProxySettings(
-            config.retries,
-            config.request_timeout,
-            b"Bearer " + self.engine_api_key.encode() if self.engine_api_key else None,
-        )
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.director.scheduler
+
+    def scheduling_description(self) -> Mapping[str, Any]:
+        """Plugins and profiles in use, for ``GET /engines``."""
+        return self._scheduling.description
+
+    # ---- what the server asks (vllm_stack.server.serve.ServedApp) --------------------------------------
+    def body_limit(self) -> int:
+        return self.max_body_bytes
+
+    def connection_limit(self) -> int:
+        return self.config.max_connections
+
+    def request_timeout(self) -> float:
+        return self.director.settings.request_timeout
+
+    def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
+        """Proxied paths to the hot path; everything else to the control endpoints' ASGI app."""
+        if request.method == "POST" and request.path in proxied.PROXIED_PATHS:
+            proxied.handle(self, conn, request)
+        else:
+            AsgiCall(self, conn, request).start()
 
     @staticmethod
     def _build_discovery(config: RouterConfig) -> Discovery:
         if config.service_discovery == "k8s":
-            from vllm_stack.discovery.kubernetes import KubernetesDiscovery  # lazy: optional heavy import
+            from vllm_stack.engines.discovery.kubernetes import (
+                KubernetesDiscovery,  # lazy: optional heavy import
+            )
 
             return KubernetesDiscovery(
                 namespace=config.k8s_namespace, label_selector=config.k8s_label_selector, port=config.k8s_port
@@ -137,7 +158,12 @@ class Router:
         return StaticDiscovery(config.static_backends)
 
     def reload(self, config: RouterConfig) -> None:
-        """Apply a new configuration without dropping requests (in-flight ones keep the old objects)."""
+        """Apply a new configuration without dropping requests (in-flight ones keep the old objects).
+
+        The scheduling is built first: a configuration whose plugins cannot be built raises
+        ``ConfigError`` and changes nothing. Plugin state (indexes) carries over to the new plugins.
+        """
+        setup = self._build_scheduling(config)
         old = self.config
         for name in (
             "host",
@@ -148,7 +174,7 @@ class Router:
         ):
             if getattr(old, name) != getattr(config, name):
                 log.warning("config: %s changed; it takes effect after a restart", name)
-        self._apply_runtime(config)
+        self._apply_runtime(config, setup)
         self.registry.static_models = _static_models(config)
         if isinstance(self.discovery, StaticDiscovery) and config.service_discovery == "static":
             self.discovery.update(config.static_backends)
@@ -165,11 +191,9 @@ class Router:
             last = current
             try:
                 read_yaml(path)
-                config = load_config(self._cli_settings, path)
+                self.reload(load_config(self._cli_settings, path))
             except ConfigError as exc:
                 log.error("config reload rejected, keeping the running one: %s", exc)
-                continue
-            self.reload(config)
 
     # ---- engine fetchers (control plane, own connection pool) --------------------------------------
     def _engine_headers(self) -> dict[str, str]:
@@ -249,22 +273,7 @@ class Router:
             await self._lifespan(receive, send)
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        path = scope["path"]
-        method = scope["method"]
-        routes = _GET_ROUTES if method in ("GET", "HEAD") else _POST_ROUTES if method == "POST" else {}
-        handler = routes.get(path)
-        try:
-            if handler is None:
-                if path in _GET_ROUTES or path in _POST_ROUTES or path in PROXIED_PATHS:
-                    raise RouterError(
-                        405, f"Method {method} not allowed on {path}.", code="method_not_allowed"
-                    )
-                raise RouterError(404, f"Unknown path {path}.", code="not_found")
-            if path not in _OPEN_PATHS and not self.auth.check(scope["headers"]):
-                raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
-            await handler(self, scope, receive, send)
-        except RouterError as err:
-            await send_error(send, err, new_request_id())
+        await routes.control(self, scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -295,7 +304,8 @@ def build_router(
     config_file: str | None = None,
     discovery: Discovery | None = None,
     environ: Mapping[str, str] | None = None,
+    plugins: PluginRegistry | None = None,
 ) -> Router:
-    """Load the configuration and assemble a router (the ASGI app is the returned object)."""
+    """Load the configuration and assemble a router (``ConfigError`` when either fails)."""
     config = load_config(cli, config_file, environ)
-    return Router(config, discovery=discovery, environ=environ, cli_settings=cli)
+    return Router(config, discovery=discovery, environ=environ, cli_settings=cli, plugins=plugins)

@@ -2,7 +2,8 @@
 
 Precedence: built-in defaults < YAML file < flags given on the command line. The YAML file uses the
 flag names with ``-`` or ``_`` (``routing-logic: session`` or ``routing_logic: session``); lists may be
-YAML lists or comma-separated strings. :func:`load_config` is pure, so the hot-reload watcher can
+YAML lists or comma-separated strings. A ``scheduling`` mapping (plugins and profiles, see
+:mod:`vllm_stack.scheduling.config`) is kept as given here and checked when the router builds it. :func:`load_config` is pure, so the hot-reload watcher can
 call it again and swap the result in.
 """
 
@@ -17,7 +18,6 @@ from typing import Any
 
 import yaml
 
-ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
 
@@ -42,7 +42,8 @@ class RouterConfig:
     k8s_namespace: str = "default"
     k8s_label_selector: str = ""
     k8s_port: int = 8000
-    routing_logic: str = "roundrobin"
+    routing_logic: str = "roundrobin"  # a built-in strategy (vllm_stack.scheduling.profiles), checked there
+    scheduling: Mapping[str, Any] | None = field(default=None, compare=False)  # plugins and profiles (YAML)
     session_key: str = "x-session-id"
     session_balance_epsilon: float = 0.25  # bounded loads: no engine above (1 + e) x mean load
     prefix_chars: int = 256  # prefixaware: characters of the prompt hashed for affinity
@@ -69,8 +70,8 @@ class RouterConfig:
         """Raise :class:`ConfigError` on settings that cannot work; return self for chaining."""
         if self.service_discovery not in DISCOVERY_KINDS:
             raise ConfigError(f"service_discovery must be one of {DISCOVERY_KINDS}")
-        if self.routing_logic not in ROUTING_LOGICS:
-            raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS}")
+        if self.scheduling is not None and not isinstance(self.scheduling, Mapping):
+            raise ConfigError("scheduling must be a mapping (plugins and schedulingProfiles)")
         if self.json_parser not in JSON_PARSERS:
             raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
         if self.service_discovery == "static" and not self.static_backends:

@@ -7,7 +7,8 @@ import gc
 import logging
 import sys
 
-from vllm_stack.config import ROUTING_LOGICS, ConfigError
+from vllm_stack.config import ConfigError
+from vllm_stack.scheduling.profiles import ROUTING_LOGICS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -77,9 +77,9 @@ def fetch(url: str) -> tuple[dict[str, Any], str]:
 
 
 def fetch_from_own_engines() -> list[tuple[dict[str, Any], str]]:
-    from vllm_stack.paths import cache_dir
-    from vllm_stack.testbed.engines import EngineSpec, launch, wait_ready
-    from vllm_stack.testbed.models import build_model
+    from vllm_stack_dev.paths import cache_dir
+    from vllm_stack_dev.testbed.engines import EngineSpec, launch, wait_ready
+    from vllm_stack_dev.testbed.models import build_model
 
     model = build_model("tiny", cache_dir() / "models" / "tiny")
     specs = [

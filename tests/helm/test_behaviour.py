@@ -687,3 +687,42 @@ def test_production_stack_router_image_is_replaced_by_ours(tmp_path):
         [values_file(tmp_path, {"routerSpec": {"repository": "registry.example/me/router", "tag": "v1"}})]
     )
     assert container(one(own, "Deployment", f"{RELEASE}-router"))["image"] == "registry.example/me/router:v1"
+
+
+def test_router_scheduling_profiles_come_from_routerspec_config(tmp_path):
+    """``routerSpec.config.scheduling`` (plugins and profiles) reaches the router, which builds it."""
+    from vllm_stack.app import build_router
+    from vllm_stack.router_cli import build_parser
+
+    scheduling = {
+        "plugins": [
+            {"type": "circuit-breaker-filter"},
+            {"type": "saturation-filter", "parameters": {"max_waiting": 32}},
+            {"type": "least-loaded-scorer"},
+            {"type": "request-tracker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "shed-when-full",
+                "plugins": [
+                    {"pluginRef": "circuit-breaker-filter"},
+                    {"pluginRef": "saturation-filter"},
+                    {"pluginRef": "least-loaded-scorer", "weight": 2},
+                ],
+            }
+        ],
+    }
+    values = values_file(tmp_path, {"routerSpec": {"config": {"scheduling": scheduling}}})
+    objs = render([SEED, values])
+    mounted = one(objs, "ConfigMap", f"{RELEASE}-router")["data"]["config.yaml"]
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(mounted)
+    args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+    assert flag(args, "--config") is not None
+    cli = {
+        k: v for k, v in vars(build_parser().parse_args(args)).items() if v is not None and k != "config_file"
+    }
+    router = build_router(cli, str(config_path), environ={})
+    profile = router.scheduling_description()["profiles"]["shed-when-full"]
+    assert profile["filters"] == ["circuit-breaker-filter", "saturation-filter"]
+    assert profile["scorers"] == {"least-loaded-scorer": 2.0}

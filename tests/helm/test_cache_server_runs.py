@@ -16,10 +16,10 @@ import time
 import zipfile
 
 import pytest
+from vllm_stack_dev.paths import engine_python
+from vllm_stack_dev.testbed.engines import free_port, stop_process
 
 from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, env_of, one, render
-from vllm_stack.paths import engine_python
-from vllm_stack.testbed.engines import free_port, stop_process
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
 

@@ -15,10 +15,10 @@ import sys
 import time
 
 import pytest
+from vllm_stack_dev.testbed.engines import free_port, stop_process
 
 from tests.helm.chart import RELEASE, container, env_of, one, render, values_file
 from tests.helm.test_rendered_commands_run import ROOT, ROUTER, _request, router_args_for_static
-from vllm_stack.testbed.engines import free_port, stop_process
 
 pytestmark = pytest.mark.helm
 

@@ -35,9 +35,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from vllm_stack_dev.testbed.engines import (
+    EngineGroup,
+    EngineSpec,
+    default_cpus,
+    free_port,
+    launch,
+    stop_process,
+)
 
 from tests.helm.chart import EXAMPLES, RELEASE, container, env_of, flag, one, render, values_file
-from vllm_stack.testbed.engines import EngineGroup, EngineSpec, default_cpus, free_port, launch, stop_process
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
 

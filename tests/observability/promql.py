@@ -20,8 +20,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-
-from vllm_stack.testbed.engines import stop_process
+from vllm_stack_dev.testbed.engines import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 OBS = REPO / "observability"

@@ -44,8 +44,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from vllm_stack.testbed.engines import stop_process
+from vllm_stack_dev.testbed.engines import stop_process
 
 from .promql import (
     REPO,

@@ -146,7 +146,7 @@ async def test_two_routers_in_one_process_share_no_state() -> None:
 
 def test_k8s_discovery_is_wired_lazily() -> None:
     """``--service-discovery k8s`` builds the Kubernetes source (constructing it contacts no API server)."""
-    from vllm_stack.discovery.kubernetes import KubernetesDiscovery
+    from vllm_stack.engines.discovery.kubernetes import KubernetesDiscovery
 
     router = build_router(
         {

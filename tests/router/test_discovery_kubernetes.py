@@ -23,8 +23,8 @@ import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from tests.fakes.k8s_api import FakeKubeApi
-from vllm_stack.discovery.base import EndpointInfo
-from vllm_stack.discovery.kubernetes import KubernetesDiscovery
+from vllm_stack.engines.discovery.base import EndpointInfo
+from vllm_stack.engines.discovery.kubernetes import KubernetesDiscovery
 
 NS = "llm"
 LABELS = {"app.kubernetes.io/name": "vllm", "vllm-stack/model": "tiny"}

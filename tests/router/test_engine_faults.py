@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
+from vllm_stack_dev.testbed.engines import Engine, wait_ready
 
 from tests.router.helpers import client, running_router, wait_for
-from vllm_stack.discovery.circuit import BreakerState
-from vllm_stack.discovery.engine import Engine as RegisteredEngine
-from vllm_stack.testbed.engines import Engine, wait_ready
+from vllm_stack.engines.circuit import BreakerState
+from vllm_stack.engines.engine import Engine as RegisteredEngine
 
 pytestmark = pytest.mark.engine
 

@@ -66,7 +66,7 @@ async def test_hop_by_hop_headers_of_engine_answers_do_not_reach_the_client() ->
     sockets on both sides, so no HTTP library hides or adds headers. Real engines do not send these,
     hence the fake engine.
 
-    Kills: in ``relay/exchange.py`` ``_without_hop_by_hop``, dropping ``and name not in listed``
+    Kills: in ``relay/leg.py`` ``_without_hop_by_hop``, dropping ``and name not in listed``
     (``x-foo`` leaks); ``elif _HOP_BY_HOP_HEADER.search(lowered) is not None or ...`` turned into
     ``elif False and ...`` (every hop-by-hop header leaks); removing ``b"trailer"`` from
     ``relay/headers.py`` ``HOP_BY_HOP``.

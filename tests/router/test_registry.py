@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_stack.discovery.base import EndpointInfo
-from vllm_stack.discovery.circuit import BreakerState, CircuitBreaker
-from vllm_stack.discovery.engine import Engine
-from vllm_stack.discovery.registry import EngineRegistry
-from vllm_stack.discovery.static import StaticDiscovery, endpoint_name
+from vllm_stack.engines.circuit import BreakerState, CircuitBreaker
+from vllm_stack.engines.discovery.base import EndpointInfo
+from vllm_stack.engines.discovery.static import StaticDiscovery, endpoint_name
+from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.telemetry.scraper import parse_engine_metrics
 

@@ -12,7 +12,7 @@ from tests.fakes.raw_engine import raw_engine
 from tests.fakes.stub_engine import StubBehaviour, StubEngine, serve
 from tests.router.helpers import FAST, client, http, metric_value, running_router, stubs, wait_for
 from vllm_stack.app import build_router
-from vllm_stack.discovery.base import EndpointInfo
+from vllm_stack.engines.discovery.base import EndpointInfo
 from vllm_stack.server import RouterServer
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -9,15 +9,15 @@ import time
 import pytest
 
 from vllm_stack.config import RouterConfig
-from vllm_stack.discovery.circuit import CircuitBreaker
-from vllm_stack.discovery.engine import Engine, EngineTelemetry
+from vllm_stack.engines.circuit import CircuitBreaker
+from vllm_stack.engines.engine import Engine, EngineTelemetry
+from vllm_stack.engines.load import engine_loads
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.framework import RequestContext, Scheduler
-from vllm_stack.scheduling.load import engine_loads
 from vllm_stack.scheduling.plugins.circuit_breaker_filter import CircuitBreakerFilter
 from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker, session_key
 from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
-from vllm_stack.scheduling.profiles import build_profile
+from vllm_stack.scheduling.profiles import build_scheduler
 
 
 def make_engines(n: int) -> list[Engine]:
@@ -32,13 +32,18 @@ def make_engines(n: int) -> list[Engine]:
 def scheduler(logic: str, **kw) -> tuple[Scheduler, RouterMetrics]:  # noqa: ANN003
     cfg = RouterConfig(static_backends=("http://x:1",), routing_logic=logic, **kw)
     metrics = RouterMetrics()
-    return Scheduler(build_profile(cfg), metrics), metrics
+    return build_scheduler(cfg, metrics), metrics
+
+
+def pick(s: Scheduler, ctx: RequestContext, engines: list[Engine]) -> Engine | None:
+    """The engine the scheduler chose (None when it chose none)."""
+    return s.schedule(ctx, engines).engine
 
 
 def test_round_robin_is_even() -> None:
     s, metrics = scheduler("roundrobin")
     engines = make_engines(3)
-    picks = collections.Counter(s.pick(RequestContext("m"), engines).name for _ in range(300))
+    picks = collections.Counter(pick(s, RequestContext("m"), engines).name for _ in range(300))
     assert picks == {"e0": 100, "e1": 100, "e2": 100}
     assert (
         metrics.registry.get_sample_value(
@@ -51,7 +56,7 @@ def test_round_robin_is_even() -> None:
 def test_random_uses_every_engine() -> None:
     s, _ = scheduler("random")
     engines = make_engines(3)
-    picks = collections.Counter(s.pick(RequestContext("m"), engines).name for _ in range(300))
+    picks = collections.Counter(pick(s, RequestContext("m"), engines).name for _ in range(300))
     assert set(picks) == {"e0", "e1", "e2"} and min(picks.values()) > 50
 
 
@@ -59,12 +64,12 @@ def test_least_loaded_uses_in_flight_and_fresh_queue() -> None:
     s, _ = scheduler("leastloaded")
     engines = make_engines(3)
     engines[0].in_flight, engines[1].in_flight, engines[2].in_flight = 5, 1, 3
-    assert s.pick(RequestContext("m"), engines).name == "e1"
+    assert pick(s, RequestContext("m"), engines).name == "e1"
     now = time.monotonic()
     for e, waiting in zip(engines, (0, 10, 0), strict=True):
         e.telemetry = EngineTelemetry(0, waiting, 0.1, None, None, now)
     assert [round(x) for x in engine_loads(engines)] == [5, 11, 3]
-    assert s.pick(RequestContext("m"), engines).name == "e2"
+    assert pick(s, RequestContext("m"), engines).name == "e2"
 
 
 def test_stale_telemetry_is_unknown_not_zero() -> None:
@@ -80,7 +85,7 @@ def test_stale_telemetry_is_unknown_not_zero() -> None:
 def test_least_loaded_ties_rotate() -> None:
     s, _ = scheduler("leastloaded")
     engines = make_engines(2)
-    picks = collections.Counter(s.pick(RequestContext("m"), engines).name for _ in range(10))
+    picks = collections.Counter(pick(s, RequestContext("m"), engines).name for _ in range(10))
     assert picks == {"e0": 5, "e1": 5}
 
 
@@ -95,15 +100,15 @@ def test_session_affinity_is_sticky() -> None:
     s, _ = scheduler("session")
     engines = make_engines(4)
     for key in ("alice", "bob", "carol"):
-        first = s.pick(RequestContext("m", session_key=key), engines)
-        assert all(s.pick(RequestContext("m", session_key=key), engines) is first for _ in range(10))
+        first = pick(s, RequestContext("m", session_key=key), engines)
+        assert all(pick(s, RequestContext("m", session_key=key), engines) is first for _ in range(10))
 
 
 def test_session_keys_spread_over_engines() -> None:
     s, _ = scheduler("session")
     engines = make_engines(4)
     picks = collections.Counter(
-        s.pick(RequestContext("m", session_key=f"user-{i}"), engines).name for i in range(400)
+        pick(s, RequestContext("m", session_key=f"user-{i}"), engines).name for i in range(400)
     )
     assert len(picks) == 4 and min(picks.values()) > 50
 
@@ -130,7 +135,7 @@ def test_session_without_key_falls_back_to_least_in_flight() -> None:
     s, metrics = scheduler("session")
     engines = make_engines(2)
     engines[0].in_flight = 3
-    assert s.pick(RequestContext("m"), engines).name == "e1"
+    assert pick(s, RequestContext("m"), engines).name == "e1"
     assert (
         metrics.registry.get_sample_value(
             "vllm_stack_router_routing_decisions_total", {"strategy": "session", "reason": "session_no_key"}
@@ -167,8 +172,8 @@ def test_prefixaware_groups_equal_prefixes() -> None:
     s, _ = scheduler("prefixaware")
     engines = make_engines(4)
     doc = b'[{"role":"system","content":"You are a long shared system prompt"}'
-    first = s.pick(RequestContext("m", prefix=doc), engines)
-    assert all(s.pick(RequestContext("m", prefix=doc), engines) is first for _ in range(5))
+    first = pick(s, RequestContext("m", prefix=doc), engines)
+    assert all(pick(s, RequestContext("m", prefix=doc), engines) is first for _ in range(5))
 
 
 def test_circuit_breaker_filter_and_retry_exclusion() -> None:
@@ -179,14 +184,14 @@ def test_circuit_breaker_filter_and_retry_exclusion() -> None:
     assert [e.name for e in kept] == ["e1", "e2"]
     s, _ = scheduler("roundrobin")
     ctx = RequestContext("m", excluded={"e1"})
-    assert {s.pick(ctx, engines).name for _ in range(4)} == {"e2"}
+    assert {pick(s, ctx, engines).name for _ in range(4)} == {"e2"}
     ctx.excluded.add("e2")
-    assert s.pick(ctx, engines) is None
+    assert pick(s, ctx, engines) is None
 
 
 @pytest.mark.parametrize("logic", ["roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware"])
 def test_every_profile_picks_a_candidate(logic: str) -> None:
     s, _ = scheduler(logic)
     engines = make_engines(3)
-    assert s.pick(RequestContext("m", session_key="k", prefix=b"p"), engines) in engines
-    assert s.pick(RequestContext("m"), engines[:1]) is engines[0]
+    assert pick(s, RequestContext("m", session_key="k", prefix=b"p"), engines) in engines
+    assert pick(s, RequestContext("m"), engines[:1]) is engines[0]

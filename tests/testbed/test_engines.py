@@ -8,8 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from vllm_stack.testbed.engines import EngineGroup, EngineSpec, EngineStartError, launch, wait_ready
+from vllm_stack_dev.testbed.engines import EngineGroup, EngineSpec, EngineStartError, launch, wait_ready
 
 pytestmark = pytest.mark.engine
 
@@ -111,7 +110,7 @@ def test_engine_dies_with_a_launcher_that_is_killed(tmp_path: Path, tiny_model_d
     script = (
         "import os, sys, time\n"
         "from pathlib import Path\n"
-        "from vllm_stack.testbed.engines import EngineSpec, launch\n"
+        "from vllm_stack_dev.testbed.engines import EngineSpec, launch\n"
         f"engine = launch(EngineSpec({str(tiny_model_dir)!r}), name='orphan', cpu=0, log_dir=Path({str(tmp_path)!r}))\n"
         "print(engine.process.pid, flush=True)\n"
         "time.sleep(3)\n"

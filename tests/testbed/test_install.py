@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from vllm_stack.paths import engine_python, helm_binary, repo_root
+from vllm_stack_dev.paths import engine_python, helm_binary, repo_root
 
 
 def _snapshot(paths: list[Path]) -> dict[str, int]:

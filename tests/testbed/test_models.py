@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from vllm_stack_dev.testbed.models import SIZES, build_lora, build_model
 
 from vllm_stack.cli import main
-from vllm_stack.testbed.models import SIZES, build_lora, build_model
 
 
 def _digest(directory: Path) -> str:

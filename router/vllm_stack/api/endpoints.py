@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from vllm_stack.api.errors import RouterError, model_not_found
 from vllm_stack.api.http import Receive, Send, read_body, send_bytes, send_json
+from vllm_stack.api.state import RouterState
+from vllm_stack.errors import RouterError, model_not_found, no_healthy_engine
 from vllm_stack.version import router_version
 
-if TYPE_CHECKING:
-    from vllm_stack.app import Router
 
-
-async def health(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def health(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """Liveness: the process answers."""
     await send_json(send, 200, {"status": "ok"})
 
 
-async def ready(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def ready(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """Readiness: discovery runs and reported at least once, and at least one engine is healthy."""
     discovery_ok = router.discovery_running()
     healthy = router.registry.healthy_count
@@ -30,33 +28,34 @@ async def ready(router: Router, scope: dict[str, Any], receive: Receive, send: S
     )
 
 
-async def version(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def version(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     await send_json(send, 200, {"version": router_version()})
 
 
-async def metrics(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def metrics(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     body, content_type = router.metrics.exposition()
     await send_bytes(send, 200, body, content_type.encode())
 
 
-async def engines(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def engines(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """Engines, their models, health, circuit breaker and load (router in-flight and scraped queue)."""
     await send_json(
         send,
         200,
         {
             "routing_logic": router.config.routing_logic,
+            "scheduling": router.scheduling_description(),
             "engines": [e.describe() for e in sorted(router.registry.engines(), key=lambda e: e.name)],
         },
     )
 
 
-async def models(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def models(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """``GET /v1/models``: union over healthy engines, deduplicated, vLLM's fields kept."""
     await send_json(send, 200, {"object": "list", "data": router.registry.model_cards()})
 
 
-async def lora_fanout(router: Router, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` sent to every engine of the base model.
 
     Load: the engines serving ``base_model`` (a router-only field, removed before forwarding), or, when
@@ -105,12 +104,7 @@ async def lora_fanout(router: Router, scope: dict[str, Any], receive: Receive, s
                 str(base), registry.available_models(), param="base_model", what="base model"
             )
         if not targets:
-            raise RouterError(
-                503,
-                f"No healthy engine serves base model '{base}'.",
-                code="no_healthy_engine",
-                headers=[(b"retry-after", b"1")],
-            )
+            raise no_healthy_engine(str(base))
     payload = orjson.dumps(doc)
     up_headers = {"content-type": "application/json"}
     if router.engine_api_key:

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from vllm_stack.api.errors import RouterError
+from vllm_stack.errors import RouterError
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import msgspec
 import orjson
 
-from vllm_stack.api.errors import RouterError
+from vllm_stack.errors import RouterError
 
 
 @dataclass(slots=True)

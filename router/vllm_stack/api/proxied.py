@@ -1,25 +1,23 @@
-"""The hot path's entry: one proxied OpenAI/vLLM request, from the parsed request to an exchange.
+"""The hot path's entry: one proxied OpenAI/vLLM request, from the parsed request to the director.
 
-authenticate -> parse only the routing fields -> resolve the model (400 / 404 / 503) -> build the
-upstream request once -> hand over to :class:`vllm_stack.relay.exchange.Exchange`, which routes,
-relays and accounts. The server already bounded the body (413) before this is called.
+authenticate -> parse only the routing fields -> resolve the model (400 / 404) -> build the upstream
+request once -> hand over to the director (:mod:`vllm_stack.director`), which admits, schedules,
+relays, retries and accounts (a model that exists but has no engine now is its 503). The server
+already bounded the body (413) before this is called.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from vllm_stack.api.errors import RouterError, model_not_found
 from vllm_stack.api.parsing import multipart_field
-from vllm_stack.api.request_id import new_request_id, valid_request_id
-from vllm_stack.relay.exchange import Exchange
+from vllm_stack.api.state import RouterState
+from vllm_stack.director.request import ProxiedRequest
+from vllm_stack.errors import RouterError, model_not_found
 from vllm_stack.relay.headers import REQUEST_DROP, connection_listed
+from vllm_stack.request_id import new_request_id, valid_request_id
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
-
-if TYPE_CHECKING:
-    from vllm_stack.app import Router
 
 #: Endpoints forwarded to an engine of the request's model.
 PROXIED_PATHS = frozenset(
@@ -60,23 +58,19 @@ MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations
 UNKNOWN_MODEL_LABEL = "unknown"  # bounded metric label for names no engine serves
 
 
-def _resolve_model(router: Router, path: str, model: str | None) -> str:
+def _resolve_model(router: RouterState, path: str, model: str | None) -> tuple[str, str]:
+    """The model to route and its metric label; 400 when none is named, 404 when no engine has it."""
     registry = router.registry
     if not model:
         if path in MODEL_OPTIONAL:
             bases = registry.base_models()
             if len(bases) == 1:
-                return bases[0]
+                return bases[0], bases[0]
         raise RouterError(400, "The request must name a 'model'.", param="model", code="missing_model")
-    if registry.candidates(model):
-        return model
-    if registry.is_known(model) or registry.healthy_count == 0:
-        raise RouterError(
-            503,
-            f"No healthy engine is available for model '{model}'.",
-            code="no_healthy_engine",
-            headers=[(b"retry-after", b"1")],
-        )
+    if registry.candidates(model) or registry.is_known(model):
+        return model, model
+    if registry.healthy_count == 0:  # nothing is healthy, so the name cannot be checked: the director's 503
+        return model, UNKNOWN_MODEL_LABEL
     raise model_not_found(model, registry.available_models())
 
 
@@ -88,8 +82,8 @@ def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) ->
     return parts
 
 
-def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
-    """Answer an error at once, or start the exchange that forwards the request."""
+def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> None:
+    """Answer an error at once, or hand the request to the director."""
     started = time.perf_counter()
     request_id: bytes | None = None
     session_value: bytes | None = None
@@ -134,20 +128,21 @@ def handle(router: Router, conn: HttpConnection, request: HttpRequest) -> None:
         else:
             fields = router.parser.parse(request.body)
             model, user, prefix = fields.model, fields.user, fields.prefix
-        model = _resolve_model(router, path, model)
+        model, model_label = _resolve_model(router, path, model)
     except RouterError as err:
         router.metrics.observe_request(
             UNKNOWN_MODEL_LABEL, "none", str(err.status), time.perf_counter() - started
         )
         conn.send_error(err, request_id, request.keep_alive)
         return
-    key = router.proxy_settings.engine_auth
+    director = router.director
+    key = director.settings.engine_auth
     if key:
         lines += (b"authorization: ", key, b"\r\n")
     body = request.body
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
     session_key = session_value.decode("latin-1") if session_value is not None else user
-    ctx = RequestContext(model, session_key, prefix)
-    # Everything after the request line and Host, the same for every attempt.
+    ctx = RequestContext(model, session_key, prefix, path=path, body=body)
+    # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
-    Exchange(router, conn, request, ctx, request_id, tail, started).start()
+    ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label).run()

@@ -2,7 +2,7 @@
 
 An :class:`UpstreamConnection` parses the engine's response with httptools only to find where the
 head ends and where the message ends; the body bytes are handed to the exchange as they were read,
-framing included (``on_head`` once, then ``on_read`` per socket read), so whatever arrived together
+framing included (``on_head`` once, then ``on_read`` per socket read, to the relay leg), so whatever arrived together
 leaves together in one write and no Python code runs per chunk. The parser has no body callback on
 purpose: it would cost a call per streamed token. A connection goes back to its pool only when its
 response was read to the end with keep-alive; any other end (client gone, error, timeout) closes
@@ -28,7 +28,7 @@ class UpstreamConnectError(Exception):
 
 
 class Exchange(Protocol):
-    """The callbacks an upstream connection drives (see :class:`vllm_stack.relay.exchange.Exchange`)."""
+    """The callbacks an upstream connection drives (see :class:`vllm_stack.relay.leg.Leg`)."""
 
     def on_head(self, status: int, head: bytes) -> None: ...
 

@@ -1,28 +1,86 @@
-"""The scheduling framework: request context, plugin protocols, profile and scheduler."""
+"""The scheduling framework: request context, cycle state, plugin protocols, profiles, the result.
+
+A request is scheduled by running the profile(s) its profile handler picks; each profile runs its
+filters, then its weighted scorers (0..1 each), then its picker. The result always says why: the
+picker's reason when an engine was chosen, or a :class:`Reason` when none was, which the director
+turns into one error in one place.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from vllm_stack.discovery.engine import Engine
+from vllm_stack.engines.engine import Engine
 from vllm_stack.metrics import RouterMetrics
+
+
+class Reason(enum.StrEnum):
+    """Why a request got no engine (scheduling) or was turned away (admission, pre-request)."""
+
+    NO_CANDIDATE = "no_candidate"  # no routable engine serves the model
+    ALL_FILTERED = "all_filtered"  # candidates existed; filters (breakers, tried engines) removed all
+    ALL_SATURATED = "all_saturated"  # candidates existed; every one is saturated
+    OVERLOADED = "overloaded"  # admission: the router will not take more for this model now
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A plugin's "no" to a request: the director maps ``reason`` to the client's error."""
+
+    reason: Reason
+    message: str = ""
+
+
+class CycleState(dict[str, Any]):
+    """Per-request plugin state: what one stage computes for a later one (keys: plugin names)."""
+
+    __slots__ = ()
 
 
 @dataclass(slots=True)
 class RequestContext:
-    """What routing may look at: only the fields the proxy parsed, never the whole body."""
+    """What routing may look at: the fields the API layer parsed, never more of the body than that."""
 
     model: str
     session_key: str | None = None  # header value or body "user"
     prefix: bytes | None = None  # first bytes of the raw prompt/messages JSON (prefix affinity)
     excluded: set[str] = field(default_factory=set)  # engines already tried (retries)
+    path: str = ""
+    body: bytes = b""  # the raw request body (read-only: prepare-data plugins may look)
+    upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
+    _cycle: CycleState | None = None
+
+    @property
+    def cycle(self) -> CycleState:
+        """This request's plugin state, created on first use (most requests never need one)."""
+        state = self._cycle
+        if state is None:
+            state = self._cycle = CycleState()
+        return state
 
 
+@dataclass(slots=True)
+class Completion:
+    """How one request ended, given to response-complete hooks once per request."""
+
+    engine: Engine | None  # the last engine tried (None when none was picked)
+    status: str  # the outcome label of the request counter: "200", "503", "client_closed", ...
+    duration: float  # seconds from the request's arrival
+    ttft: float | None  # seconds to the first streamed event, for streamed answers
+
+    @property
+    def ok(self) -> bool:
+        return self.status[0] == "2"
+
+
+# ---- plugin protocols (a plugin implements one or several) ----------------------------------------------
 class Filter(Protocol):
-    """Removes candidates that must not receive the request."""
+    """Removes candidates that must not receive the request. ``empty_reason`` is the :class:`Reason`
+    reported when the filter leaves none (``ALL_FILTERED`` unless it declares another)."""
 
     name: str
 
@@ -47,6 +105,49 @@ class Picker(Protocol):
     ) -> tuple[Engine, str]: ...
 
 
+@runtime_checkable
+class PrepareData(Protocol):
+    """Computes request data before scheduling (tokens, block keys) into ``ctx.cycle``."""
+
+    def prepare(self, ctx: RequestContext) -> Awaitable[None] | None: ...
+
+
+@runtime_checkable
+class Admission(Protocol):
+    """Admits a request before any work is done for it: None to admit, a :class:`Refusal` to refuse."""
+
+    def admit(
+        self, ctx: RequestContext, candidates: Sequence[Engine]
+    ) -> Refusal | Awaitable[Refusal | None] | None: ...
+
+
+@runtime_checkable
+class PreRequest(Protocol):
+    """Runs once an engine is picked, before the request is sent (e.g. load an adapter there)."""
+
+    def pre_request(
+        self, ctx: RequestContext, engine: Engine
+    ) -> Refusal | Awaitable[Refusal | None] | None: ...
+
+
+@runtime_checkable
+class ResponseComplete(Protocol):
+    """Told once per request how it ended (synchronous; a failure is logged, never raised)."""
+
+    def response_complete(self, ctx: RequestContext, completion: Completion) -> None: ...
+
+
+# ---- profiles ---------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class SchedulingResult:
+    """The decision: an engine and the picker's reason, or no engine and a :class:`Reason`."""
+
+    engine: Engine | None
+    reason: str
+    profile: str
+    results: Mapping[str, SchedulingResult] | None = None  # per profile, when several ran
+
+
 @dataclass(slots=True)
 class Profile:
     """One routing strategy: filters, weighted scorers and a picker."""
@@ -56,36 +157,66 @@ class Profile:
     scorers: list[tuple[Scorer, float]]
     picker: Picker
 
-
-class Scheduler:
-    """Runs a profile over the registry's candidates and records the decision in metrics."""
-
-    __slots__ = ("profile", "_metrics")
-
-    def __init__(self, profile: Profile, metrics: RouterMetrics) -> None:
-        self.profile = profile
-        self._metrics = metrics
-
-    def pick(self, ctx: RequestContext, candidates: Sequence[Engine]) -> Engine | None:
-        """The chosen engine, or None when every candidate was filtered out."""
-        started = time.perf_counter()
-        profile = self.profile
+    def run(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
         engines: Sequence[Engine] = candidates
+        if not engines:
+            return SchedulingResult(None, Reason.NO_CANDIDATE, self.name)
         if ctx.excluded:
             engines = [e for e in engines if e.name not in ctx.excluded]
-        for f in profile.filters:
             if not engines:
-                break
+                return SchedulingResult(None, Reason.ALL_FILTERED, self.name)
+        for f in self.filters:
             engines = f.filter(ctx, engines)
-        if not engines:
-            self._metrics.routing_decision(profile.name, "no_candidate", time.perf_counter() - started)
-            return None
+            if not engines:
+                return SchedulingResult(None, getattr(f, "empty_reason", Reason.ALL_FILTERED), self.name)
         scores: list[float] | None = None
-        if profile.scorers and len(engines) > 1:
+        if self.scorers and len(engines) > 1:
             scores = [0.0] * len(engines)
-            for scorer, weight in profile.scorers:
+            for scorer, weight in self.scorers:
                 for i, s in enumerate(scorer.score(ctx, engines)):
                     scores[i] += weight * s
-        engine, reason = profile.picker.pick(ctx, engines, scores)
-        self._metrics.routing_decision(profile.name, reason, time.perf_counter() - started)
-        return engine
+        engine, reason = self.picker.pick(ctx, engines, scores)
+        return SchedulingResult(engine, reason, self.name)
+
+
+class ProfileHandler(Protocol):
+    """Chooses which profile(s) run for a request and which result the request follows."""
+
+    def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]: ...
+
+    def combine(self, ctx: RequestContext, results: Mapping[str, SchedulingResult]) -> SchedulingResult: ...
+
+
+class Scheduler:
+    """Runs the handler's profile(s) over the registry's candidates and records the decision."""
+
+    __slots__ = ("profiles", "handler", "_metrics", "_only")
+
+    def __init__(
+        self, profiles: Mapping[str, Profile], handler: ProfileHandler, metrics: RouterMetrics
+    ) -> None:
+        if not profiles:
+            raise ValueError("a scheduler needs at least one profile")
+        self.profiles = dict(profiles)
+        self.handler = handler
+        self._metrics = metrics
+        # The common case: one profile and the single-profile handler, run without the handler's calls.
+        only = next(iter(self.profiles.values())) if len(self.profiles) == 1 else None
+        self._only = only if getattr(handler, "single", False) else None
+
+    @property
+    def profile(self) -> Profile:
+        """The first (for built-in strategies: the only) profile."""
+        return next(iter(self.profiles.values()))
+
+    def schedule(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
+        started = time.perf_counter()
+        only = self._only
+        if only is not None:
+            result = only.run(ctx, candidates)
+        else:
+            chosen = self.handler.pick_profiles(ctx, self.profiles)
+            results = {p.name: p.run(ctx, candidates) for p in chosen}
+            result = self.handler.combine(ctx, results)
+        self._metrics.routing_decision(result.profile, result.reason, time.perf_counter() - started)
+        return result

@@ -1,41 +1,70 @@
-"""Strategy name -> profile. The names are production-stack's ``--routing-logic`` values plus ours."""
+"""The ``--routing-logic`` strategies: production-stack's names plus ours, each a built-in scheduling
+configuration of the same shape a user writes in the router's YAML (:mod:`.config`).
+
+Adding a strategy name is one entry in :func:`builtin_config`; adding a behaviour is a plugin.
+``prefixaware`` is, for now, bounded-load consistent hashing on the first ``prefix_chars`` bytes of the
+prompt/messages; the cache-aware routing issue replaces it.
+"""
 
 from __future__ import annotations
 
-from vllm_stack.config import RouterConfig
-from vllm_stack.scheduling.framework import Profile
-from vllm_stack.scheduling.plugins.circuit_breaker_filter import CircuitBreakerFilter
-from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker, prefix_key, session_key
-from vllm_stack.scheduling.plugins.least_loaded_scorer import LeastLoadedScorer
-from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
-from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
-from vllm_stack.scheduling.plugins.random_picker import RandomPicker
-from vllm_stack.scheduling.plugins.round_robin_picker import RoundRobinPicker
+from typing import Any
+
+from vllm_stack.config import ConfigError, RouterConfig
+from vllm_stack.metrics import RouterMetrics
+from vllm_stack.scheduling.config import build_scheduling
+from vllm_stack.scheduling.framework import Scheduler
+from vllm_stack.scheduling.plugins import builtin_registry
+from vllm_stack.scheduling.registry import PluginState
+
+ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
 
 
-def build_profile(config: RouterConfig) -> Profile:
-    """The profile for ``config.routing_logic``.
+def _single(name: str, *plugins: dict[str, Any], scorers: dict[str, float] | None = None) -> dict[str, Any]:
+    """One profile named ``name``: the circuit-breaker filter, then ``plugins``."""
+    listed = [{"type": "circuit-breaker-filter"}, *plugins]
+    refs: list[dict[str, Any]] = [{"pluginRef": "circuit-breaker-filter"}]
+    for p in plugins:
+        ref: dict[str, Any] = {"pluginRef": p.get("name", p["type"])}
+        if scorers and ref["pluginRef"] in scorers:
+            ref["weight"] = scorers[ref["pluginRef"]]
+        refs.append(ref)
+    return {"plugins": listed, "schedulingProfiles": [{"name": name, "plugins": refs}]}
 
-    ``prefixaware`` is, for now, bounded-load consistent hashing on the first ``prefix_chars`` bytes
-    of the prompt/messages: requests sharing a prefix land on the same engine (and its prefix cache).
-    The KV-event-aware scorer of the cache-aware routing issue replaces it.
-    """
-    filters = [CircuitBreakerFilter()]
+
+def builtin_config(config: RouterConfig) -> dict[str, Any]:
+    """The scheduling configuration of ``config.routing_logic``."""
     logic = config.routing_logic
+    epsilon = config.session_balance_epsilon
     if logic == "roundrobin":
-        return Profile(logic, filters, [], RoundRobinPicker())
+        return _single(logic, {"type": "round-robin-picker"})
     if logic == "random":
-        return Profile(logic, filters, [], RandomPicker())
+        return _single(logic, {"type": "random-picker"})
     if logic == "leastloaded":
-        return Profile(logic, filters, [(LeastLoadedScorer(), 1.0)], MaxScorePicker(reason="least_loaded"))
+        return _single(
+            logic,
+            {"type": "least-loaded-scorer"},
+            {"type": "max-score-picker", "parameters": {"reason": "least_loaded"}},
+            scorers={"least-loaded-scorer": 1.0},
+        )
     if logic == "p2c":
-        return Profile(logic, filters, [], PowerOfTwoPicker())
-    if logic == "session":
-        return Profile(
-            logic, filters, [], ConsistentHashPicker("session", session_key, config.session_balance_epsilon)
+        return _single(logic, {"type": "power-of-two-picker"})
+    if logic in ("session", "prefixaware"):
+        key = "session" if logic == "session" else "prefix"
+        return _single(
+            logic, {"type": "consistent-hash-picker", "parameters": {"key": key, "epsilon": epsilon}}
         )
-    if logic == "prefixaware":
-        return Profile(
-            logic, filters, [], ConsistentHashPicker("prefix", prefix_key, config.session_balance_epsilon)
-        )
-    raise ValueError(f"unknown routing logic {logic!r}")
+    raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
+
+
+def scheduling_config(config: RouterConfig) -> dict[str, Any]:
+    """The router's scheduling configuration: its YAML ``scheduling`` section, else the built-in one."""
+    if config.scheduling is not None:
+        return dict(config.scheduling)
+    return builtin_config(config)
+
+
+def build_scheduler(config: RouterConfig, metrics: RouterMetrics) -> Scheduler:
+    """A scheduler for ``config`` alone, with the built-in plugins and fresh plugin state (tests, tools)."""
+    setup = build_scheduling(scheduling_config(config), builtin_registry(), PluginState(), metrics)
+    return setup.scheduler

@@ -1,6 +1,8 @@
 """Runs the router's ASGI app for one request that is not on the hot path.
 
-The control endpoints (``/health``, ``/ready``, ``/metrics``, ``/engines``, ``/v1/models``, the LoRA
+An endpoint refuses a request by raising :class:`~vllm_stack.errors.RouterError`; the bridge has
+the connection write it (:meth:`HttpConnection.send_error`), so every error the router answers goes
+through one writer. The control endpoints (``/health``, ``/ready``, ``/metrics``, ``/engines``, ``/v1/models``, the LoRA
 fan-out, 404/405 answers) are ordinary coroutines written against ASGI; they are few and cheap, so
 they keep that well-known interface and run as a task each. The bridge maps the ASGI messages onto
 the connection: ``content-length`` when the whole body comes in one message, chunked otherwise,
@@ -14,8 +16,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vllm_stack.api.errors import RouterError
-from vllm_stack.server.http1 import HttpConnection, HttpRequest, status_line
+from vllm_stack.errors import RouterError, status_line
+from vllm_stack.request_id import new_request_id
+from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,11 @@ class AsgiCall:
     async def _run(self) -> None:
         try:
             await self.app(self._scope(), self._receive, self._send)
+        except RouterError as err:  # an endpoint's refusal: written by the connection, the one error writer
+            if not self.head_written and not self.conn.closed:
+                self.conn.send_error(err, new_request_id(), self.keep_alive)
+                return
+            self.complete = False
         except Exception:  # noqa: BLE001 - a bug in an endpoint answers 500 and keeps the server up
             log.exception("endpoint %s %s failed", self.request.method, self.request.path)
             if not self.head_written and not self.conn.closed:

@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import http
 import logging
 import time
 from typing import Protocol
 
 import httptools
 
-from vllm_stack.api.errors import ERROR_MARKER, RouterError
-from vllm_stack.api.request_id import new_request_id, valid_request_id
+from vllm_stack.errors import RouterError, render_error
+from vllm_stack.request_id import new_request_id, valid_request_id
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +49,10 @@ MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered (and
 LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is read and dropped
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
 
-_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_MARKER_PREFIX = b"\r\n" + ERROR_MARKER + b": "
 #: Headers the connection itself acts on.
 _NOTED = frozenset({b"content-length", b"expect", b"upgrade", b"host"})
 _DECLINED_OFFER = frozenset({b"upgrade", b"connection", b"http2-settings"})
-
-
-def status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    return line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status
 
 
 class HttpRequest:
@@ -439,24 +431,9 @@ class HttpConnection(asyncio.Protocol):
 
     def send_error(self, error: RouterError, request_id: bytes | None, keep_alive: bool) -> None:
         """Answer the current request with an OpenAI-style JSON error and finish it."""
-        body = error.body()
-        head = [
-            status_line(error.status),
-            b"content-type: application/json\r\ncontent-length: ",
-            b"%d" % len(body),
-            _MARKER_PREFIX,
-            error.marker(),
-        ]
-        for name, value in error.headers:
-            head += (b"\r\n", name, b": ", value)
-        if request_id:
-            head += (b"\r\nx-request-id: ", request_id)
         keep_alive = keep_alive and not self.server.draining
-        if not keep_alive:
-            head.append(b"\r\nconnection: close")
-        head += (b"\r\n\r\n", body)
         if not self.closed:
-            self.transport.write(b"".join(head))
+            self.transport.write(render_error(error, request_id, keep_alive))
         self.finish(keep_alive)
 
     def _fail(self, error: RouterError) -> None:

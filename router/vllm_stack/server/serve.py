@@ -1,7 +1,8 @@
-"""Serving a router: listen, dispatch each request, time out idle or stuck connections, drain on stop.
+"""Serving an application: listen, dispatch each request, time out idle or stuck connections, drain.
 
-Dispatch: a POST to a proxied path goes to the hot path (:func:`vllm_stack.api.proxied.handle`);
-everything else goes to the router's ASGI app through :class:`~.asgi_bridge.AsgiCall`.
+The server knows nothing of routing: it hands every complete request to the application's
+``dispatch`` (:class:`ServedApp`; the router sends proxied paths to its director and the rest to its
+ASGI app through :class:`~.asgi_bridge.AsgiCall`) and asks it for its limits.
 
 Stopping (SIGTERM from Kubernetes, or :meth:`RouterServer.stop`): the listening socket closes at once,
 idle keep-alive connections are closed, answers still being written get ``connection: close`` and
@@ -16,15 +17,10 @@ import contextlib
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from vllm_stack.api import proxied
-from vllm_stack.server.asgi_bridge import AsgiCall
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.server.memory import Allocator
-
-if TYPE_CHECKING:
-    from vllm_stack.app import Router
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +32,29 @@ RESERVED_PATHS = frozenset({"/health", "/ready"})
 TRIM_EVERY = 5  # sweeps between two trims of the allocator's free pages (when one is given)
 
 
+class ServedApp(Protocol):
+    """What the server needs of the application it serves."""
+
+    def body_limit(self) -> int: ...
+
+    def connection_limit(self) -> int: ...
+
+    def request_timeout(self) -> float: ...
+
+    def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class RouterServer:
-    """One listening socket serving one router (also the connections' :class:`~.http1.ServerContext`)."""
+    """One listening socket serving one application, the router (also the connections'
+    :class:`~.http1.ServerContext`)."""
 
     def __init__(
         self,
-        router: Router,
+        router: ServedApp,
         host: str,
         port: int,
         shutdown_grace: float = 30.0,
@@ -59,20 +72,21 @@ class RouterServer:
         self.reserved_paths = RESERVED_PATHS
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self._proxied_paths = proxied.PROXIED_PATHS
+        # The application's own methods, bound here: one call less per request than delegating.
+        self.dispatch = router.dispatch  # type: ignore[method-assign]
+        self.body_limit = router.body_limit  # type: ignore[method-assign]
 
     # ---- ServerContext ---------------------------------------------------------------------------------
     def body_limit(self) -> int:
-        return self.router.max_body_bytes
+        """Replaced in ``__init__`` by the application's own ``body_limit``."""
+        return self.router.body_limit()
 
     def connection_limit(self) -> int:
-        return self.router.config.max_connections
+        return self.router.connection_limit()
 
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
-        if request.method == "POST" and request.path in self._proxied_paths:
-            proxied.handle(self.router, conn, request)
-        else:
-            AsgiCall(self.router, conn, request).start()
+        """Replaced in ``__init__`` by the application's own ``dispatch`` (one call less per request)."""
+        self.router.dispatch(conn, request)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     @property
@@ -95,7 +109,7 @@ class RouterServer:
         and, every few sweeps, free heap pages handed back (see :mod:`.memory`)."""
         sweeps = 0
         while True:
-            await asyncio.sleep(min(SWEEP_INTERVAL, self.router.proxy_settings.request_timeout / 4))
+            await asyncio.sleep(min(SWEEP_INTERVAL, self.router.request_timeout() / 4))
             sweeps += 1
             if self.allocator is not None and sweeps % TRIM_EVERY == 0:
                 self.allocator.trim()

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import aiohttp
 
-from vllm_stack.discovery.engine import Engine, EngineTelemetry
+from vllm_stack.engines.engine import Engine, EngineTelemetry
 from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)

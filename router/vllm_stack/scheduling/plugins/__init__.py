@@ -1,1 +1,46 @@
-"""Scheduling plugins, one per file: filters, scorers and pickers."""
+"""Scheduling plugins, one per file: filters, scorers, pickers, profile handlers and stage hooks.
+
+:func:`builtin_registry` is the registration of every built-in type; a new plugin adds its file and
+one line here (or, outside the package, registers itself on the registry it is given).
+"""
+
+from __future__ import annotations
+
+from vllm_stack.scheduling.plugins.circuit_breaker_filter import CircuitBreakerFilter
+from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker
+from vllm_stack.scheduling.plugins.least_loaded_scorer import LeastLoadedScorer
+from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdmission
+from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
+from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
+from vllm_stack.scheduling.plugins.prompt_length import PromptLength
+from vllm_stack.scheduling.plugins.random_picker import RandomPicker
+from vllm_stack.scheduling.plugins.request_tracker import RequestTracker
+from vllm_stack.scheduling.plugins.round_robin_picker import RoundRobinPicker
+from vllm_stack.scheduling.plugins.saturation_filter import SaturationFilter
+from vllm_stack.scheduling.plugins.single_profile_handler import SingleProfileHandler
+from vllm_stack.scheduling.plugins.upstream_headers import UpstreamHeaders
+from vllm_stack.scheduling.registry import PluginRegistry
+
+BUILTIN_TYPES = (
+    CircuitBreakerFilter,
+    SaturationFilter,
+    LeastLoadedScorer,
+    MaxScorePicker,
+    RoundRobinPicker,
+    RandomPicker,
+    PowerOfTwoPicker,
+    ConsistentHashPicker,
+    SingleProfileHandler,
+    PromptLength,
+    MaxInFlightAdmission,
+    UpstreamHeaders,
+    RequestTracker,
+)
+
+
+def builtin_registry() -> PluginRegistry:
+    """A new registry holding every built-in plugin type."""
+    registry = PluginRegistry()
+    for plugin in BUILTIN_TYPES:
+        registry.register(plugin)
+    return registry

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_stack.discovery.circuit import BreakerState
-from vllm_stack.discovery.engine import Engine
+from vllm_stack.engines.circuit import BreakerState
+from vllm_stack.engines.engine import Engine
 from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class CircuitBreakerFilter:
-    name = "circuit_breaker"
+    type_name = "circuit-breaker-filter"
+
+    def __init__(self, name: str = "circuit_breaker") -> None:
+        self.name = name
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> CircuitBreakerFilter:
+        return cls(name)
 
     def filter(self, ctx: RequestContext, engines: Sequence[Engine]) -> Sequence[Engine]:
         for e in engines:  # fast path: all closed, no copy

@@ -13,8 +13,11 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 
-from vllm_stack.discovery.engine import Engine
+from vllm_stack.config import ConfigError
+from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.load import in_flight
 from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 VNODES = 64
 _MAX_RINGS = 64  # rings cached per candidate set; bounded
@@ -36,7 +39,12 @@ class _Ring:
 
 
 class ConsistentHashPicker:
-    """``key_of`` extracts the affinity key; requests without one go to the least in-flight engine."""
+    """``key_of`` extracts the affinity key; requests without one go to the least in-flight engine.
+
+    ``name`` is the key's kind (``session``, ``prefix``): it prefixes the decision reasons.
+    """
+
+    type_name = "consistent-hash-picker"
 
     def __init__(
         self, name: str, key_of: Callable[[RequestContext], bytes | None], epsilon: float = 0.25
@@ -46,6 +54,17 @@ class ConsistentHashPicker:
         self.epsilon = epsilon
         self._rings: dict[tuple[str, ...], _Ring] = {}
         self._fallback_turn = 0
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> ConsistentHashPicker:
+        key = parameters.string("key", "session")
+        key_of = KEYS.get(key)
+        if key_of is None:
+            raise ConfigError(f"plugin {name!r}: key must be one of {sorted(KEYS)}")
+        epsilon = parameters.number("epsilon", 0.25)
+        if epsilon <= 0:
+            raise ConfigError(f"plugin {name!r}: epsilon must be > 0")
+        return cls(key, key_of, epsilon)
 
     def _ring(self, engines: Sequence[Engine]) -> _Ring:
         names = tuple(e.name for e in engines)
@@ -61,15 +80,16 @@ class ConsistentHashPicker:
     ) -> tuple[Engine, str]:
         key = self._key_of(ctx)
         n = len(engines)
+        loads = in_flight(engines)
         if key is None:
-            low = min(e.in_flight for e in engines)
-            least = [e for e in engines if e.in_flight == low]
+            low = min(loads)
+            least = [e for e, load in zip(engines, loads, strict=True) if load == low]
             self._fallback_turn += 1
             return least[self._fallback_turn % len(least)], f"{self.name}_no_key"
         if n == 1:
             return engines[0], f"{self.name}_hit"
         ring = self._ring(engines)
-        capacity = math.ceil((1.0 + self.epsilon) * (sum(e.in_flight for e in engines) + 1) / n)
+        capacity = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n)
         start = bisect.bisect(ring.points, stable_hash(key)) % len(ring.points)
         seen: set[int] = set()
         first = True
@@ -78,7 +98,7 @@ class ConsistentHashPicker:
             if owner in seen:
                 continue
             seen.add(owner)
-            if engines[owner].in_flight < capacity:
+            if loads[owner] < capacity:
                 return engines[owner], f"{self.name}_hit" if first else f"{self.name}_overflow"
             first = False
             if len(seen) == n:
@@ -92,3 +112,6 @@ def session_key(ctx: RequestContext) -> bytes | None:
 
 def prefix_key(ctx: RequestContext) -> bytes | None:
     return ctx.prefix or None
+
+
+KEYS: dict[str, Callable[[RequestContext], bytes | None]] = {"session": session_key, "prefix": prefix_key}

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_stack.discovery.engine import Engine
+from vllm_stack.engines.engine import Engine
 from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class MaxScorePicker:
+    type_name = "max-score-picker"
+
     def __init__(self, name: str = "max_score", reason: str = "max_score") -> None:
         self.name = name
         self.reason = reason
         self._turn = 0
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> MaxScorePicker:
+        return cls(name, parameters.string("reason", "max_score"))
 
     def pick(
         self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None

@@ -9,16 +9,22 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from vllm_stack.discovery.engine import Engine
+from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.load import engine_loads
 from vllm_stack.scheduling.framework import RequestContext
-from vllm_stack.scheduling.load import engine_loads
+from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class PowerOfTwoPicker:
-    name = "p2c"
+    type_name = "power-of-two-picker"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, name: str = "p2c") -> None:
+        self.name = name
         self._rng = rng or random.Random()
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> PowerOfTwoPicker:
+        return cls(name=name)
 
     def pick(
         self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None

@@ -18,9 +18,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_stack.paths import cache_dir
-from vllm_stack.testbed.engines import EngineStartError, start_engines, stop_process
-from vllm_stack.testbed.models import build_model
+from vllm_stack_dev.paths import cache_dir
+from vllm_stack_dev.testbed.engines import EngineStartError, start_engines, stop_process
+from vllm_stack_dev.testbed.models import build_model
 
 SERVED_MODEL = "tiny-llama"
 # Generous: the first start after a fresh install is the slowest, and a busy machine slows it further.

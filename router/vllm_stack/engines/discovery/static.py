@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from vllm_stack.discovery.base import EndpointInfo, SnapshotSink
+from vllm_stack.engines.discovery.base import EndpointInfo, SnapshotSink
 
 
 def endpoint_name(url: str) -> str:

@@ -1,4 +1,6 @@
-"""OpenAI-shaped error responses: ``{"error": {"message", "type", "param", "code"}}``.
+"""OpenAI-shaped error responses: ``{"error": {"message", "type", "param", "code"}}``, and the one
+place that writes them (:func:`render_error`; the server's ``send_error`` and every path that answers an
+error end there).
 
 Clients (the official SDKs included) parse this shape to raise typed exceptions, so every error the
 router itself produces uses it, with the HTTP status the SDKs map to the right exception class.
@@ -10,12 +12,10 @@ never carries it (docs/contracts.md).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from http import HTTPStatus
 
 import orjson
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: The header on every error response the router writes itself; its value is the error's code.
 ERROR_MARKER = b"x-vllm-stack-error"
@@ -96,16 +96,43 @@ def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-async def send_error(send: Send, error: RouterError, request_id: bytes | None = None) -> None:
-    """Send ``error`` as a complete JSON response."""
+def no_healthy_engine(model: str) -> RouterError:
+    """The 503 for a model that exists but has no engine able to take the request now."""
+    return RouterError(
+        503,
+        f"No healthy engine is available for model '{model}'.",
+        code="no_healthy_engine",
+        headers=[(b"retry-after", b"1")],
+    )
+
+
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+
+
+def status_line(status: int) -> bytes:
+    """``HTTP/1.1 <status> <reason>`` and its CRLF (precomputed for the known statuses)."""
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status
+
+
+_MARKER_PREFIX = b"\r\n" + ERROR_MARKER + b": "
+
+
+def render_error(error: RouterError, request_id: bytes | None, keep_alive: bool) -> bytes:
+    """The complete HTTP/1.1 response (head and JSON body) for ``error``."""
     body = error.body()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (ERROR_MARKER, error.marker()),
-        *error.headers,
+    head = [
+        status_line(error.status),
+        b"content-type: application/json\r\ncontent-length: ",
+        b"%d" % len(body),
+        _MARKER_PREFIX,
+        error.marker(),
     ]
+    for name, value in error.headers:
+        head += (b"\r\n", name, b": ", value)
     if request_id:
-        headers.append((b"x-request-id", request_id))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        head += (b"\r\nx-request-id: ", request_id)
+    if not keep_alive:
+        head.append(b"\r\nconnection: close")
+    head += (b"\r\n\r\n", body)
+    return b"".join(head)

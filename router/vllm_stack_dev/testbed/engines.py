@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_stack.paths import engine_python
+from vllm_stack_dev.paths import engine_python
 
 DEFAULT_READY_TIMEOUT = 300.0
 _PR_SET_PDEATHSIG = 1

@@ -14,9 +14,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from vllm_stack.discovery.base import EndpointInfo
-from vllm_stack.discovery.circuit import BreakerState, CircuitBreaker
-from vllm_stack.discovery.engine import Engine
+from vllm_stack.engines.circuit import BreakerState, CircuitBreaker
+from vllm_stack.engines.discovery.base import EndpointInfo
+from vllm_stack.engines.engine import Engine
 from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_stack.discovery.circuit import CircuitBreaker
+from vllm_stack.engines import load
+from vllm_stack.engines.circuit import CircuitBreaker
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class EngineTelemetry:
 
 
 class Engine:
-    """Mutable state of one engine; owned by the :class:`~vllm_stack.discovery.registry.EngineRegistry`.
+    """Mutable state of one engine; owned by the :class:`~vllm_stack.engines.registry.EngineRegistry`.
 
     ``in_flight`` is the router's own count of requests it sent there and has not finished; it is
     exact and instant, while the scraped queue length lags by up to one scrape interval.
@@ -47,6 +47,7 @@ class Engine:
         "last_check",
         "last_error",
         "silent_scrapes",
+        "completions",
     )
 
     def __init__(
@@ -75,15 +76,11 @@ class Engine:
         self.last_check = 0.0
         self.last_error: str | None = None
         self.silent_scrapes = 0  # consecutive scrapes that timed out (see EngineRegistry.engine_silent)
+        self.completions = load.CompletionStats()  # fed by the request-tracker plugin
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
-        """Scraped figures, or None when missing or older than ``stale_after`` (unknown is not zero)."""
-        t = self.telemetry
-        if t is None:
-            return None
-        if (time.monotonic() if now is None else now) - t.scraped_at > self.stale_after:
-            return None
-        return t
+        """Scraped figures under the stale rule of :mod:`vllm_stack.engines.load` (unknown is not zero)."""
+        return load.fresh_telemetry(self, now)
 
     def routable(self) -> bool:
         return self.ready and self.healthy
@@ -106,7 +103,8 @@ class Engine:
                 "num_requests_running": t.running,
                 "num_requests_waiting": t.waiting,
                 "kv_cache_usage_perc": t.kv_cache_usage,
-                "age_seconds": round(time.monotonic() - t.scraped_at, 3),
+                "age_seconds": round(load.age(t), 3),
             },
+            "completions": self.completions.describe(),
             "last_error": self.last_error,
         }

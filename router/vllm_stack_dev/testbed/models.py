@@ -64,7 +64,7 @@ SIZES: dict[str, ModelSize] = {
 
 
 def _corpus() -> list[str]:
-    text = resources.files("vllm_stack.testbed").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("vllm_stack_dev.testbed").joinpath("corpus.txt").read_text(encoding="utf-8")
     lines = [line for line in text.splitlines() if line.strip()]
     # Repeat with small variations so BPE learns merges for common words and numbers.
     return lines * 8 + [f"{a} {b} {a + b}" for a in range(64) for b in range(0, 64, 7)]

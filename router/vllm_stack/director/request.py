@@ -1,0 +1,437 @@
+"""One proxied request through the director's stages, driven by callbacks, not by a coroutine.
+
+admit -> prepare -> schedule -> pre-request -> relay leg; on a failure before anything reached the
+client, schedule again (the engines tried are excluded) and run another leg, up to ``retries`` more.
+
+A stage hook (a plugin's ``admit``, ``prepare``, ``pre_request``) is synchronous unless it returns an
+awaitable; only then does the request wait, on that awaitable, and resume in its done-callback. The
+common path (no hook, or synchronous ones) runs start to upstream write in one call. A client that
+leaves during any stage ends the request: the awaitable the stage is waiting on is cancelled, the
+leg's connection is closed (the engine aborts the request), and the engine's books are settled.
+
+Breaker accounting lives here, not in the relay (a leg only reports how its exchange ended):
+- ``connect_error``: the engine could not be reached; it is ejected until healthy again;
+- ``upstream_broken``: it began an answer and broke it; the breaker counts a failure;
+- ``upstream_closed``: it took the request and closed without a byte of answer. That is what one
+  poison request does on every engine, so it counts against the request, not the engine: no
+  ejection, no breaker failure (an engine that really died refuses the next connect);
+- a 5xx answer counts a failure, a 429 does not; a complete answer below 500 a success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from vllm_stack.engines.engine import Engine
+from vllm_stack.errors import RouterError
+from vllm_stack.metrics import _Value
+from vllm_stack.relay.leg import Leg
+from vllm_stack.scheduling.framework import Completion, Refusal, RequestContext
+from vllm_stack.server.http1 import HttpConnection, HttpRequest
+
+if TYPE_CHECKING:
+    from vllm_stack.director.director import Director
+
+log = logging.getLogger(__name__)
+
+_ADMIT, _PREPARE, _PRE_REQUEST = 0, 1, 2
+_STAGE_NAMES = ("admission", "prepare", "pre-request")
+
+
+class ProxiedRequest:
+    """The state of one proxied request; the client connection's handler while it runs."""
+
+    __slots__ = (
+        "director",
+        "conn",
+        "request",
+        "ctx",
+        "request_id",
+        "tail",
+        "started",
+        "model_label",
+        "attempts_left",
+        "timeout",
+        "engine",
+        "gauge",
+        "in_attempt",
+        "last_error",
+        "status",
+        "done",
+        "leg",
+        "waiting",
+        "ttft",
+    )
+
+    def __init__(
+        self,
+        director: Director,
+        conn: HttpConnection,
+        request: HttpRequest,
+        ctx: RequestContext,
+        request_id: bytes,
+        tail: bytes,
+        started: float,
+        model_label: str,
+    ) -> None:
+        self.director = director
+        self.conn = conn
+        self.request = request
+        self.ctx = ctx
+        self.request_id = request_id
+        self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
+        self.started = started
+        self.model_label = model_label
+        settings = director.settings
+        self.attempts_left = 1 + settings.retries
+        self.timeout = settings.request_timeout
+        self.engine: Engine | None = None
+        self.gauge: _Value | None = None
+        self.in_attempt = False
+        self.last_error: RouterError | None = None
+        self.status = "none"  # the outcome label of the request counter
+        self.done = False
+        self.leg: Leg | None = None
+        self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
+        self.ttft: float | None = None
+
+    # ---- stages ------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        self.conn.handler = self
+        hooks = self.director.hooks
+        if hooks.admission or hooks.prepare:
+            self._run_hooks(_ADMIT, 0)
+        else:
+            self._attempt()
+
+    def _run_hooks(self, stage: int, index: int) -> None:
+        """Run the hooks of ``stage`` from ``index`` on, then the stages after it."""
+        hooks = self.director.hooks
+        ctx = self.ctx
+        while True:
+            fns = (
+                hooks.admission
+                if stage == _ADMIT
+                else hooks.prepare
+                if stage == _PREPARE
+                else hooks.pre_request
+            )
+            while index < len(fns):
+                fn = fns[index]
+                index += 1
+                try:
+                    if stage == _ADMIT:
+                        outcome = fn(ctx, self.director.registry.candidates(ctx.model))
+                    elif stage == _PREPARE:
+                        outcome = fn(ctx)
+                    else:
+                        outcome = fn(ctx, self.engine)
+                except Exception:  # noqa: BLE001 - a plugin's bug fails its request, not the router
+                    log.exception("%s hook %r failed", _STAGE_NAMES[stage], fn)
+                    self._plugin_failed()
+                    return
+                if outcome is None:
+                    continue
+                if isinstance(outcome, Refusal):
+                    self._refused(outcome)
+                    return
+                if inspect.isawaitable(outcome):
+                    self._wait(outcome, stage, index)
+                    return
+                log.error("%s hook %r returned %r", _STAGE_NAMES[stage], fn, outcome)
+                self._plugin_failed()
+                return
+            if stage == _ADMIT:
+                stage, index = _PREPARE, 0
+            elif stage == _PREPARE:
+                self._attempt()
+                return
+            else:
+                self._send()
+                return
+
+    def _wait(self, awaitable: Awaitable[Any], stage: int, index: int) -> None:
+        future = self.waiting = asyncio.ensure_future(awaitable)
+        future.add_done_callback(lambda f: self._resumed(f, stage, index))
+
+    def _resumed(self, future: asyncio.Future[Any], stage: int, index: int) -> None:
+        if future is not self.waiting or self.done:  # the client left (and the future was cancelled)
+            return
+        self.waiting = None
+        if future.cancelled():
+            log.error("%s hook's awaitable was cancelled", _STAGE_NAMES[stage])
+            self._plugin_failed()
+            return
+        exc = future.exception()
+        if exc is not None:
+            log.error("%s hook failed", _STAGE_NAMES[stage], exc_info=exc)
+            self._plugin_failed()
+            return
+        outcome = future.result()
+        if isinstance(outcome, Refusal):
+            self._refused(outcome)
+            return
+        if outcome is not None:
+            log.error("%s hook resolved to %r", _STAGE_NAMES[stage], outcome)
+            self._plugin_failed()
+            return
+        self._run_hooks(stage, index)
+
+    def _attempt(self) -> None:
+        """Schedule (again, after a failure), then pre-request hooks, then a leg."""
+        if self.attempts_left <= 0:
+            self._fail(self.last_error or RouterError(502, "No engine answered.", code="upstream_error"))
+            return
+        self.attempts_left -= 1
+        director = self.director
+        ctx = self.ctx
+        result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.model))
+        engine = result.engine
+        if engine is None:
+            self._fail(self.last_error or director.error_for(result.reason, ctx.model))
+            return
+        self.engine = engine
+        engine.breaker.acquire()
+        engine.in_flight += 1
+        gauge = self.gauge = director.metrics.in_flight_child(engine.name)
+        gauge.inc()
+        self.in_attempt = True
+        if director.hooks.pre_request:
+            ctx.upstream_headers = b""
+            self._run_hooks(_PRE_REQUEST, 0)
+        else:
+            self._send()
+
+    def _send(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        director = self.director
+        pool = director.pools.get(engine.url)
+        request = self.request
+        leg = self.leg = Leg(
+            self,
+            self.conn,
+            request,
+            self.request_id,
+            engine.name,
+            pool,
+            director.metrics,
+            self.model_label,
+            self.started,
+        )
+        line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (
+            request.method.encode(),
+            pool.path_prefix,
+            request.target,
+            pool.host_header,
+        )
+        leg.start(line + self.ctx.upstream_headers + self.tail)
+
+    def _end_attempt(self) -> None:
+        if self.in_attempt:
+            self.in_attempt = False
+            engine = self.engine
+            assert engine is not None and self.gauge is not None
+            engine.in_flight -= 1
+            self.gauge.dec()
+
+    def _other_candidate(self) -> bool:
+        excluded = self.ctx.excluded
+        return any(
+            e.name not in excluded and e.breaker.available()
+            for e in self.director.registry.candidates(self.ctx.model)
+        )
+
+    # ---- what the leg reports ----------------------------------------------------------------------------
+    def retry_on_status(self, leg: Leg, status: int) -> bool:
+        """A 429/5xx before anything was forwarded: retry on another engine when one is left."""
+        if self.attempts_left <= 0:
+            return False
+        engine = self.engine
+        assert engine is not None
+        self.ctx.excluded.add(engine.name)
+        if not self._other_candidate():
+            return False
+        if status >= 500:
+            engine.breaker.failure()
+        else:
+            engine.breaker.release()
+        leg.abort()
+        self.leg = None
+        self._end_attempt()
+        self.director.metrics.retry(self.ctx.model, str(status))
+        self._attempt()
+        return True
+
+    def leg_failed(self, leg: Leg, message: str, reason: str) -> None:
+        """Nothing reached the client: count the failure as ``reason`` says and try another engine."""
+        engine = self.engine
+        assert engine is not None
+        if reason == "connect_error":
+            engine.breaker.failure()
+            self.director.registry.eject(engine, reason)
+            self.last_error = RouterError(502, message, code="upstream_unreachable")
+        elif reason == "upstream_closed":
+            engine.breaker.release()
+            self.last_error = RouterError(502, message, code="upstream_closed")
+        else:
+            engine.breaker.failure()
+            self.last_error = RouterError(502, message, code="upstream_broken")
+        self.ctx.excluded.add(engine.name)
+        self.status = "upstream_error"
+        self.leg = None
+        self._end_attempt()
+        if self.attempts_left > 0:
+            self.director.metrics.retry(self.ctx.model, reason)
+        self._attempt()
+
+    def leg_complete(self, leg: Leg) -> None:
+        self.done = True
+        self.leg = None  # the leg points back here: no cycle left behind
+        engine = self.engine
+        assert engine is not None
+        status = leg.status
+        self.status = str(status)
+        self.ttft = leg.ttft
+        if status >= 500:
+            engine.breaker.failure()
+        else:
+            engine.breaker.success()
+        self._end_attempt()
+        self.conn.finish(leg.keep_alive)
+        self._account()
+
+    def leg_broken(self, leg: Leg, error: BaseException | str) -> None:
+        self.done = True
+        self.leg = None
+        engine = self.engine
+        assert engine is not None
+        engine.breaker.failure()
+        self.status = "upstream_error"
+        self.ttft = leg.ttft
+        self._end_attempt()
+        self.conn.finish(leg.keep_alive)
+        self._account()
+
+    # ---- the client side (HttpConnection's Handler) -----------------------------------------------------
+    def client_lost(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.status = "client_closed"
+        waiting = self.waiting
+        if waiting is not None:
+            self.waiting = None
+            waiting.cancel()  # whatever the stage started ends with the request
+        leg = self.leg
+        if leg is not None:
+            self.leg = None
+            self.ttft = leg.ttft
+            leg.abort()  # the engine sees the connection close and aborts the request
+        if self.in_attempt and self.engine is not None:
+            self.engine.breaker.release()
+        self._end_attempt()
+        self._account()
+
+    def pause(self) -> None:
+        if self.leg is not None:
+            self.leg.pause()
+
+    def resume(self) -> None:
+        if self.leg is not None:
+            self.leg.resume()
+
+    def check_timeout(self, now: float) -> None:
+        """Called by the server's sweep (``now`` from time.perf_counter): an engine silent for
+        ``request_timeout``, or a stage waiting that long, fails the request.
+
+        A sweep over the busy connections instead of a timer per request: arming and cancelling a
+        timer for every request costs more than the whole check once a second.
+        """
+        if self.done:
+            return
+        leg = self.leg
+        if leg is None:
+            if self.waiting is not None and now - self.started >= self.timeout:
+                waiting, self.waiting = self.waiting, None
+                waiting.cancel()
+                if self.in_attempt and self.engine is not None:
+                    self.engine.breaker.release()
+                self._end_attempt()
+                self._fail(
+                    RouterError(
+                        504, f"The request was not routed within {self.timeout:g}s.", code="routing_timeout"
+                    )
+                )
+            return
+        if leg.silent_for(now) < self.timeout:
+            return
+        if leg.committed:
+            leg.break_midway(f"engine {leg.engine_name} went silent", "read timeout")
+            return
+        leg.abort()
+        self.leg = None
+        if self.engine is not None and self.in_attempt:
+            self.engine.breaker.failure()
+        self._end_attempt()
+        self._fail(
+            RouterError(
+                504,
+                f"Engine {leg.engine_name} did not answer within {self.timeout:g}s.",
+                code="upstream_timeout",
+            )
+        )
+
+    # ---- endings -----------------------------------------------------------------------------------------
+    def _refused(self, refusal: Refusal) -> None:
+        if self.in_attempt and self.engine is not None:
+            self.engine.breaker.release()
+        self._end_attempt()
+        self._fail(self.director.error_for(refusal.reason, self.ctx.model, refusal.message))
+
+    def _plugin_failed(self) -> None:
+        if self.in_attempt and self.engine is not None:
+            self.engine.breaker.release()
+        self._end_attempt()
+        self._fail(RouterError(500, "A routing plugin failed; see the router's log.", code="plugin_error"))
+
+    def _fail(self, error: RouterError) -> None:
+        """Answer with an error of the router's own (only while nothing was forwarded)."""
+        if self.done:
+            return
+        self.done = True
+        self.status = str(error.status)
+        self.conn.send_error(error, self.request_id, self.request.keep_alive)
+        self._account()
+
+    def _engine_name(self) -> str:
+        return self.engine.name if self.engine is not None else "none"
+
+    def _account(self) -> None:
+        director = self.director
+        duration = time.perf_counter() - self.started
+        engine_name = self._engine_name()
+        director.metrics.observe_request(self.model_label, engine_name, self.status, duration)
+        if director.settings.access_log:
+            request = self.request
+            log.info(
+                "%s %s -> %s %s %.1f ms",
+                request.method,
+                request.path,
+                self.status,
+                engine_name,
+                duration * 1e3,
+            )
+        hooks = director.hooks.response_complete
+        if hooks:
+            completion = Completion(self.engine, self.status, duration, self.ttft)
+            for fn in hooks:
+                try:
+                    fn(self.ctx, completion)
+                except Exception:  # noqa: BLE001 - the answer is already out; log and go on
+                    log.exception("response-complete hook %r failed", fn)

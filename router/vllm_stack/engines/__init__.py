@@ -1,0 +1,1 @@
+"""Engines: the router's view of each engine, the registry, health, circuit breaker and load; discovery."""

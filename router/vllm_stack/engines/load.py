@@ -1,0 +1,96 @@
+"""Engine load, as every routing plugin sees it: one module, one rule for stale metrics.
+
+Three figures describe an engine's load:
+- ``in_flight``: the router's own count of requests it sent there and has not finished; exact and
+  instant (kept by the director);
+- the scraped ``vllm:num_requests_waiting`` / ``running`` / KV usage: the engine's own view, up to one
+  scrape interval old, and **unknown** once older than the engine's ``stale_after``;
+- the completion tracker (:class:`CompletionStats`): smoothed time to first token and duration of the
+  requests that engine finished, fed by the ``request-tracker`` response-complete plugin.
+
+The stale rule: scraped figures older than ``stale_after`` are not zero, they are unknown
+(:func:`fresh_telemetry` answers None). A comparison across engines uses a scraped term only when
+every engine compared has it fresh; otherwise the term is dropped for all of them, never zeroed for
+one, so traffic is not pushed to the engine the router knows least about.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_stack.engines.engine import Engine, EngineTelemetry
+
+#: Weight of the newest sample in the completion tracker's moving averages.
+EWMA_ALPHA = 0.2
+
+
+def fresh_telemetry(engine: Engine, now: float | None = None) -> EngineTelemetry | None:
+    """The engine's scraped figures, or None when missing or older than its ``stale_after``."""
+    t = engine.telemetry
+    if t is None:
+        return None
+    if (time.monotonic() if now is None else now) - t.scraped_at > engine.stale_after:
+        return None
+    return t
+
+
+def age(telemetry: EngineTelemetry) -> float:
+    """Seconds since the figures were scraped."""
+    return time.monotonic() - telemetry.scraped_at
+
+
+def in_flight(engines: Sequence[Engine]) -> list[int]:
+    """The router's own in-flight count per engine."""
+    return [e.in_flight for e in engines]
+
+
+def engine_loads(engines: Sequence[Engine]) -> list[float]:
+    """In-flight requests plus ``vllm:num_requests_waiting`` (the queue term under the stale rule)."""
+    now = time.monotonic()
+    waiting: list[float] = []
+    for e in engines:
+        t = fresh_telemetry(e, now)
+        if t is None:
+            return [float(e.in_flight) for e in engines]
+        waiting.append(t.waiting)
+    return [e.in_flight + w for e, w in zip(engines, waiting, strict=True)]
+
+
+def queue_length(engine: Engine, now: float | None = None) -> float | None:
+    """The engine's own waiting queue, or None when unknown (stale or never scraped)."""
+    t = fresh_telemetry(engine, now)
+    return None if t is None else t.waiting
+
+
+class CompletionStats:
+    """Per engine: smoothed TTFT and duration of finished requests, and how they ended."""
+
+    __slots__ = ("completed", "failed", "ttft", "duration")
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.failed = 0
+        self.ttft: float | None = None  # seconds, streamed answers only
+        self.duration: float | None = None  # seconds, successful answers
+
+    def record(self, ok: bool, duration: float, ttft: float | None) -> None:
+        if not ok:
+            self.failed += 1
+            return
+        self.completed += 1
+        self.duration = (
+            duration if self.duration is None else self.duration + EWMA_ALPHA * (duration - self.duration)
+        )
+        if ttft is not None:
+            self.ttft = ttft if self.ttft is None else self.ttft + EWMA_ALPHA * (ttft - self.ttft)
+
+    def describe(self) -> dict[str, float | int | None]:
+        return {
+            "completed": self.completed,
+            "failed": self.failed,
+            "ttft_seconds": None if self.ttft is None else round(self.ttft, 6),
+            "duration_seconds": None if self.duration is None else round(self.duration, 6),
+        }

@@ -1,0 +1,403 @@
+"""One relay leg: one upstream HTTP exchange's bytes, from the request write to the last byte.
+
+The director (:mod:`vllm_stack.director`) decides where a request goes, retries and keeps the
+breaker's books; a leg only moves bytes and reports how its exchange ended to its
+:class:`LegOwner`. No task and no coroutine on the common path: the leg writes the request on a
+pooled connection and the upstream connection's parser callbacks drive everything after (see
+:mod:`vllm_stack.relay.pool`). Each upstream socket read ends in one :meth:`Leg.on_read`, one write
+to the client.
+
+Invariants:
+- bytes pass through unchanged (no decompression, no re-encoding); hop-by-hop headers are dropped;
+  ``X-Request-Id`` is returned (the director set it upstream);
+- nothing reaches the client before the leg *commits*: until then a failure or a retryable status
+  is reported to the owner, which may run another leg elsewhere; never after that;
+- a non-streamed answer is held until complete (up to ``BUFFER_LIMIT``) so that a break in it is
+  still retryable; a stream (SSE) is forwarded as it arrives, and a break ends it with an SSE error
+  event, never a silent cut;
+- a client that reads slowly pauses reading from the engine, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import Protocol
+
+import httptools
+
+from vllm_stack.errors import sse_error_event, status_line
+from vllm_stack.metrics import RouterMetrics, _HistogramChild
+from vllm_stack.relay.headers import HOP_BY_HOP, connection_listed
+from vllm_stack.relay.pool import EnginePool, UpstreamConnectError, UpstreamConnection
+from vllm_stack.server.http1 import HttpConnection, HttpRequest
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+BUFFER_LIMIT = 1 << 20  # bytes of a non-streamed answer held back (and still retryable)
+_NO_BODY_STATUS = frozenset({204, 304})
+_HOP_BY_HOP_BUT_FRAMING = HOP_BY_HOP - {b"transfer-encoding"}
+#: Any hop-by-hop header but the framing, in a lower-cased head (whose lines start after a CRLF).
+_HOP_BY_HOP_HEADER = re.compile(
+    rb"\r\n(?:" + b"|".join(re.escape(h) for h in sorted(_HOP_BY_HOP_BUT_FRAMING)) + rb")[ \t]*:"
+)
+_SSE = re.compile(rb"\r\ncontent-type:[ \t]*text/event-stream")
+_CHUNKED = re.compile(rb"\r\ntransfer-encoding:[^\r]*chunked[ \t]*\r\n")
+
+
+def _without_hop_by_hop(status: int, head: bytes, drop: frozenset[bytes]) -> bytes:
+    """The head with a fresh HTTP/1.1 status line, minus the ``drop`` headers and those that its
+    ``Connection`` header names (RFC 9110 7.6.1). The slow path: engines rarely send any."""
+    lines = head.split(b"\r\n")[1:]
+    fields = [(line.partition(b":")[0].strip().lower(), line) for line in lines if line]
+    listed = connection_listed([(name, line.partition(b":")[2]) for name, line in fields])
+    kept = [status_line(status)]
+    kept += [line + b"\r\n" for name, line in fields if name not in drop and name not in listed]
+    return b"".join(kept)
+
+
+_CHUNK_END = b"0\r\n\r\n"
+_NO_HISTOGRAM = _HistogramChild(())
+
+
+class _BodyParts:
+    """The parser callback of :class:`Dechunker`: an object apart, so the parser holds no cycle."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+
+
+class Dechunker:
+    """Chunked to plain body bytes, for the rare HTTP/1.0 client of an engine that answers chunked."""
+
+    def __init__(self) -> None:
+        sink = _BodyParts()
+        self._parts = sink.parts
+        self._parser = httptools.HttpResponseParser(sink)
+        self._parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+
+    def feed(self, data: bytes) -> bytes:
+        self._parser.feed_data(data)
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+class LegOwner(Protocol):
+    """What a leg reports to (the director's request). Each leg ends in exactly one of
+    :meth:`leg_complete`, :meth:`leg_failed`, :meth:`leg_broken`, or an abort by the owner."""
+
+    def retry_on_status(self, leg: Leg, status: int) -> bool:
+        """A retryable status arrived before anything was forwarded: True when the owner runs
+        another leg (this one aborts its exchange and reports nothing more)."""
+        ...
+
+    def leg_failed(self, leg: Leg, message: str, reason: str) -> None:
+        """Nothing reached the client: ``connect_error``, ``upstream_broken`` or ``upstream_closed``."""
+        ...
+
+    def leg_complete(self, leg: Leg) -> None:
+        """The answer was forwarded whole; the upstream connection is back in its pool."""
+        ...
+
+    def leg_broken(self, leg: Leg, error: BaseException | str) -> None:
+        """The answer broke after it was committed; the leg ended the client's answer as HTTP allows."""
+        ...
+
+
+class Leg:
+    """One upstream exchange of a proxied request, and its forwarding to the client."""
+
+    __slots__ = (
+        "owner",
+        "conn",
+        "request",
+        "request_id",
+        "engine_name",
+        "pool",
+        "metrics",
+        "model_label",
+        "started",
+        "up",
+        "reused",
+        "resent",
+        "connecting",
+        "status",
+        "committed",
+        "done",
+        "keep_alive",
+        "chunked",
+        "sse",
+        "close_delimited",
+        "dechunker",
+        "out",
+        "held",
+        "held_size",
+        "head",
+        "last_data",
+        "itl",
+        "last_event",
+        "ttft",
+        "last_activity",
+        "upstream_request",
+    )
+
+    def __init__(
+        self,
+        owner: LegOwner,
+        conn: HttpConnection,
+        request: HttpRequest,
+        request_id: bytes,
+        engine_name: str,
+        pool: EnginePool,
+        metrics: RouterMetrics,
+        model_label: str,
+        started: float,
+    ) -> None:
+        self.owner = owner
+        self.conn = conn
+        self.request = request
+        self.request_id = request_id
+        self.engine_name = engine_name
+        self.pool = pool
+        self.metrics = metrics
+        self.model_label = model_label
+        self.started = started  # when the request arrived (TTFT counts from there)
+        self.up: UpstreamConnection | None = None
+        self.reused = False
+        self.resent = False
+        self.connecting: asyncio.Task[UpstreamConnection] | None = None
+        self.status = 0  # the engine's status, once its head arrived
+        self.committed = False  # the answer is being forwarded: no retry, no error JSON any more
+        self.done = False
+        self.keep_alive = request.keep_alive
+        self.chunked = False  # the engine's (and so our) body framing
+        self.close_delimited = False
+        self.dechunker: Dechunker | None = None
+        self.sse = False
+        self.out: list[bytes] = []
+        self.held: list[bytes] = []
+        self.held_size = 0
+        self.head = b""
+        self.last_data: bytes | None = None  # the last body bytes forwarded (where a stream may be ended)
+        self.itl: _HistogramChild = _NO_HISTOGRAM  # the model's ITL child, once a stream is committed
+        self.last_event = 0.0
+        self.ttft: float | None = None
+        self.last_activity = time.perf_counter()
+        self.upstream_request = b""
+
+    # ---- sending -----------------------------------------------------------------------------------------
+    def start(self, upstream_request: bytes) -> None:
+        """Send ``upstream_request`` (request line, host and everything after) on a pooled connection."""
+        self.upstream_request = upstream_request
+        up = self.pool.take()
+        if up is None:
+            self._connect()
+        else:
+            self._send(up, reused=True)
+
+    def _connect(self) -> None:
+        task = self.connecting = asyncio.get_running_loop().create_task(self.pool.connect())
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task[UpstreamConnection]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if self.connecting is not task or self.done:  # the leg was abandoned meanwhile
+            if exc is None:
+                self.pool.put(task.result())
+            return
+        self.connecting = None
+        if exc is None:
+            self._send(task.result(), reused=False)
+            return
+        if not isinstance(exc, UpstreamConnectError):
+            log.error("connecting to %s failed unexpectedly", self.engine_name, exc_info=exc)
+        self.done = True
+        self.owner.leg_failed(self, f"Could not reach engine {self.engine_name}: {exc}", "connect_error")
+
+    def _send(self, up: UpstreamConnection, reused: bool) -> None:
+        self.up = up
+        self.reused = reused
+        if self.conn.writing_paused:  # the client is still behind on an earlier answer: wait for it
+            up.transport.pause_reading()
+        up.send(self, self.upstream_request)
+
+    def abort(self) -> None:
+        """Abandon the exchange (client gone, retry elsewhere, timeout): the engine sees its
+        connection close and aborts the request. Reports nothing."""
+        self.done = True
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        up = self.up
+        self.up = None
+        if up is not None:
+            up.abort()
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the engine last sent anything (or since the leg started)."""
+        return now - self.last_activity
+
+    # ---- upstream callbacks ------------------------------------------------------------------------------
+    def on_head(self, status: int, head: bytes) -> None:
+        """The engine answered: offer a retryable status to the owner, else prepare the client head."""
+        if status in RETRYABLE_STATUS and self.owner.retry_on_status(self, status):
+            self.abort()
+            return
+        self.status = status
+        # The engine's head is forwarded as it is (one search instead of a loop over the headers)
+        # unless it carries hop-by-hop headers or must be changed for an HTTP/1.0 client.
+        lowered = head.lower()
+        self.sse = _SSE.search(lowered) is not None
+        self.chunked = _CHUNKED.search(lowered) is not None
+        framed = self.chunked or status in _NO_BODY_STATUS or b"\r\ncontent-length:" in lowered
+        if self.chunked and self.request.http_10:  # HTTP/1.0 cannot take chunks: plain body, then close
+            self.dechunker = Dechunker()
+            head = _without_hop_by_hop(status, head, HOP_BY_HOP)
+        elif _HOP_BY_HOP_HEADER.search(lowered) is not None or not head.startswith(b"HTTP/1.1 "):
+            head = _without_hop_by_hop(status, head, _HOP_BY_HOP_BUT_FRAMING)
+        extra = []
+        if b"\r\nx-request-id:" not in lowered:
+            extra += (b"x-request-id: ", self.request_id, b"\r\n")
+        if not framed or self.dechunker is not None:  # the body ends when the connection closes
+            self.close_delimited = True
+            self.keep_alive = False
+        if not self.keep_alive or self.conn.server.draining:
+            self.keep_alive = False
+            extra.append(b"connection: close\r\n")
+        extra.append(b"\r\n")
+        self.head = head + b"".join(extra)
+        if self.sse:
+            self._commit()
+
+    def _commit(self) -> None:
+        """From here the answer is forwarded as it arrives; no retry and no error JSON any more."""
+        self.committed = True
+        if self.sse:
+            self.itl = self.metrics.itl_child(self.model_label)
+        self.out.append(self.head)
+        if self.held:
+            self.out += self.held
+            self.held.clear()
+
+    def on_read(self, data: bytes, complete: bool) -> None:
+        """One upstream socket read (body bytes, framing included): forwarded in one write.
+
+        This runs once per streamed token, so it is kept short: no lookups beyond the exchange.
+        """
+        now = time.perf_counter()
+        self.last_activity = now
+        if data:
+            if self.dechunker is not None:
+                data = self.dechunker.feed(data)
+            if self.committed:
+                self.out.append(data)
+                self.last_data = data
+                if self.sse:
+                    events = data.count(b"\n\n")  # an SSE event ends with a blank line
+                    if events:
+                        self._observe_tokens(now, events)
+            else:
+                self.held.append(data)
+                self.held_size += len(data)
+                if self.held_size > BUFFER_LIMIT:
+                    self._commit()
+                    self.last_data = data
+        if complete and not self.committed:
+            self._commit()
+        out = self.out
+        if out:
+            if not self.conn.closed:
+                if len(out) == 1:
+                    self.conn.transport.write(out[0])
+                else:
+                    self.conn.transport.writelines(out)
+            out.clear()
+        if complete:
+            self._complete()
+
+    def _observe_tokens(self, now: float, events: int) -> None:
+        """TTFT at the first streamed event; an ITL sample per event (events read together: gap 0)."""
+        if self.last_event:
+            self.itl.observe(now - self.last_event)
+        else:
+            self.ttft = now - self.started
+            self.metrics.observe_ttft(self.model_label, self.ttft)
+        if events > 1:
+            self.itl.observe_zeros(events - 1)
+        self.last_event = now
+
+    def _complete(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        up = self.up
+        self.up = None
+        if up is not None:
+            up.release()
+        self.owner.leg_complete(self)
+
+    def upstream_failed(self, up: UpstreamConnection, error: BaseException) -> None:
+        if self.done or up is not self.up:
+            return
+        self.up = None
+        if self.close_delimited and up.head_done and isinstance(error, ConnectionError | type(None)):
+            self.on_read(b"", True)  # a close-delimited body ends with the connection
+            return
+        if not self.committed:
+            if self.reused and not up.got_bytes and not self.resent:
+                # An idle connection the engine closed just as it was reused: the request never
+                # reached the engine, so it is sent again on a fresh connection, without penalty.
+                self.resent = True
+                self._connect()
+                return
+            self.done = True
+            name = self.engine_name
+            if up.got_bytes:
+                self.owner.leg_failed(self, f"Engine {name} broke the response: {error}", "upstream_broken")
+            else:
+                self.owner.leg_failed(
+                    self, f"Engine {name} closed the connection without answering: {error}", "upstream_closed"
+                )
+            return
+        self.break_midway(f"engine {self.engine_name} failed mid-stream", error)
+
+    def break_midway(self, message: str, error: BaseException | str) -> None:
+        """The answer was being forwarded and cannot go on: end an SSE stream with an error event,
+        else cut the connection (the only honest signal left in HTTP/1.1); then tell the owner."""
+        log.warning("upstream %s broke mid-response: %s", self.engine_name, error)
+        self.abort()
+        conn = self.conn
+        # An event can be appended only where the engine's framing left off cleanly: after a whole
+        # chunk that ended an SSE event (vLLM writes one event per chunk), or right after the head.
+        at_boundary = self.last_data is None or self.last_data.endswith(b"\n\n\r\n")
+        if self.sse and self.chunked and self.dechunker is None and at_boundary and not conn.closed:
+            event = sse_error_event(message)
+            conn.transport.write(b"%x\r\n%b\r\n%b" % (len(event), event, _CHUNK_END))
+        elif self.sse and self.close_delimited and not conn.closed:
+            conn.transport.write(sse_error_event(message))
+            conn.close()
+            self.keep_alive = False
+        else:
+            conn.close()
+            self.keep_alive = False
+        self.owner.leg_broken(self, error)
+
+    # ---- the client's pace ---------------------------------------------------------------------------
+    def pause(self) -> None:
+        if self.up is not None and not self.up.closed:
+            self.up.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.up is not None and not self.up.closed:
+            self.up.transport.resume_reading()

@@ -1,0 +1,1 @@
+"""Development tooling (model builders, the engine testbed, the local stack, set-up): never imported by the router at run time."""

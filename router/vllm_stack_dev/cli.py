@@ -1,0 +1,141 @@
+"""Development subcommands of `vllm-stack`: model builders, engine launcher and the local stack.
+
+Subcommands stay thin: each parses its flags and calls one function of the module that does the work,
+so the same code paths serve the tests, the benchmarks and `make run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from vllm_stack_dev.testbed.models import SIZES
+
+
+def _cmd_model_build(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.testbed.models import build_model
+
+    out = build_model(args.size, args.out, force=args.force)
+    print(out)
+    return 0
+
+
+def _cmd_model_lora(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.testbed.models import build_lora
+
+    out = build_lora(args.base, args.out, rank=args.rank, seed=args.seed, force=args.force)
+    print(out)
+    return 0
+
+
+def _wait_for_signal() -> None:
+    """Block the main thread until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _cmd_engines(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.paths import cache_dir
+    from vllm_stack_dev.testbed.engines import EngineStartError, start_engines
+    from vllm_stack_dev.testbed.models import build_model
+
+    model_dir = Path(args.model) if args.model else build_model(args.size, cache_dir() / "models" / args.size)
+    try:
+        group = start_engines(
+            args.count,
+            model_dir,
+            args.served_model_name,
+            kv_cache_gib=args.kv_cache_gib,
+            log_dir=args.log_dir,
+            ready_timeout=args.ready_timeout,
+            extra_args=args.extra_args or [],
+        )
+    except EngineStartError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    with group:
+        for engine in group:
+            events = f", KV events tcp://127.0.0.1:{engine.kv_events_port}" if engine.kv_events_port else ""
+            print(
+                f"{engine.name}: {engine.url} (model {engine.served_model_name}{events}, log {engine.log_path})"
+            )
+        print("engines ready; Ctrl-C stops them", flush=True)
+        _wait_for_signal()
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.localstack import run_local_stack
+
+    return run_local_stack(
+        engines=args.engines, port=args.port, size=args.size, routing_logic=args.routing_logic
+    )
+
+
+def _cmd_router(argv: Sequence[str]) -> int:
+    from vllm_stack.router_cli import main as router_main
+
+    return router_main(list(argv))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-stack", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("router", help="run the router (flags: vllm-stack router --help)", add_help=False)
+
+    model = sub.add_parser("model", help="build local model directories for tests and benchmarks")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    build = model_sub.add_parser(
+        "build", help="write a Llama model directory (config + tokenizer, no weights)"
+    )
+    build.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    build.add_argument("--out", required=True, type=Path)
+    build.add_argument("--force", action="store_true", help="rebuild even when the directory is complete")
+    build.set_defaults(func=_cmd_model_build)
+    lora = model_sub.add_parser("lora", help="write a PEFT LoRA adapter for a built model")
+    lora.add_argument("--base", required=True, type=Path)
+    lora.add_argument("--out", required=True, type=Path)
+    lora.add_argument("--rank", type=int, default=8)
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--force", action="store_true")
+    lora.set_defaults(func=_cmd_model_lora)
+
+    engines = sub.add_parser("engines", help="start N real vLLM engines in the foreground until Ctrl-C")
+    engines.add_argument("--count", type=int, default=2)
+    engines.add_argument("--model", help="model directory (default: the built tiny model)")
+    engines.add_argument(
+        "--size", choices=sorted(SIZES), default="tiny", help="model to build when --model is absent"
+    )
+    engines.add_argument("--served-model-name", default="tiny-llama")
+    engines.add_argument("--kv-cache-gib", type=int, default=1)
+    engines.add_argument("--log-dir", type=Path)
+    engines.add_argument("--ready-timeout", type=float, default=300)
+    engines.add_argument("extra_args", nargs="*", help="extra vLLM arguments (after --)")
+    engines.set_defaults(func=_cmd_engines)
+
+    run = sub.add_parser("run", help="run the local stack: engines and a router in front of them")
+    run.add_argument("--engines", type=int, default=2)
+    run.add_argument("--port", type=int, default=8080)
+    run.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    run.add_argument("--routing-logic", default="roundrobin")
+    run.set_defaults(func=_cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "router":  # reached through vllm_stack.cli normally; kept for -m use
+        return _cmd_router(argv[1:])
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

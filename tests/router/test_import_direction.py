@@ -1,0 +1,98 @@
+"""Imports run one way: api -> director -> scheduling / relay -> engines -> config (and the small
+shared modules below them), the server knows nothing of routing, and development tooling stays out
+of the router's runtime import graph. Checked on the source (every import, those under
+``TYPE_CHECKING`` included, so not even the type hints make a circle) and on a running interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "router" / "vllm_stack"
+
+#: Layer of each top-level part of the package: a module may import its own part and lower layers.
+#: Parts on one layer are peers and may not import each other (scheduling and relay, engines and server).
+LAYERS = {
+    "cli": 9,  # the console script: `router` or, lazily, the development commands
+    "router_cli": 8,  # flags, process set-up
+    "app": 7,  # assembly
+    "api": 6,
+    "director": 5,
+    "scheduling": 4,
+    "relay": 4,
+    "telemetry": 4,
+    "engines": 3,
+    "server": 3,
+    "config": 1,
+    "metrics": 1,
+    "errors": 1,
+    "request_id": 0,
+    "version": 0,
+}
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1] if module.count(".") >= 1 else ""
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+            if node.module == "vllm_stack":
+                found += [f"vllm_stack.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return found
+
+
+def _own_module(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts).removesuffix(".__init__")
+
+
+def test_every_part_of_the_package_has_a_layer() -> None:
+    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir() if not p.name.startswith("__")}
+    parts = {p for p in parts if (PACKAGE / p).is_dir() or (PACKAGE / f"{p}.py").exists()}
+    assert parts - {"py"} <= set(LAYERS), f"parts without a layer: {sorted(parts - set(LAYERS))}"
+
+
+def test_imports_run_one_way() -> None:
+    wrong: list[str] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _own_module(path)
+        my_part = _part(me)
+        if not my_part:
+            continue
+        for target in _imports(path):
+            if target.startswith("vllm_stack_dev"):
+                if my_part != "cli":
+                    wrong.append(f"{me} imports development tooling {target}")
+                continue
+            if not target.startswith("vllm_stack."):
+                continue
+            part = _part(target)
+            if part == my_part:
+                continue
+            if LAYERS[part] >= LAYERS[my_part]:
+                wrong.append(
+                    f"{me} ({my_part}, layer {LAYERS[my_part]}) imports {target} (layer {LAYERS[part]})"
+                )
+    assert not wrong, "imports against the direction:\n" + "\n".join(wrong)
+
+
+def test_the_router_runtime_loads_no_development_tooling() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "import vllm_stack.app, vllm_stack.router_cli, vllm_stack.cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    vllm_stack.cli.main(['router', '--help'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vllm_stack_dev')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
