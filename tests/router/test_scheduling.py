@@ -195,3 +195,49 @@ def test_every_profile_picks_a_candidate(logic: str) -> None:
     engines = make_engines(3)
     assert pick(s, RequestContext("m", session_key="k", prefix=b"p"), engines) in engines
     assert pick(s, RequestContext("m"), engines[:1]) is engines[0]
+
+
+def test_profiles_per_model_and_the_reason_when_none_is_picked() -> None:
+    """The model profile handler runs each model's profile; an empty result says why."""
+    from vllm_stack.scheduling.config import build_scheduling
+    from vllm_stack.scheduling.framework import Reason
+    from vllm_stack.scheduling.plugins import builtin_registry
+    from vllm_stack.scheduling.registry import PluginState
+
+    raw = {
+        "plugins": [
+            {"type": "circuit-breaker-filter"},
+            {"type": "saturation-filter", "parameters": {"max_waiting": 1}},
+            {"type": "round-robin-picker"},
+            {"name": "sticky", "type": "consistent-hash-picker", "parameters": {"key": "session"}},
+            {
+                "type": "model-profile-handler",
+                "parameters": {"profiles": {"chat": "affinity"}, "default": "spread"},
+            },
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "spread",
+                "plugins": ["circuit-breaker-filter", "saturation-filter", "round-robin-picker"],
+            },
+            {"name": "affinity", "plugins": ["circuit-breaker-filter", "sticky"]},
+        ],
+    }
+    metrics = RouterMetrics()
+    s = build_scheduling(raw, builtin_registry(), PluginState(), metrics).scheduler
+    engines = make_engines(3)
+    chat = [s.schedule(RequestContext("chat", session_key="u"), engines) for _ in range(6)]
+    assert {r.profile for r in chat} == {"affinity"} and len({r.engine.name for r in chat}) == 1
+    other = [s.schedule(RequestContext("embed"), engines) for _ in range(6)]
+    assert {r.profile for r in other} == {"spread"} and len({r.engine.name for r in other}) == 3
+    assert s.schedule(RequestContext("embed"), []).reason == Reason.NO_CANDIDATE
+    ctx = RequestContext("embed", excluded={e.name for e in engines})
+    assert s.schedule(ctx, engines).reason == Reason.ALL_FILTERED
+    for e in engines:
+        e.telemetry = EngineTelemetry(0, 5, None, None, None, time.monotonic())
+    result = s.schedule(RequestContext("embed"), engines)
+    assert (result.engine, result.reason) == (None, Reason.ALL_SATURATED)
+    for e in engines:
+        for _ in range(3):
+            e.breaker.failure()
+    assert s.schedule(RequestContext("chat", session_key="u"), engines).reason == Reason.ALL_FILTERED

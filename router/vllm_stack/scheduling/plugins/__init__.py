@@ -11,6 +11,7 @@ from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashP
 from vllm_stack.scheduling.plugins.least_loaded_scorer import LeastLoadedScorer
 from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdmission
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
+from vllm_stack.scheduling.plugins.model_profile_handler import ModelProfileHandler
 from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
 from vllm_stack.scheduling.plugins.prompt_length import PromptLength
 from vllm_stack.scheduling.plugins.random_picker import RandomPicker
@@ -31,6 +32,7 @@ BUILTIN_TYPES = (
     PowerOfTwoPicker,
     ConsistentHashPicker,
     SingleProfileHandler,
+    ModelProfileHandler,
     PromptLength,
     MaxInFlightAdmission,
     UpstreamHeaders,
