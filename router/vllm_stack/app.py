@@ -125,8 +125,10 @@ class Router:
         return self.director.scheduler
 
     def scheduling_description(self) -> Mapping[str, Any]:
-        """Plugins and profiles in use, for ``GET /engines``."""
-        return self._scheduling.description
+        """Plugins and profiles in use, and what plugins with state say of it, for ``GET /engines``."""
+        setup = self._scheduling
+        state = {name: p.describe() for name, p in setup.plugins.items() if hasattr(p, "describe")}
+        return {**setup.description, "state": state} if state else setup.description
 
     # ---- what the server asks (vllm_stack.server.serve.ServedApp) --------------------------------------
     def body_limit(self) -> int:

@@ -1,4 +1,5 @@
-"""Reads only what routing needs from a request body: ``model``, ``user`` and the prompt's first bytes.
+"""Reads only what routing needs from a request body: ``model``, ``user``, ``cache_salt`` and the
+prompt as raw JSON (its first bytes for hashing affinity, all of it for block keys).
 
 Two interchangeable parsers are kept so the benchmark can compare them: msgspec decodes into a
 struct that names only these fields (everything else is skipped, prompts are kept as raw JSON
@@ -22,6 +23,8 @@ class RoutingFields:
     model: str | None
     user: str | None
     prefix: bytes | None  # first ``prefix_bytes`` of the raw prompt / messages / input JSON
+    prompt: bytes | memoryview | None = None  # all of it, as sent (a view into the body: no copy)
+    cache_salt: str | None = None
 
 
 class BodyParser(Protocol):
@@ -36,6 +39,7 @@ class _Fields(msgspec.Struct):
     messages: msgspec.Raw = msgspec.Raw()
     prompt: msgspec.Raw = msgspec.Raw()
     input: msgspec.Raw = msgspec.Raw()
+    cache_salt: Any = None
 
 
 def _bad_json(exc: Exception) -> RouterError:
@@ -67,9 +71,11 @@ class MsgspecParser:
         except RecursionError:  # msgspec's depth limit, in any field (skipped ones too)
             raise _too_deep() from None
         raw = f.messages or f.prompt or f.input
-        prefix = bytes(memoryview(raw)[: self._prefix_bytes]) if raw else None  # no copy of the prompt
+        view = memoryview(raw) if raw else None  # no copy of the prompt
+        prefix = bytes(view[: self._prefix_bytes]) if view is not None else None
         user = f.user if isinstance(f.user, str) else None
-        return RoutingFields(_check_model(f.model), user, prefix)
+        salt = f.cache_salt if isinstance(f.cache_salt, str) else None
+        return RoutingFields(_check_model(f.model), user, prefix, view, salt)
 
 
 class OrjsonParser:
@@ -89,11 +95,19 @@ class OrjsonParser:
             raise _bad_json(ValueError("expected an object"))
         raw = doc.get("messages") or doc.get("prompt") or doc.get("input")
         try:
-            prefix = orjson.dumps(raw)[: self._prefix_bytes] if raw else None
+            prompt = orjson.dumps(raw) if raw else None
         except TypeError:  # orjson.JSONEncodeError: a prompt deeper than orjson writes
             raise _too_deep() from None
+        prefix = prompt[: self._prefix_bytes] if prompt is not None else None
         user = doc.get("user")
-        return RoutingFields(_check_model(doc.get("model")), user if isinstance(user, str) else None, prefix)
+        salt = doc.get("cache_salt")
+        return RoutingFields(
+            _check_model(doc.get("model")),
+            user if isinstance(user, str) else None,
+            prefix,
+            prompt,
+            salt if isinstance(salt, str) else None,
+        )
 
 
 def make_parser(name: str, prefix_bytes: int = 256) -> BodyParser:

@@ -123,11 +123,11 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
                     400, "This endpoint takes multipart/form-data.", code="invalid_content_type"
                 )
             model = multipart_field(request.body, content_type, b"model")
-            user = None
-            prefix = None
+            user = prefix = prompt = cache_salt = None
         else:
             fields = router.parser.parse(request.body)
             model, user, prefix = fields.model, fields.user, fields.prefix
+            prompt, cache_salt = fields.prompt, fields.cache_salt
         model, model_label = _resolve_model(router, path, model)
     except RouterError as err:
         router.metrics.observe_request(
@@ -142,7 +142,9 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     body = request.body
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
     session_key = session_value.decode("latin-1") if session_value is not None else user
-    ctx = RequestContext(model, session_key, prefix, path=path, body=body)
+    ctx = RequestContext(
+        model, session_key, prefix, path=path, body=body, prompt=prompt, cache_salt=cache_salt
+    )
     # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
     ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label).run()

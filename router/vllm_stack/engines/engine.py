@@ -19,6 +19,8 @@ class EngineTelemetry:
     prefix_cache_queries: float | None
     prefix_cache_hits: float | None
     scraped_at: float  # time.monotonic()
+    block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
+    num_blocks: int | None = None  # KV capacity in blocks (vllm:cache_config_info num_gpu_blocks)
 
 
 class Engine:
@@ -48,6 +50,8 @@ class Engine:
         "last_error",
         "silent_scrapes",
         "completions",
+        "kv_block_size",
+        "kv_blocks",
     )
 
     def __init__(
@@ -77,6 +81,9 @@ class Engine:
         self.last_error: str | None = None
         self.silent_scrapes = 0  # consecutive scrapes that timed out (see EngineRegistry.engine_silent)
         self.completions = load.CompletionStats()  # fed by the request-tracker plugin
+        # The engine's KV geometry, from its last scrape that had it (it does not change while it runs).
+        self.kv_block_size: int | None = None
+        self.kv_blocks: int | None = None
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
         """Scraped figures under the stale rule of :mod:`vllm_stack.engines.load` (unknown is not zero)."""
@@ -106,5 +113,6 @@ class Engine:
                 "age_seconds": round(load.age(t), 3),
             },
             "completions": self.completions.describe(),
+            "kv_cache": {"block_size": self.kv_block_size, "blocks": self.kv_blocks},
             "last_error": self.last_error,
         }

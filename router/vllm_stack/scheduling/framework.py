@@ -52,6 +52,8 @@ class RequestContext:
     path: str = ""
     body: bytes = b""  # the raw request body (read-only: prepare-data plugins may look)
     upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
+    prompt: bytes | memoryview | None = None  # the raw prompt / messages / input JSON, whole
+    cache_salt: str | None = None  # the request's ``cache_salt`` (vLLM keeps such caches apart)
     _cycle: CycleState | None = None
 
     @property

@@ -2,8 +2,8 @@
 configuration of the same shape a user writes in the router's YAML (:mod:`.config`).
 
 Adding a strategy name is one entry in :func:`builtin_config`; adding a behaviour is a plugin.
-``prefixaware`` is, for now, bounded-load consistent hashing on the first ``prefix_chars`` bytes of the
-prompt/messages; the cache-aware routing issue replaces it.
+``prefixaware`` is the prefix-cache picker: block-aligned chained keys of the whole prompt, an index
+of which engine was sent which blocks, and a load bound (character blocks until a tokenizer mode).
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
         )
     if logic == "p2c":
         return _single(logic, {"type": "power-of-two-picker"})
-    if logic in ("session", "prefixaware"):
-        key = "session" if logic == "session" else "prefix"
+    if logic == "session":
         return _single(
-            logic, {"type": "consistent-hash-picker", "parameters": {"key": key, "epsilon": epsilon}}
+            logic, {"type": "consistent-hash-picker", "parameters": {"key": "session", "epsilon": epsilon}}
         )
+    if logic == "prefixaware":
+        return _single(logic, {"type": "prefix-cache-picker", "parameters": {"epsilon": epsilon}})
     raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
 
 

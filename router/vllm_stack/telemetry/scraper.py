@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -32,11 +33,19 @@ _WANTED = {
 }
 
 
+_CACHE_CONFIG = "vllm:cache_config_info{"
+_LABEL = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
+
+
 def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry:
     """Sum the wanted series over their labels. Raises ``ValueError`` when the load series are absent."""
     sums: dict[str, float] = {}
+    geometry: dict[str, int] = {}
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            continue
+        if line.startswith(_CACHE_CONFIG):
+            geometry.update((k, int(v)) for k, v in _LABEL.findall(line))
             continue
         name_end = len(line)
         for sep in ("{", " "):
@@ -62,6 +71,8 @@ def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry
         prefix_cache_queries=sums.get("pq"),
         prefix_cache_hits=sums.get("ph"),
         scraped_at=time.monotonic() if now is None else now,
+        block_size=geometry.get("block_size"),
+        num_blocks=geometry.get("num_gpu_blocks"),
     )
 
 
@@ -109,9 +120,14 @@ class EngineScraper:
         if liveness is not None:
             liveness.engine_answered(engine)
         try:
-            engine.telemetry = parse_engine_metrics(text)
+            telemetry = engine.telemetry = parse_engine_metrics(text)
         except ValueError as exc:
             self._failed(engine, exc)
+            return
+        if telemetry.block_size:
+            engine.kv_block_size = telemetry.block_size
+        if telemetry.num_blocks:
+            engine.kv_blocks = telemetry.num_blocks
 
     def _failed(self, engine: Engine, exc: Exception) -> None:
         engine.telemetry = None

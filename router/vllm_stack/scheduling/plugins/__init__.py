@@ -13,6 +13,7 @@ from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdm
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
 from vllm_stack.scheduling.plugins.model_profile_handler import ModelProfileHandler
 from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
+from vllm_stack.scheduling.plugins.prefix_cache_picker import PrefixCachePicker
 from vllm_stack.scheduling.plugins.prompt_length import PromptLength
 from vllm_stack.scheduling.plugins.random_picker import RandomPicker
 from vllm_stack.scheduling.plugins.request_tracker import RequestTracker
@@ -31,6 +32,7 @@ BUILTIN_TYPES = (
     RandomPicker,
     PowerOfTwoPicker,
     ConsistentHashPicker,
+    PrefixCachePicker,
     SingleProfileHandler,
     ModelProfileHandler,
     PromptLength,

@@ -1,0 +1,1 @@
+"""Indexes that outlive configuration reloads (kept in the router's plugin state)."""

@@ -1,0 +1,34 @@
+"""Block keys of a prompt: chained 64-bit hashes, one per whole block, so a key names a prefix.
+
+Key ``i`` hashes block ``i`` seeded with key ``i - 1`` (the first seeded with the request's salt: model
+or adapter name and ``cache_salt``), so equal keys mean equal prefixes up to that block, as vLLM's
+own block hashes do. Only whole blocks get a key: an engine caches whole blocks only.
+
+Character mode (no tokenizer): blocks of ``block_chars`` bytes of the raw prompt JSON (messages,
+prompt or input as the client sent them), an approximation of the engine's token blocks; a client
+that sends the same conversation prefix sends the same bytes. xxh3 is used for speed and because it
+is the same in every process (router replicas agree; Python's ``hash`` is salted per process).
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def salt_of(*parts: str | None) -> int:
+    """The seed of a request's first block: what else must match for a cached prefix to be reusable."""
+    return _xxh3("\0".join(p or "" for p in parts).encode())
+
+
+def char_block_keys(data: bytes | memoryview, block_chars: int, salt: int, limit: int = 1 << 16) -> list[int]:
+    """Keys of the whole ``block_chars``-byte blocks of ``data`` (at most ``limit`` of them)."""
+    view = memoryview(data)
+    keys: list[int] = []
+    key = salt
+    whole = min(len(view) // block_chars, limit)
+    for i in range(whole):
+        key = _xxh3(view[i * block_chars : (i + 1) * block_chars], key)
+        keys.append(key)
+    return keys

@@ -1,0 +1,124 @@
+"""Prefix-cache routing, character mode: block keys, the bounded index and the picker, tested alone
+on in-memory engines (no HTTP; the routing-quality benchmark on real engines is separate)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+from vllm_stack.config import RouterConfig
+from vllm_stack.engines.circuit import CircuitBreaker
+from vllm_stack.engines.engine import Engine
+from vllm_stack.metrics import RouterMetrics
+from vllm_stack.scheduling.config import build_scheduling
+from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of
+from vllm_stack.scheduling.index.prefix_index import PrefixIndex
+from vllm_stack.scheduling.plugins import builtin_registry
+from vllm_stack.scheduling.profiles import scheduling_config
+from vllm_stack.scheduling.registry import PluginState
+from vllm_stack.telemetry.scraper import parse_engine_metrics
+
+
+def engines(n: int, block_size: int = 16, blocks: int | None = None) -> list[Engine]:
+    out = []
+    for i in range(n):
+        e = Engine(f"e{i}", f"http://10.0.0.{i}:8000", CircuitBreaker(5, 10.0))
+        e.healthy = True
+        e.kv_block_size = block_size
+        e.kv_blocks = blocks
+        out.append(e)
+    return out
+
+
+def conversation(user: int, turns: int) -> bytes:
+    system = {"role": "system", "content": "You answer questions about the shared handbook. " * 2}
+    messages = [system]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"user {user} asks question number {t} " * 12})
+        messages.append({"role": "assistant", "content": f"answer {t} for user {user} " * 6})
+    return json.dumps(messages[:-1]).encode()
+
+
+def test_keys_chain_blocks_and_depend_on_model_and_salt() -> None:
+    a = b"x" * 100 + b"y" * 100
+    b = b"x" * 100 + b"z" * 100
+    ka, kb = char_block_keys(a, 50, salt_of("m")), char_block_keys(b, 50, salt_of("m"))
+    assert len(ka) == 4 and ka[:2] == kb[:2] and ka[2] != kb[2]
+    assert char_block_keys(a[:149], 50, salt_of("m")) == ka[:2]  # only whole blocks
+    assert char_block_keys(a, 50, salt_of("other"))[0] != ka[0]
+    assert char_block_keys(a, 50, salt_of("m", "tenant-1"))[0] != ka[0]
+    # equal blocks at different depths get different keys (the chain), and keys are process-stable
+    assert len(set(char_block_keys(b"x" * 200, 50, salt_of("m")))) == 4
+    assert char_block_keys(a, 50, salt_of("m")) == ka
+
+
+def test_index_is_bounded_per_engine_and_globally_and_forgets_engines() -> None:
+    index = PrefixIndex(max_blocks=250)
+    index.record("a", list(range(100)), capacity=80)
+    assert index.blocks_of("a") == 80 and index.match("a", [0]) == 0 and index.match("a", [20, 21]) == 2
+    index.record("a", [20, 21], capacity=80)  # touched: now the most recent
+    index.record("a", list(range(1000, 1078)), capacity=80)
+    assert index.match("a", [20, 21]) == 2 and index.match("a", [22]) == 0
+    index.record("b", list(range(2000, 2200)), capacity=1000)
+    assert len(index) <= 250 and len(index) == index.blocks_of("a") + index.blocks_of("b")
+    index.forget_engine("b")
+    assert index.blocks_of("b") == 0 and len(index) == index.blocks_of("a")
+
+
+def scheduler(config: RouterConfig | None = None, state: PluginState | None = None):  # noqa: ANN201
+    config = config or RouterConfig(static_backends=("http://x:1",), routing_logic="prefixaware")
+    return build_scheduling(
+        scheduling_config(config),
+        builtin_registry(),
+        state if state is not None else PluginState(),
+        RouterMetrics(),
+    ).scheduler
+
+
+def test_follow_up_turns_stay_and_new_conversations_spread() -> None:
+    s = scheduler()
+    pool = engines(3)
+    first_engine = {}
+    for user in range(6):
+        first_engine[user] = s.schedule(RequestContext("m", prompt=conversation(user, 1)), pool).engine
+    # a short shared system prompt does not pull new conversations onto one engine
+    assert sorted(collections.Counter(e.name for e in first_engine.values()).values()) == [2, 2, 2]
+    for turns in (2, 3, 4):
+        for user in range(6):
+            result = s.schedule(RequestContext("m", prompt=conversation(user, turns)), pool)
+            assert result.engine is first_engine[user], (user, turns)
+            assert result.reason == "prefix_partial"
+
+
+def test_a_hit_never_goes_to_an_overloaded_engine() -> None:
+    s = scheduler()
+    pool = engines(2)
+    prompt = conversation(0, 2)
+    home = s.schedule(RequestContext("m", prompt=prompt), pool).engine
+    home.in_flight = 6  # the other has none: (1.25 * 7 / 2) rounds up to 5, below 6
+    result = s.schedule(RequestContext("m", prompt=prompt), pool)
+    assert result.engine is not home and result.reason == "prefix_overflow"
+    home.in_flight = 0
+    assert s.schedule(RequestContext("m", prompt=prompt), pool).reason == "prefix_hit"
+
+
+def test_the_index_survives_a_rebuild_and_engines_leaving() -> None:
+    state = PluginState()
+    pool = engines(2)
+    prompt = conversation(1, 2)
+    home = scheduler(state=state).schedule(RequestContext("m", prompt=prompt), pool).engine
+    again = scheduler(state=state).schedule(RequestContext("m", prompt=prompt), pool)  # a reload
+    assert again.engine is home and again.reason == "prefix_hit"
+    state.forget_engine(home.name)
+    assert scheduler(state=state).schedule(RequestContext("m", prompt=prompt), pool).reason == "prefix_miss"
+
+
+def test_kv_geometry_is_read_from_cache_config_info() -> None:
+    text = (
+        'vllm:num_requests_running{model_name="m"} 1\nvllm:num_requests_waiting{model_name="m"} 0\n'
+        'vllm:cache_config_info{block_size="128",cache_dtype="auto",num_gpu_blocks="64",'
+        'kv_cache_size_tokens="8192"} 1.0\n'
+    )
+    t = parse_engine_metrics(text)
+    assert (t.block_size, t.num_blocks) == (128, 64)
