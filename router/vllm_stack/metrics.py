@@ -238,6 +238,13 @@ class RouterMetrics:
         self.routing_decisions.child(strategy, reason).inc()
         self._decision_seconds.observe(seconds)  # type: ignore[union-attr]
 
+    def decision_counter(self, strategy: str, reason: str) -> _Value:
+        """The counter of one (strategy, reason) pair, for a caller that keeps it (a profile does)."""
+        return self.routing_decisions.child(strategy, reason)  # type: ignore[return-value]
+
+    def observe_decision_seconds(self, seconds: float) -> None:
+        self._decision_seconds.observe(seconds)  # type: ignore[union-attr]
+
     def retry(self, model: str, reason: str) -> None:
         self.retries_total.child(model, reason).inc()
 

@@ -74,7 +74,9 @@ class MsgspecParser:
         view = memoryview(raw) if raw else None  # no copy of the prompt
         prefix = bytes(view[: self._prefix_bytes]) if view is not None else None
         user = f.user if isinstance(f.user, str) else None
-        salt = f.cache_salt if isinstance(f.cache_salt, str) else None
+        salt = f.cache_salt
+        if salt is not None and not isinstance(salt, str):
+            salt = None
         return RoutingFields(_check_model(f.model), user, prefix, view, salt)
 
 

@@ -147,4 +147,4 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     )
     # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
-    ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label).run()
+    ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label)  # starts it

@@ -56,7 +56,6 @@ class ProxiedRequest:
         "started",
         "model_label",
         "attempts_left",
-        "timeout",
         "engine",
         "gauge",
         "in_attempt",
@@ -87,9 +86,7 @@ class ProxiedRequest:
         self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
         self.started = started
         self.model_label = model_label
-        settings = director.settings
-        self.attempts_left = 1 + settings.retries
-        self.timeout = settings.request_timeout
+        self.attempts_left = 1 + director.settings.retries
         self.engine: Engine | None = None
         self.gauge: _Value | None = None
         self.in_attempt = False
@@ -99,15 +96,15 @@ class ProxiedRequest:
         self.leg: Leg | None = None
         self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
         self.ttft: float | None = None
-
-    # ---- stages ------------------------------------------------------------------------------------------
-    def run(self) -> None:
-        self.conn.handler = self
-        hooks = self.director.hooks
+        # Constructing the request starts it (as asyncio's tasks start): one call less per request.
+        conn.handler = self
+        hooks = director.hooks
         if hooks.admission or hooks.prepare:
             self._run_hooks(_ADMIT, 0)
         else:
             self._attempt()
+
+    # ---- stages ------------------------------------------------------------------------------------------
 
     def _run_hooks(self, stage: int, index: int) -> None:
         """Run the hooks of ``stage`` from ``index`` on, then the stages after it."""
@@ -213,24 +210,15 @@ class ProxiedRequest:
         director = self.director
         pool = director.pools.get(engine.url)
         request = self.request
-        leg = self.leg = Leg(
-            self,
-            self.conn,
-            request,
-            self.request_id,
-            engine.name,
-            pool,
-            director.metrics,
-            self.model_label,
-            self.started,
-        )
         line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (
             request.method.encode(),
             pool.path_prefix,
             request.target,
             pool.host_header,
         )
-        leg.start(line + self.ctx.upstream_headers + self.tail)
+        self.leg = Leg(
+            self, self.conn, request, pool, director.metrics, line + self.ctx.upstream_headers + self.tail
+        )
 
     def _end_attempt(self) -> None:
         if self.in_attempt:
@@ -254,7 +242,7 @@ class ProxiedRequest:
             return False
         engine = self.engine
         assert engine is not None
-        self.ctx.excluded.add(engine.name)
+        self.ctx.exclude(engine.name)
         if not self._other_candidate():
             return False
         if status >= 500:
@@ -282,7 +270,7 @@ class ProxiedRequest:
         else:
             engine.breaker.failure()
             self.last_error = RouterError(502, message, code="upstream_broken")
-        self.ctx.excluded.add(engine.name)
+        self.ctx.exclude(engine.name)
         self.status = "upstream_error"
         self.leg = None
         self._end_attempt()
@@ -294,7 +282,7 @@ class ProxiedRequest:
         self.done = True
         self.leg = None  # the leg points back here: no cycle left behind
         engine = self.engine
-        assert engine is not None
+        assert engine is not None and self.gauge is not None
         status = leg.status
         self.status = str(status)
         self.ttft = leg.ttft
@@ -302,7 +290,9 @@ class ProxiedRequest:
             engine.breaker.failure()
         else:
             engine.breaker.success()
-        self._end_attempt()
+        self.in_attempt = False  # _end_attempt, inlined: this is every request's way out
+        engine.in_flight -= 1
+        self.gauge.dec()
         self.conn.finish(leg.keep_alive)
         self._account()
 
@@ -355,9 +345,10 @@ class ProxiedRequest:
         """
         if self.done:
             return
+        timeout = self.director.settings.request_timeout
         leg = self.leg
         if leg is None:
-            if self.waiting is not None and now - self.started >= self.timeout:
+            if self.waiting is not None and now - self.started >= timeout:
                 waiting, self.waiting = self.waiting, None
                 waiting.cancel()
                 if self.in_attempt and self.engine is not None:
@@ -365,14 +356,14 @@ class ProxiedRequest:
                 self._end_attempt()
                 self._fail(
                     RouterError(
-                        504, f"The request was not routed within {self.timeout:g}s.", code="routing_timeout"
+                        504, f"The request was not routed within {timeout:g}s.", code="routing_timeout"
                     )
                 )
             return
-        if leg.silent_for(now) < self.timeout:
+        if leg.silent_for(now) < timeout:
             return
         if leg.committed:
-            leg.break_midway(f"engine {leg.engine_name} went silent", "read timeout")
+            leg.break_midway(f"engine {self.engine_name()} went silent", "read timeout")
             return
         leg.abort()
         self.leg = None
@@ -382,7 +373,7 @@ class ProxiedRequest:
         self._fail(
             RouterError(
                 504,
-                f"Engine {leg.engine_name} did not answer within {self.timeout:g}s.",
+                f"Engine {self.engine_name()} did not answer within {timeout:g}s.",
                 code="upstream_timeout",
             )
         )
@@ -409,13 +400,15 @@ class ProxiedRequest:
         self.conn.send_error(error, self.request_id, self.request.keep_alive)
         self._account()
 
-    def _engine_name(self) -> str:
+    def engine_name(self) -> str:
+        """The engine of the current (or last) attempt, "none" before one was picked."""
         return self.engine.name if self.engine is not None else "none"
 
     def _account(self) -> None:
         director = self.director
         duration = time.perf_counter() - self.started
-        engine_name = self._engine_name()
+        engine = self.engine
+        engine_name = engine.name if engine is not None else "none"
         director.metrics.observe_request(self.model_label, engine_name, self.status, duration)
         if director.settings.access_log:
             request = self.request

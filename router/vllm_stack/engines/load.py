@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,9 +43,12 @@ def age(telemetry: EngineTelemetry) -> float:
     return time.monotonic() - telemetry.scraped_at
 
 
+_IN_FLIGHT = attrgetter("in_flight")
+
+
 def in_flight(engines: Sequence[Engine]) -> list[int]:
-    """The router's own in-flight count per engine."""
-    return [e.in_flight for e in engines]
+    """The router's own in-flight count per engine (read in C: this runs for every request)."""
+    return list(map(_IN_FLIGHT, engines))
 
 
 def engine_loads(engines: Sequence[Engine]) -> list[float]:

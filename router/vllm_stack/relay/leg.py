@@ -93,7 +93,14 @@ class Dechunker:
 
 class LegOwner(Protocol):
     """What a leg reports to (the director's request). Each leg ends in exactly one of
-    :meth:`leg_complete`, :meth:`leg_failed`, :meth:`leg_broken`, or an abort by the owner."""
+    :meth:`leg_complete`, :meth:`leg_failed`, :meth:`leg_broken`, or an abort by the owner.
+    The leg reads the request's id, metric label and arrival time from it (not copied per leg)."""
+
+    request_id: bytes
+    model_label: str
+    started: float
+
+    def engine_name(self) -> str: ...
 
     def retry_on_status(self, leg: Leg, status: int) -> bool:
         """A retryable status arrived before anything was forwarded: True when the owner runs
@@ -120,12 +127,8 @@ class Leg:
         "owner",
         "conn",
         "request",
-        "request_id",
-        "engine_name",
         "pool",
         "metrics",
-        "model_label",
-        "started",
         "up",
         "reused",
         "resent",
@@ -155,22 +158,18 @@ class Leg:
         owner: LegOwner,
         conn: HttpConnection,
         request: HttpRequest,
-        request_id: bytes,
-        engine_name: str,
         pool: EnginePool,
         metrics: RouterMetrics,
-        model_label: str,
-        started: float,
+        upstream_request: bytes,
     ) -> None:
+        """Create the leg and send ``upstream_request`` (request line, host and everything after) on
+        a pooled connection, or on a new one once connected (no callback reaches the owner before
+        this returns)."""
         self.owner = owner
         self.conn = conn
         self.request = request
-        self.request_id = request_id
-        self.engine_name = engine_name
         self.pool = pool
         self.metrics = metrics
-        self.model_label = model_label
-        self.started = started  # when the request arrived (TTFT counts from there)
         self.up: UpstreamConnection | None = None
         self.reused = False
         self.resent = False
@@ -192,18 +191,19 @@ class Leg:
         self.last_event = 0.0
         self.ttft: float | None = None
         self.last_activity = time.perf_counter()
-        self.upstream_request = b""
-
-    # ---- sending -----------------------------------------------------------------------------------------
-    def start(self, upstream_request: bytes) -> None:
-        """Send ``upstream_request`` (request line, host and everything after) on a pooled connection."""
         self.upstream_request = upstream_request
-        up = self.pool.take()
+        up = pool.take()
         if up is None:
             self._connect()
-        else:
-            self._send(up, reused=True)
+            return
+        # _send, inlined for the common case (a pooled connection): one call less per request.
+        self.up = up
+        self.reused = True
+        if conn.writing_paused:
+            up.transport.pause_reading()
+        up.send(self, upstream_request)
 
+    # ---- sending -----------------------------------------------------------------------------------------
     def _connect(self) -> None:
         task = self.connecting = asyncio.get_running_loop().create_task(self.pool.connect())
         task.add_done_callback(self._connected)
@@ -221,9 +221,11 @@ class Leg:
             self._send(task.result(), reused=False)
             return
         if not isinstance(exc, UpstreamConnectError):
-            log.error("connecting to %s failed unexpectedly", self.engine_name, exc_info=exc)
+            log.error("connecting to %s failed unexpectedly", self.owner.engine_name(), exc_info=exc)
         self.done = True
-        self.owner.leg_failed(self, f"Could not reach engine {self.engine_name}: {exc}", "connect_error")
+        self.owner.leg_failed(
+            self, f"Could not reach engine {self.owner.engine_name()}: {exc}", "connect_error"
+        )
 
     def _send(self, up: UpstreamConnection, reused: bool) -> None:
         self.up = up
@@ -268,7 +270,7 @@ class Leg:
             head = _without_hop_by_hop(status, head, _HOP_BY_HOP_BUT_FRAMING)
         extra = []
         if b"\r\nx-request-id:" not in lowered:
-            extra += (b"x-request-id: ", self.request_id, b"\r\n")
+            extra += (b"x-request-id: ", self.owner.request_id, b"\r\n")
         if not framed or self.dechunker is not None:  # the body ends when the connection closes
             self.close_delimited = True
             self.keep_alive = False
@@ -284,7 +286,7 @@ class Leg:
         """From here the answer is forwarded as it arrives; no retry and no error JSON any more."""
         self.committed = True
         if self.sse:
-            self.itl = self.metrics.itl_child(self.model_label)
+            self.itl = self.metrics.itl_child(self.owner.model_label)
         self.out.append(self.head)
         if self.held:
             self.out += self.held
@@ -323,29 +325,25 @@ class Leg:
                 else:
                     self.conn.transport.writelines(out)
             out.clear()
-        if complete:
-            self._complete()
+        if complete and not self.done:  # the answer is whole: the connection goes back to its pool
+            self.done = True
+            up = self.up
+            self.up = None
+            if up is not None:
+                up.release()
+            self.owner.leg_complete(self)
 
     def _observe_tokens(self, now: float, events: int) -> None:
         """TTFT at the first streamed event; an ITL sample per event (events read together: gap 0)."""
         if self.last_event:
             self.itl.observe(now - self.last_event)
         else:
-            self.ttft = now - self.started
-            self.metrics.observe_ttft(self.model_label, self.ttft)
+            owner = self.owner
+            self.ttft = now - owner.started
+            self.metrics.observe_ttft(owner.model_label, self.ttft)
         if events > 1:
             self.itl.observe_zeros(events - 1)
         self.last_event = now
-
-    def _complete(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        up = self.up
-        self.up = None
-        if up is not None:
-            up.release()
-        self.owner.leg_complete(self)
 
     def upstream_failed(self, up: UpstreamConnection, error: BaseException) -> None:
         if self.done or up is not self.up:
@@ -362,7 +360,7 @@ class Leg:
                 self._connect()
                 return
             self.done = True
-            name = self.engine_name
+            name = self.owner.engine_name()
             if up.got_bytes:
                 self.owner.leg_failed(self, f"Engine {name} broke the response: {error}", "upstream_broken")
             else:
@@ -370,12 +368,12 @@ class Leg:
                     self, f"Engine {name} closed the connection without answering: {error}", "upstream_closed"
                 )
             return
-        self.break_midway(f"engine {self.engine_name} failed mid-stream", error)
+        self.break_midway(f"engine {self.owner.engine_name()} failed mid-stream", error)
 
     def break_midway(self, message: str, error: BaseException | str) -> None:
         """The answer was being forwarded and cannot go on: end an SSE stream with an error event,
         else cut the connection (the only honest signal left in HTTP/1.1); then tell the owner."""
-        log.warning("upstream %s broke mid-response: %s", self.engine_name, error)
+        log.warning("upstream %s broke mid-response: %s", self.owner.engine_name(), error)
         self.abort()
         conn = self.conn
         # An event can be appended only where the engine's framing left off cleanly: after a whole

@@ -92,7 +92,7 @@ def _plugins(
     return instances, types
 
 
-def _profile(entry: Any, instances: Mapping[str, Any]) -> Profile:  # noqa: ANN401
+def _profile(entry: Any, instances: Mapping[str, Any], metrics: RouterMetrics) -> Profile:  # noqa: ANN401
     if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
         raise ConfigError(f"scheduling.schedulingProfiles: each profile needs a name (got {entry!r})")
     name = entry["name"]
@@ -126,7 +126,7 @@ def _profile(entry: Any, instances: Mapping[str, Any]) -> Profile:  # noqa: ANN4
     if len(pickers) > 1:
         raise ConfigError(f"profile {name!r}: more than one picker")
     picker = pickers[0] if pickers else MaxScorePicker()
-    return Profile(name, filters, scorers, picker)
+    return Profile(name, filters, scorers, picker, metrics)
 
 
 def build_scheduling(
@@ -148,7 +148,7 @@ def build_scheduling(
             raise ConfigError("scheduling.schedulingProfiles must be a non-empty list")
         profiles: dict[str, Profile] = {}
         for entry in entries:
-            profile = _profile(entry, instances)
+            profile = _profile(entry, instances, metrics)
             if profile.name in profiles:
                 raise ConfigError(f"scheduling: profile {profile.name!r} is defined twice")
             profiles[profile.name] = profile
@@ -177,7 +177,7 @@ def build_scheduling(
                 for p in profiles.values()
             },
         }
-        setup = SchedulingSetup(Scheduler(profiles, handler, metrics), hooks, instances, description)
+        setup = SchedulingSetup(Scheduler(profiles, handler), hooks, instances, description)
         applied = True
         return setup
     finally:

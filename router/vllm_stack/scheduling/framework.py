@@ -11,11 +11,11 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.metrics import RouterMetrics
+from vllm_stack.metrics import RouterMetrics, _Value
 
 
 class Reason(enum.StrEnum):
@@ -41,6 +41,10 @@ class CycleState(dict[str, Any]):
     __slots__ = ()
 
 
+_NO_ENGINES: frozenset[str] = frozenset()
+_MAX_RESULTS = 4096  # cached scheduling results per profile
+
+
 @dataclass(slots=True)
 class RequestContext:
     """What routing may look at: the fields the API layer parsed, never more of the body than that."""
@@ -48,13 +52,20 @@ class RequestContext:
     model: str
     session_key: str | None = None  # header value or body "user"
     prefix: bytes | None = None  # first bytes of the raw prompt/messages JSON (prefix affinity)
-    excluded: set[str] = field(default_factory=set)  # engines already tried (retries)
     path: str = ""
     body: bytes = b""  # the raw request body (read-only: prepare-data plugins may look)
-    upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
     prompt: bytes | memoryview | None = None  # the raw prompt / messages / input JSON, whole
     cache_salt: str | None = None  # the request's ``cache_salt`` (vLLM keeps such caches apart)
+    excluded: set[str] | frozenset[str] = _NO_ENGINES  # engines already tried (retries): see exclude()
+    upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
     _cycle: CycleState | None = None
+
+    def exclude(self, name: str) -> None:
+        """Leave engine ``name`` out of the next scheduling (it was tried); the set is made on first use."""
+        excluded = self.excluded
+        if isinstance(excluded, frozenset):
+            excluded = self.excluded = set(excluded)
+        excluded.add(name)
 
     @property
     def cycle(self) -> CycleState:
@@ -140,7 +151,7 @@ class ResponseComplete(Protocol):
 
 
 # ---- profiles ---------------------------------------------------------------------------------------------
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulingResult:
     """The decision: an engine and the picker's reason, or no engine and a :class:`Reason`."""
 
@@ -150,27 +161,45 @@ class SchedulingResult:
     results: Mapping[str, SchedulingResult] | None = None  # per profile, when several ran
 
 
-@dataclass(slots=True)
 class Profile:
-    """One routing strategy: filters, weighted scorers and a picker."""
+    """One routing strategy: filters, weighted scorers and a picker. Running it records the decision
+    (``routing_decisions_total`` by profile and reason, and the decision's duration)."""
 
-    name: str
-    filters: list[Filter]
-    scorers: list[tuple[Scorer, float]]
-    picker: Picker
+    __slots__ = ("name", "filters", "scorers", "picker", "_metrics", "_record", "_seconds", "_results")
+
+    def __init__(
+        self,
+        name: str,
+        filters: list[Filter],
+        scorers: list[tuple[Scorer, float]],
+        picker: Picker,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.name = name
+        self.filters = filters
+        self.scorers = scorers
+        self.picker = picker
+        self._metrics = metrics = metrics or RouterMetrics()
+        self._record = metrics.routing_decision
+        self._seconds = metrics.observe_decision_seconds
+        # Results are immutable and few (engines x reasons): each made once with its decision
+        # counter, not per request.
+        self._results: dict[tuple[Engine, str], tuple[SchedulingResult, _Value]] = {}
 
     def run(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
+        started = time.perf_counter()
         engines: Sequence[Engine] = candidates
         if not engines:
-            return SchedulingResult(None, Reason.NO_CANDIDATE, self.name)
+            return self._done(SchedulingResult(None, Reason.NO_CANDIDATE, self.name), started)
         if ctx.excluded:
             engines = [e for e in engines if e.name not in ctx.excluded]
             if not engines:
-                return SchedulingResult(None, Reason.ALL_FILTERED, self.name)
+                return self._done(SchedulingResult(None, Reason.ALL_FILTERED, self.name), started)
         for f in self.filters:
             engines = f.filter(ctx, engines)
             if not engines:
-                return SchedulingResult(None, getattr(f, "empty_reason", Reason.ALL_FILTERED), self.name)
+                reason = getattr(f, "empty_reason", Reason.ALL_FILTERED)
+                return self._done(SchedulingResult(None, reason, self.name), started)
         scores: list[float] | None = None
         if self.scorers and len(engines) > 1:
             scores = [0.0] * len(engines)
@@ -178,7 +207,22 @@ class Profile:
                 for i, s in enumerate(scorer.score(ctx, engines)):
                     scores[i] += weight * s
         engine, reason = self.picker.pick(ctx, engines, scores)
-        return SchedulingResult(engine, reason, self.name)
+        key = (engine, reason)
+        entry = self._results.get(key)
+        if entry is None:
+            if len(self._results) >= _MAX_RESULTS:
+                self._results.clear()  # engines come and go: the cache stays small
+            entry = self._results[key] = (
+                SchedulingResult(engine, reason, self.name),
+                self._metrics.decision_counter(self.name, reason),
+            )
+        entry[1].value += 1
+        self._seconds(time.perf_counter() - started)
+        return entry[0]
+
+    def _done(self, result: SchedulingResult, started: float) -> SchedulingResult:
+        self._record(self.name, result.reason, time.perf_counter() - started)
+        return result
 
 
 class ProfileHandler(Protocol):
@@ -190,35 +234,29 @@ class ProfileHandler(Protocol):
 
 
 class Scheduler:
-    """Runs the handler's profile(s) over the registry's candidates and records the decision."""
+    """Runs the handler's profile(s) over the registry's candidates (each profile records its decision)."""
 
-    __slots__ = ("profiles", "handler", "_metrics", "_only")
+    __slots__ = ("profiles", "handler", "schedule")
 
-    def __init__(
-        self, profiles: Mapping[str, Profile], handler: ProfileHandler, metrics: RouterMetrics
-    ) -> None:
+    def __init__(self, profiles: Mapping[str, Profile], handler: ProfileHandler) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one profile")
         self.profiles = dict(profiles)
         self.handler = handler
-        self._metrics = metrics
-        # The common case: one profile and the single-profile handler, run without the handler's calls.
+        # The common case, one profile and the single-profile handler: scheduling is running that
+        # profile, so ``schedule`` is its bound ``run`` (no call of the handler's, none of ours).
         only = next(iter(self.profiles.values())) if len(self.profiles) == 1 else None
-        self._only = only if getattr(handler, "single", False) else None
+        if only is not None and getattr(handler, "single", False):
+            self.schedule = only.run
+        else:
+            self.schedule = self._schedule
 
     @property
     def profile(self) -> Profile:
         """The first (for built-in strategies: the only) profile."""
         return next(iter(self.profiles.values()))
 
-    def schedule(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
-        started = time.perf_counter()
-        only = self._only
-        if only is not None:
-            result = only.run(ctx, candidates)
-        else:
-            chosen = self.handler.pick_profiles(ctx, self.profiles)
-            results = {p.name: p.run(ctx, candidates) for p in chosen}
-            result = self.handler.combine(ctx, results)
-        self._metrics.routing_decision(result.profile, result.reason, time.perf_counter() - started)
-        return result
+    def _schedule(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
+        chosen = self.handler.pick_profiles(ctx, self.profiles)
+        results = {p.name: p.run(ctx, candidates) for p in chosen}
+        return self.handler.combine(ctx, results)

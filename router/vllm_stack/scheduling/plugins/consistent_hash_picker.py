@@ -12,6 +12,7 @@ import bisect
 import hashlib
 import math
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
@@ -20,6 +21,7 @@ from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 VNODES = 64
+_NAME = attrgetter("name")
 _MAX_RINGS = 64  # rings cached per candidate set; bounded
 
 
@@ -52,6 +54,8 @@ class ConsistentHashPicker:
         self.name = name
         self._key_of = key_of
         self.epsilon = epsilon
+        # The decision reasons, made once (they key the scheduler's result cache on every request).
+        self._hit, self._overflow, self._no_key = f"{name}_hit", f"{name}_overflow", f"{name}_no_key"
         self._rings: dict[tuple[str, ...], _Ring] = {}
         self._fallback_turn = 0
 
@@ -67,7 +71,7 @@ class ConsistentHashPicker:
         return cls(key, key_of, epsilon)
 
     def _ring(self, engines: Sequence[Engine]) -> _Ring:
-        names = tuple(e.name for e in engines)
+        names = tuple(map(_NAME, engines))
         ring = self._rings.get(names)
         if ring is None:
             if len(self._rings) >= _MAX_RINGS:
@@ -85,9 +89,9 @@ class ConsistentHashPicker:
             low = min(loads)
             least = [e for e, load in zip(engines, loads, strict=True) if load == low]
             self._fallback_turn += 1
-            return least[self._fallback_turn % len(least)], f"{self.name}_no_key"
+            return least[self._fallback_turn % len(least)], self._no_key
         if n == 1:
-            return engines[0], f"{self.name}_hit"
+            return engines[0], self._hit
         ring = self._ring(engines)
         capacity = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n)
         start = bisect.bisect(ring.points, stable_hash(key)) % len(ring.points)
@@ -99,11 +103,11 @@ class ConsistentHashPicker:
                 continue
             seen.add(owner)
             if loads[owner] < capacity:
-                return engines[owner], f"{self.name}_hit" if first else f"{self.name}_overflow"
+                return engines[owner], self._hit if first else self._overflow
             first = False
             if len(seen) == n:
                 break
-        return engines[ring.owners[start]], f"{self.name}_overflow"  # unreachable: capacity >= mean
+        return engines[ring.owners[start]], self._overflow  # unreachable: capacity >= mean
 
 
 def session_key(ctx: RequestContext) -> bytes | None:

@@ -1,0 +1,118 @@
+"""Before/after in machine instructions per request: ``handler_cost``'s in-process request path of a
+git revision and of the working tree, counted by valgrind (callgrind), so the comparison is free of
+the machine's noise.
+
+Why: on these shared two-core machines CPU-time comparisons of a few per cent drown in noise (the
+same code measures 37-76 us per request from one process to the next); instructions executed do
+not depend on what else runs. Each cell runs ``handler_cost.measure`` twice under callgrind, with
+``n`` and ``n + extra`` requests per repeat; the difference over the ``3 * extra`` extra requests is
+the cost of one request, start-up and warm-up cancelled out. ``PYTHONHASHSEED=0`` keeps dict layouts
+the same between runs. Instructions are not time (a cache miss costs more than an add), so this
+complements the interleaved CPU-time runs (``compare_handler_cost.py``, ``compare.py``), it does not
+replace them.
+
+Usage: ``python benchmarks/router/compare_instructions.py --before REV [--extra 500] [--jobs 2]``
+Results: ``benchmarks/results/instructions_compare.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGICS = ("roundrobin", "session")
+MODES = ("one_read", "per_token_reads")
+BASE_N = 100
+
+_CELL = r"""
+import asyncio, json, sys
+tree, logic, mode, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sys.path[:0] = [tree + "/benchmarks/router", tree + "/router"]
+import handler_cost as h
+from run import BODY
+body = json.loads(BODY)
+if logic == "session":
+    body["user"] = "bench-user-1"
+original = h.build_router
+h.build_router = lambda cli, **kw: original({**cli, "routing_logic": logic}, **kw)
+asyncio.run(h.measure(json.dumps(body).encode(), "msgspec", mode, n=n))
+"""
+
+
+def export_tree(rev: str, into: Path) -> Path:
+    archive = subprocess.run(
+        ["git", "archive", rev, "router", "benchmarks"], cwd=ROOT, check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def instructions(tree: Path, logic: str, mode: str, n: int) -> int:
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", _CELL,
+         str(tree), logic, mode, str(n)],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    match = re.search(r"Collected : (\d+)", out.stderr)
+    if match is None:
+        raise RuntimeError(out.stderr[-2000:])
+    return int(match.group(1))
+
+
+def per_request(tree: Path, logic: str, mode: str, extra: int) -> float:
+    low = instructions(tree, logic, mode, BASE_N)
+    high = instructions(tree, logic, mode, BASE_N + extra)
+    return (high - low) / (3 * extra)  # handler_cost.measure runs 3 repeats of n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True)
+    parser.add_argument("--extra", type=int, default=500)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--cases", help="comma-separated logic/mode cells (default: all)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"before": export_tree(args.before, Path(tmp)), "after": ROOT}
+        wanted = set(args.cases.split(",")) if args.cases else None
+        cells = [
+            (name, logic, mode)
+            for logic in LOGICS
+            for mode in MODES
+            for name in trees
+            if wanted is None or f"{logic}/{mode}" in wanted
+        ]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            values = list(pool.map(lambda c: per_request(trees[c[0]], c[1], c[2], args.extra), cells))
+    result: dict[str, dict[str, float]] = {}
+    for (name, logic, mode), value in zip(cells, values, strict=True):
+        result.setdefault(f"{logic}/{mode}", {})[name] = value
+    lines = [
+        f"# Instructions per request, before ({args.before}) and after (callgrind, handler_cost path)",
+        "",
+        "| case | before | after | after/before |",
+        "|---|---|---|---|",
+    ]
+    for case, v in result.items():
+        lines.append(f"| {case} | {v['before']:,.0f} | {v['after']:,.0f} | {v['after'] / v['before']:.3f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    out = ROOT / "benchmarks" / "results"
+    (out / "instructions_compare.md").write_text(table)
+    (out / "instructions_compare.json").write_text(
+        json.dumps({"before": args.before, "cells": result}, indent=1)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
