@@ -47,6 +47,8 @@ class RouterConfig:
     session_key: str = "x-session-id"
     session_balance_epsilon: float = 0.25  # bounded loads: no engine above (1 + e) x mean load
     prefix_chars: int = 256  # prefixaware: characters of the prompt hashed for affinity
+    # prefixaware in token mode: model name -> directory with tokenizer.json and tokenizer_config.json
+    tokenizers: Mapping[str, str] | None = field(default=None, compare=False)
     engine_scrape_interval: float = 1.0
     health_check_interval: float = 5.0
     health_failure_threshold: int = 3
@@ -98,6 +100,15 @@ _TUPLE_FIELDS = {"static_backends", "static_models"}
 
 def _coerce(name: str, value: Any) -> Any:
     """Convert a YAML/CLI value to the field's type."""
+    if name == "tokenizers":  # a YAML mapping, or "model=dir,model2=dir2" from the command line
+        if isinstance(value, str):
+            pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+            if any(len(p) != 2 or not p[0].strip() or not p[1].strip() for p in pairs):
+                raise ValueError("expected model=directory[,model=directory...]")
+            return {k.strip(): v.strip() for k, v in pairs}
+        if not isinstance(value, Mapping):
+            raise ValueError("expected a mapping of model name to tokenizer directory")
+        return {str(k): str(v) for k, v in value.items()}
     if name in _TUPLE_FIELDS:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())

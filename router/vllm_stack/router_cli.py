@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k8s-label-selector")
     p.add_argument("--k8s-port", type=int)
     p.add_argument("--routing-logic", choices=ROUTING_LOGICS)
+    p.add_argument(
+        "--tokenizers",
+        help="prefixaware in token mode: model=DIR[,model=DIR...] (DIR holds tokenizer.json, tokenizer_config.json)",
+    )
     p.add_argument("--session-key", help="header holding the session id (falls back to the body's 'user')")
     p.add_argument(
         "--engine-scrape-interval", type=float, help="seconds between /metrics scrapes (default 1)"

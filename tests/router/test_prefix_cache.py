@@ -122,3 +122,40 @@ def test_kv_geometry_is_read_from_cache_config_info() -> None:
     )
     t = parse_engine_metrics(text)
     assert (t.block_size, t.num_blocks) == (128, 64)
+
+
+async def test_token_mode_keys_follow_the_engines_token_blocks(tiny_model_dir) -> None:  # noqa: ANN001
+    """With the model's tokenizer, keys come from token ids (tokenized on a worker thread past
+    ``inline_bytes``), and a follow-up turn shares its leading keys with the turn before."""
+    from vllm_stack.scheduling.index.blocks import token_block_keys
+    from vllm_stack.scheduling.index.tokens import ChatTokenizer
+
+    raw = {
+        "plugins": [
+            {
+                "type": "prefix-cache-picker",
+                "parameters": {"tokenizers": {"m": str(tiny_model_dir)}, "inline_bytes": 0},
+            }
+        ],
+        "schedulingProfiles": [{"name": "p", "plugins": ["prefix-cache-picker"]}],
+    }
+    setup = build_scheduling(raw, builtin_registry(), PluginState(), RouterMetrics())
+    picker = setup.plugins["prefix-cache-picker"]
+    assert picker.describe()["token_mode_models"] == ["m"]
+    pool = engines(2, block_size=16)
+    chosen = []
+    for turns in (2, 3):
+        messages = json.loads(conversation(7, turns))
+        body = json.dumps({"model": "m", "messages": messages}).encode()
+        ctx = RequestContext("m", body=body, prompt=json.dumps(messages).encode())
+        (hook,) = setup.hooks.prepare
+        pending = hook(ctx)
+        assert pending is not None  # past inline_bytes: a worker thread tokenizes
+        await pending
+        ids = ctx.cycle["prefix-cache-picker/ids"]
+        assert ids == ChatTokenizer(tiny_model_dir).chat_ids({"messages": messages})
+        result = setup.scheduler.schedule(ctx, pool)
+        chosen.append(result)
+        expected = token_block_keys(ids, 16, salt_of("m", None))
+        assert picker.index.match(result.engine.name, expected) == len(expected)
+    assert chosen[1].engine is chosen[0].engine and chosen[1].reason == "prefix_partial"

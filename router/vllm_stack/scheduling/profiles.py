@@ -54,7 +54,10 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
             logic, {"type": "consistent-hash-picker", "parameters": {"key": "session", "epsilon": epsilon}}
         )
     if logic == "prefixaware":
-        return _single(logic, {"type": "prefix-cache-picker", "parameters": {"epsilon": epsilon}})
+        parameters: dict[str, Any] = {"epsilon": epsilon}
+        if config.tokenizers:
+            parameters["tokenizers"] = dict(config.tokenizers)
+        return _single(logic, {"type": "prefix-cache-picker", "parameters": parameters})
     raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
 
 

@@ -8,9 +8,14 @@ Character mode (no tokenizer): blocks of ``block_chars`` bytes of the raw prompt
 prompt or input as the client sent them), an approximation of the engine's token blocks; a client
 that sends the same conversation prefix sends the same bytes. xxh3 is used for speed and because it
 is the same in every process (router replicas agree; Python's ``hash`` is salted per process).
+
+Token mode: whole blocks of the engine's token ids (4-byte little-endian each), the same chain.
 """
 
 from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
 
 import xxhash
 
@@ -30,5 +35,18 @@ def char_block_keys(data: bytes | memoryview, block_chars: int, salt: int, limit
     whole = min(len(view) // block_chars, limit)
     for i in range(whole):
         key = _xxh3(view[i * block_chars : (i + 1) * block_chars], key)
+        keys.append(key)
+    return keys
+
+
+def token_block_keys(ids: Sequence[int], block_size: int, salt: int, limit: int = 1 << 16) -> list[int]:
+    """Chained keys of the whole ``block_size``-token blocks of ``ids`` (at most ``limit``): the
+    token-mode keys, from the router's own tokenization or from an engine's KV events alike."""
+    view = memoryview(array("I", ids).tobytes())
+    step = 4 * block_size
+    keys: list[int] = []
+    key = salt
+    for i in range(min(len(ids) // block_size, limit)):
+        key = _xxh3(view[i * step : (i + 1) * step], key)
         keys.append(key)
     return keys

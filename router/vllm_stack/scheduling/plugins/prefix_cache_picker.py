@@ -1,8 +1,14 @@
 """Picker: send a request where its prompt's leading blocks were sent before, within a load bound.
 
-The prompt is cut into blocks aligned with the engines' KV blocks (character mode: ``chars_per_token``
-x the engine's ``block_size`` bytes of the raw prompt JSON; see :mod:`..index.blocks`) and keyed by a
-chain of hashes that starts from the model (or adapter) name and ``cache_salt``. The router's index
+The prompt is cut into blocks aligned with the engines' KV blocks and keyed by a chain of hashes that
+starts from the model (or adapter) name and ``cache_salt``. Two modes, per model:
+- tokens, when the plugin has the model's tokenizer (``tokenizers``: model name -> directory with
+  ``tokenizer.json`` and ``tokenizer_config.json``): the engine's own token ids (the chat template
+  rendered as vLLM renders it, :mod:`..index.tokens`), cut into the engine's ``block_size``, so an
+  index hit is an engine cache hit. Tokenizing runs in the prepare-data stage; a prompt over
+  ``inline_bytes`` is tokenized on a worker thread (the event loop goes on meanwhile);
+- characters otherwise: ``chars_per_token`` x ``block_size`` bytes of the raw prompt JSON
+  (:mod:`..index.blocks`), an approximation. The router's index
 (:class:`~..index.prefix_index.PrefixIndex`, in the plugin state, so it survives reloads) remembers
 which engine was sent which blocks, bounded per engine by that engine's KV capacity.
 
@@ -20,25 +26,30 @@ of its first bytes, so equal short prompts still meet.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
+
+import orjson
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import engine_loads
 from vllm_stack.scheduling.framework import RequestContext
-from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of
+from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of, token_block_keys
 from vllm_stack.scheduling.index.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
 from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker, prefix_key
 from vllm_stack.scheduling.registry import Parameters, PluginContext
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 128  # vLLM's CPU block size; engines report theirs in vllm:cache_config_info
 
 
 class PrefixCachePicker:
     type_name = "prefix-cache-picker"
-    mode = "characters"  # how prompts are cut into blocks (a tokenizer mode comes with the tokenizer)
 
     def __init__(
         self,
@@ -47,12 +58,17 @@ class PrefixCachePicker:
         epsilon: float = 0.25,
         chars_per_token: float = 4.0,
         match_threshold: float = 0.5,
+        tokenizers: dict[str, Any] | None = None,
+        inline_bytes: int = 16_384,
     ) -> None:
         self.name = name
         self.index = index
         self.epsilon = epsilon
         self.chars_per_token = chars_per_token
         self.match_threshold = match_threshold
+        self.tokenizers = tokenizers or {}  # model name -> ChatTokenizer
+        self.inline_bytes = inline_bytes
+        self._ids_key = name + "/ids"
         self._turn = 0
         self._short = ConsistentHashPicker("prefix", prefix_key, epsilon)
 
@@ -66,7 +82,41 @@ class PrefixCachePicker:
         max_blocks = int(parameters.number("max_blocks", DEFAULT_MAX_BLOCKS, minimum=1))
         index = context.state.get((cls.type_name, name), lambda: PrefixIndex(max_blocks))
         index.max_blocks = max_blocks
-        return cls(name, index, epsilon, chars, threshold)
+        tokenizers = {}
+        for model, directory in parameters.mapping("tokenizers").items():
+            from vllm_stack.scheduling.index.tokens import ChatTokenizer  # only when one is configured
+
+            # Loaded once per directory and kept across reloads (a tokenizer takes a while to load).
+            tokenizers[model] = context.state.get(
+                ("tokenizer", directory), lambda d=directory: ChatTokenizer(d)
+            )
+        inline = int(parameters.number("inline_bytes", 16_384, minimum=0))
+        return cls(name, index, epsilon, chars, threshold, tokenizers, inline)
+
+    # ---- prepare-data: token ids, when the model's tokenizer is known ----------------------------------
+    def prepare(self, ctx: RequestContext) -> asyncio.Future[None] | None:
+        tokenizer = self.tokenizers.get(ctx.model)
+        if tokenizer is None or ctx.prompt is None:
+            return None
+        if len(ctx.body) <= self.inline_bytes:
+            self._tokenize(ctx, tokenizer)
+            return None
+        return asyncio.get_running_loop().run_in_executor(None, self._tokenize, ctx, tokenizer)
+
+    def _tokenize(self, ctx: RequestContext, tokenizer: Any) -> None:  # noqa: ANN401 - a ChatTokenizer
+        """Token ids into the cycle state; on any failure none, and the request uses character blocks."""
+        try:
+            doc = orjson.loads(ctx.body)
+            if isinstance(doc.get("messages"), list):
+                ids = tokenizer.chat_ids(doc)
+            elif isinstance(doc.get("prompt"), str):
+                ids = tokenizer.prompt_ids(doc["prompt"])
+            else:
+                return
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer refusal: fall back, never fail
+            log.debug("tokenizing for %s failed, character blocks instead: %s", ctx.model, exc)
+            return
+        ctx.cycle[self._ids_key] = ids
 
     def _keys(self, ctx: RequestContext, block_tokens: int) -> list[int]:
         cache = ctx.cycle.get(self.name)
@@ -74,11 +124,15 @@ class PrefixCachePicker:
             cache = ctx.cycle[self.name] = {}
         keys = cache.get(block_tokens)
         if keys is None:
-            prompt = ctx.prompt
-            block_chars = max(1, int(block_tokens * self.chars_per_token))
-            keys = cache[block_tokens] = (
-                char_block_keys(prompt, block_chars, salt_of(ctx.model, ctx.cache_salt)) if prompt else []
-            )
+            salt = salt_of(ctx.model, ctx.cache_salt)
+            ids = ctx.cycle.get(self._ids_key)
+            if ids is not None:
+                keys = token_block_keys(ids, block_tokens, salt)
+            elif ctx.prompt:
+                keys = char_block_keys(ctx.prompt, max(1, int(block_tokens * self.chars_per_token)), salt)
+            else:
+                keys = []
+            cache[block_tokens] = keys
         return keys
 
     def pick(
@@ -122,7 +176,8 @@ class PrefixCachePicker:
         """For ``GET /engines``: the block mode and the index's size."""
         index = self.index
         return {
-            "mode": self.mode,
+            "mode": "characters",
+            "token_mode_models": sorted(self.tokenizers),
             "chars_per_token": self.chars_per_token,
             "match_threshold": self.match_threshold,
             "indexed_blocks": len(index),
