@@ -27,38 +27,22 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-LOGICS = ("roundrobin", "session")
-MODES = ("one_read", "per_token_reads")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare_handler_cost import _CELL, LOGICS, MODES, ROOT, export_tree  # the same cell, counted
+
 BASE_N = 100
-
-_CELL = r"""
-import asyncio, json, sys
-tree, logic, mode, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-sys.path[:0] = [tree + "/benchmarks/router", tree + "/router"]
-import handler_cost as h
-from run import BODY
-body = json.loads(BODY)
-if logic == "session":
-    body["user"] = "bench-user-1"
-original = h.build_router
-h.build_router = lambda cli, **kw: original({**cli, "routing_logic": logic}, **kw)
-asyncio.run(h.measure(json.dumps(body).encode(), "msgspec", mode, n=n))
-"""
-
-
-def export_tree(rev: str, into: Path) -> Path:
-    archive = subprocess.run(
-        ["git", "archive", rev, "router", "benchmarks"], cwd=ROOT, check=True, capture_output=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
+#: handler_cost's cell with the request count as a fourth argument.
+_CELL_N = _CELL.replace(
+    "tree, logic, mode = sys.argv[1], sys.argv[2], sys.argv[3]",
+    "tree, logic, mode, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])",
+).replace('"msgspec", mode)', '"msgspec", mode, n=n)')
 
 
 def instructions(tree: Path, logic: str, mode: str, n: int) -> int:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     out = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", _CELL,
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", _CELL_N,
          str(tree), logic, mode, str(n)],
         capture_output=True, text=True, env=env, check=True,
     )  # fmt: skip
