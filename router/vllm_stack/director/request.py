@@ -31,6 +31,7 @@ from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.metrics import _Value
 from vllm_stack.relay.leg import Leg
+from vllm_stack.scheduling.config import Hooks
 from vllm_stack.scheduling.framework import Completion, Refusal, RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
@@ -100,15 +101,15 @@ class ProxiedRequest:
         conn.handler = self
         hooks = director.hooks
         if hooks.admission or hooks.prepare:
-            self._run_hooks(_ADMIT, 0)
+            self._run_hooks(hooks, _ADMIT, 0)
         else:
             self._attempt()
 
     # ---- stages ------------------------------------------------------------------------------------------
 
-    def _run_hooks(self, stage: int, index: int) -> None:
-        """Run the hooks of ``stage`` from ``index`` on, then the stages after it."""
-        hooks = self.director.hooks
+    def _run_hooks(self, hooks: Hooks, stage: int, index: int) -> None:
+        """Run the hooks of ``stage`` from ``index`` on, then the stages after it. ``hooks`` is the
+        set the stage began with: a reload while a hook is awaited does not shift the position."""
         ctx = self.ctx
         while True:
             fns = (
@@ -138,7 +139,7 @@ class ProxiedRequest:
                     self._refused(outcome)
                     return
                 if inspect.isawaitable(outcome):
-                    self._wait(outcome, stage, index)
+                    self._wait(outcome, hooks, stage, index)
                     return
                 log.error("%s hook %r returned %r", _STAGE_NAMES[stage], fn, outcome)
                 self._plugin_failed()
@@ -152,11 +153,11 @@ class ProxiedRequest:
                 self._send()
                 return
 
-    def _wait(self, awaitable: Awaitable[Any], stage: int, index: int) -> None:
+    def _wait(self, awaitable: Awaitable[Any], hooks: Hooks, stage: int, index: int) -> None:
         future = self.waiting = asyncio.ensure_future(awaitable)
-        future.add_done_callback(lambda f: self._resumed(f, stage, index))
+        future.add_done_callback(lambda f: self._resumed(f, hooks, stage, index))
 
-    def _resumed(self, future: asyncio.Future[Any], stage: int, index: int) -> None:
+    def _resumed(self, future: asyncio.Future[Any], hooks: Hooks, stage: int, index: int) -> None:
         if future is not self.waiting or self.done:  # the client left (and the future was cancelled)
             return
         self.waiting = None
@@ -177,7 +178,7 @@ class ProxiedRequest:
             log.error("%s hook resolved to %r", _STAGE_NAMES[stage], outcome)
             self._plugin_failed()
             return
-        self._run_hooks(stage, index)
+        self._run_hooks(hooks, stage, index)
 
     def _attempt(self) -> None:
         """Schedule (again, after a failure), then pre-request hooks, then a leg."""
@@ -198,9 +199,10 @@ class ProxiedRequest:
         gauge = self.gauge = director.metrics.in_flight_child(engine.name)
         gauge.inc()
         self.in_attempt = True
-        if director.hooks.pre_request:
+        hooks = director.hooks
+        if hooks.pre_request:
             ctx.upstream_headers = b""
-            self._run_hooks(_PRE_REQUEST, 0)
+            self._run_hooks(hooks, _PRE_REQUEST, 0)
         else:
             self._send()
 
