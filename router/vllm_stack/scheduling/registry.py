@@ -152,10 +152,5 @@ class PluginRegistry:
         params.done()
         return instance
 
-    def copy(self) -> PluginRegistry:
-        other = PluginRegistry()
-        other._types = dict(self._types)
-        return other
-
     def types(self) -> list[str]:
         return sorted(self._types)

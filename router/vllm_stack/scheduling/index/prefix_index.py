@@ -12,6 +12,7 @@ holding that block), no other structure per block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 DEFAULT_ENGINE_BLOCKS = 16_384  # an engine whose KV capacity is not known yet
 DEFAULT_MAX_BLOCKS = 1_000_000  # all engines together
@@ -70,7 +71,7 @@ class PrefixIndex:
 
     @staticmethod
     def _evict(held: dict[int, None], count: int) -> None:
-        oldest = list(_first(held, count))
+        oldest = list(islice(held, count))  # a dict iterates oldest first
         for key in oldest:
             del held[key]
 
@@ -79,10 +80,3 @@ class PrefixIndex:
         held = self._by_engine.pop(name, None)
         if held is not None:
             self._size -= len(held)
-
-
-def _first(held: dict[int, None], count: int):  # noqa: ANN202 - a generator of keys
-    for i, key in enumerate(held):
-        if i >= count:
-            return
-        yield key
