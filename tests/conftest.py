@@ -49,7 +49,8 @@ class SessionEngines:
             return
         if not engine_python().exists():
             pytest.fail(f"engine environment missing ({engine_python()}); run `make install` first")
-        chat = EngineSpec(self.model_dir, CHAT_MODEL)
+        # KV events with replay, and the dev endpoints (POST /reset_prefix_cache) for the prefix tests.
+        chat = EngineSpec(self.model_dir, CHAT_MODEL, kv_replay=True, env={"VLLM_SERVER_DEV_MODE": "1"})
         embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
         cpus = default_cpus(3)  # one core each, round-robin over the cores this process may use
         self.chat = EngineGroup(

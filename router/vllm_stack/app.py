@@ -33,6 +33,7 @@ from vllm_stack.metrics import RouterMetrics
 from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.config import SchedulingSetup, build_scheduling
 from vllm_stack.scheduling.framework import Scheduler
+from vllm_stack.scheduling.index.feed import KvEventFeed
 from vllm_stack.scheduling.plugins import builtin_registry
 from vllm_stack.scheduling.profiles import scheduling_config
 from vllm_stack.scheduling.registry import PluginRegistry, PluginState
@@ -90,6 +91,7 @@ class Router:
         self.pools = EnginePools(config.connect_timeout, self.engine_tls)
         self.registry.on_engine_left.append(lambda engine: self.pools.forget(engine.url))
         self.registry.on_engine_left.append(lambda engine: self.plugin_state.forget_engine(engine.name))
+        self.kv_feed = KvEventFeed(self.registry.engines, self._fetch_kv_sources)
         setup = self._build_scheduling(config)
         self.director = Director(self.registry, self.pools, self.metrics, setup, self._proxy_settings(config))
         self._apply_runtime(config, setup)
@@ -115,6 +117,9 @@ class Router:
         self.config = config
         self._scheduling = setup
         self.director.configure(setup, self._proxy_settings(config))
+        self.kv_feed.consumers = tuple(
+            p for p in setup.plugins.values() if getattr(p, "wants_kv_events", False)
+        )
         self.parser: BodyParser = make_parser(config.json_parser, config.prefix_chars)
         self.auth = ApiKeyAuth(config.api_keys)
         self.max_body_bytes = config.max_body_bytes
@@ -128,6 +133,8 @@ class Router:
         """Plugins and profiles in use, and what plugins with state say of it, for ``GET /engines``."""
         setup = self._scheduling
         state = {name: p.describe() for name, p in setup.plugins.items() if hasattr(p, "describe")}
+        if self.kv_feed.consumers:
+            state["kv_event_streams"] = self.kv_feed.describe()
         return {**setup.description, "state": state} if state else setup.description
 
     # ---- what the server asks (vllm_stack.server.serve.ServedApp) --------------------------------------
@@ -214,6 +221,15 @@ class Router:
             raise ValueError("/v1/models answer has no data list")
         return data
 
+    async def _fetch_kv_sources(self, engine: Engine) -> Any:  # noqa: ANN401 - the engine's JSON
+        assert self.control_session is not None
+        timeout = aiohttp.ClientTimeout(total=5.0)
+        async with self.control_session.get(
+            engine.url + "/kv_event_sources", headers=self._engine_headers(), timeout=timeout
+        ) as resp:
+            resp.raise_for_status()
+            return await resp.json(content_type=None)
+
     async def _fetch_metrics(self, engine: Engine) -> str:
         assert self.control_session is not None
         # 1.5 intervals: two timed-out scrapes in a row (a hang, see EngineRegistry.engine_silent)
@@ -243,6 +259,7 @@ class Router:
             self._discovery_task,
             asyncio.ensure_future(self.registry.run_health_checks(config.health_check_interval)),
             asyncio.ensure_future(self.scraper.run(config.engine_scrape_interval)),
+            asyncio.ensure_future(self.kv_feed.run()),
         ]
         if config.config_file:
             self._tasks.append(asyncio.ensure_future(self._watch_config(config.config_file)))

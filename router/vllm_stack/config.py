@@ -20,6 +20,7 @@ import yaml
 
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
+KV_EVENT_MODES = ("auto", "on", "off")
 
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class RouterConfig:
     prefix_chars: int = 256  # prefixaware: characters of the prompt hashed for affinity
     # prefixaware in token mode: model name -> directory with tokenizer.json and tokenizer_config.json
     tokenizers: Mapping[str, str] | None = field(default=None, compare=False)
+    # prefixaware: follow the engines' KV events (auto: when a tokenizer makes request keys match them)
+    kv_events: str = "auto"
     engine_scrape_interval: float = 1.0
     health_check_interval: float = 5.0
     health_failure_threshold: int = 3
@@ -72,6 +75,8 @@ class RouterConfig:
         """Raise :class:`ConfigError` on settings that cannot work; return self for chaining."""
         if self.service_discovery not in DISCOVERY_KINDS:
             raise ConfigError(f"service_discovery must be one of {DISCOVERY_KINDS}")
+        if self.kv_events not in KV_EVENT_MODES:
+            raise ConfigError(f"kv_events must be one of {KV_EVENT_MODES}")
         if self.scheduling is not None and not isinstance(self.scheduling, Mapping):
             raise ConfigError("scheduling must be a mapping (plugins and schedulingProfiles)")
         if self.json_parser not in JSON_PARSERS:
@@ -109,6 +114,8 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ValueError("expected a mapping of model name to tokenizer directory")
         return {str(k): str(v) for k, v in value.items()}
+    if name == "kv_events" and isinstance(value, bool):  # YAML reads an unquoted on/off as a boolean
+        return "on" if value else "off"
     if name in _TUPLE_FIELDS:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())

@@ -185,6 +185,27 @@ class RouterMetrics:
         self.retries_total = _Family(
             PREFIX + "retries_total", "Requests retried on another engine.", "counter", ["model", "reason"]
         )
+        # Prefix-cache routing: what the index predicted for the chosen engine against what the engine
+        # reported (usage.prompt_tokens_details.cached_tokens), so a wrong index shows.
+        self.prefix_predictions = _Family(
+            PREFIX + "prefix_predictions_total",
+            "Prefix-cache predictions per request by index mode and outcome: exact (within one block), "
+            "over (the index claimed more than the engine had), under (the engine had more), unreported.",
+            "counter",
+            ["mode", "outcome"],
+        )
+        self.prefix_predicted_tokens = _Family(
+            PREFIX + "prefix_predicted_cached_tokens_total",
+            "Prompt tokens the index predicted cached on the chosen engine.",
+            "counter",
+            ["mode"],
+        )
+        self.prefix_cached_tokens = _Family(
+            PREFIX + "prefix_engine_cached_tokens_total",
+            "Prompt tokens the engine reported cached, for requests whose usage reported it.",
+            "counter",
+            ["mode"],
+        )
         self._fast = [
             self.requests_total,
             self.request_duration,
@@ -194,6 +215,9 @@ class RouterMetrics:
             self.routing_decisions,
             self.routing_decision_seconds,
             self.retries_total,
+            self.prefix_predictions,
+            self.prefix_predicted_tokens,
+            self.prefix_cached_tokens,
         ]
         r.register(_FastCollector(self._fast))
         self._decision_seconds = self.routing_decision_seconds.child()
@@ -244,6 +268,18 @@ class RouterMetrics:
 
     def observe_decision_seconds(self, seconds: float) -> None:
         self._decision_seconds.observe(seconds)  # type: ignore[union-attr]
+
+    def observe_prefix_prediction(self, mode: str, predicted: int, cached: int | None, block: int) -> None:
+        """One request's predicted cached prompt tokens against the engine's report (None: not reported)."""
+        self.prefix_predicted_tokens.child(mode).inc(predicted)  # type: ignore[union-attr]
+        if cached is None:
+            outcome = "unreported"
+        else:
+            self.prefix_cached_tokens.child(mode).inc(cached)  # type: ignore[union-attr]
+            outcome = (
+                "over" if predicted - cached >= block else "under" if cached - predicted >= block else "exact"
+            )
+        self.prefix_predictions.child(mode, outcome).inc()  # type: ignore[union-attr]
 
     def retry(self, model: str, reason: str) -> None:
         self.retries_total.child(model, reason).inc()

@@ -28,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-logic", choices=ROUTING_LOGICS)
     p.add_argument(
         "--tokenizers",
-        help="prefixaware in token mode: model=DIR[,model=DIR...] (DIR holds tokenizer.json, tokenizer_config.json)",
+        help="prefixaware in token mode: model=DIR or model=hf:ORG/NAME[@REV], comma-separated (DIR holds tokenizer.json, tokenizer_config.json; hf: fetches them from $HF_ENDPOINT)",
+    )
+    p.add_argument(
+        "--kv-events",
+        choices=("auto", "on", "off"),
+        help="prefixaware: follow the engines' KV events (auto, the default: for models with a tokenizer)",
     )
     p.add_argument("--session-key", help="header holding the session id (falls back to the body's 'user')")
     p.add_argument(

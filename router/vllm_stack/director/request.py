@@ -66,6 +66,7 @@ class ProxiedRequest:
         "leg",
         "waiting",
         "ttft",
+        "answer_end",
     )
 
     def __init__(
@@ -97,6 +98,7 @@ class ProxiedRequest:
         self.leg: Leg | None = None
         self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
         self.ttft: float | None = None
+        self.answer_end: bytes | None = None
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         hooks = director.hooks
@@ -218,9 +220,11 @@ class ProxiedRequest:
             request.target,
             pool.host_header,
         )
-        self.leg = Leg(
+        leg = self.leg = Leg(
             self, self.conn, request, pool, director.metrics, line + self.ctx.upstream_headers + self.tail
         )
+        if self.ctx.keep_answer_end:
+            leg.answer_end = b""  # before any read: none is handled before this returns
 
     def _end_attempt(self) -> None:
         if self.in_attempt:
@@ -288,6 +292,7 @@ class ProxiedRequest:
         status = leg.status
         self.status = str(status)
         self.ttft = leg.ttft
+        self.answer_end = leg.answer_end
         if status >= 500:
             engine.breaker.failure()
         else:
@@ -424,7 +429,7 @@ class ProxiedRequest:
             )
         hooks = director.hooks.response_complete
         if hooks:
-            completion = Completion(self.engine, self.status, duration, self.ttft)
+            completion = Completion(self.engine, self.status, duration, self.ttft, self.answer_end)
             for fn in hooks:
                 try:
                     fn(self.ctx, completion)

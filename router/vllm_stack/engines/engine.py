@@ -52,6 +52,8 @@ class Engine:
         "completions",
         "kv_block_size",
         "kv_blocks",
+        "kv_events_endpoint",
+        "kv_replay_endpoint",
     )
 
     def __init__(
@@ -84,6 +86,9 @@ class Engine:
         # The engine's KV geometry, from its last scrape that had it (it does not change while it runs).
         self.kv_block_size: int | None = None
         self.kv_blocks: int | None = None
+        # KV events (vllm_stack.scheduling.index.feed): from discovery; None means ask the engine.
+        self.kv_events_endpoint: str | None = None
+        self.kv_replay_endpoint: str | None = None
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
         """Scraped figures under the stale rule of :mod:`vllm_stack.engines.load` (unknown is not zero)."""

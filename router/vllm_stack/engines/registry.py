@@ -128,6 +128,7 @@ class EngineRegistry:
                 log.info("engine %s joined at %s", name, info.url)
                 self._spawn_probe(engine)
             engine.ready = info.ready
+            engine.kv_events_endpoint, engine.kv_replay_endpoint = info.kv_events, info.kv_replay
         self._rebuild()
 
     def _new_engine(self, info: EndpointInfo) -> Engine:

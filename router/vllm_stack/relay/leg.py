@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 BUFFER_LIMIT = 1 << 20  # bytes of a non-streamed answer held back (and still retryable)
+ANSWER_END_BYTES = 2048  # kept for a plugin that asked (vLLM's usage object fits, with room)
 _NO_BODY_STATUS = frozenset({204, 304})
 _HOP_BY_HOP_BUT_FRAMING = HOP_BY_HOP - {b"transfer-encoding"}
 #: Any hop-by-hop header but the framing, in a lower-cased head (whose lines start after a CRLF).
@@ -151,6 +152,7 @@ class Leg:
         "ttft",
         "last_activity",
         "upstream_request",
+        "answer_end",
     )
 
     def __init__(
@@ -192,6 +194,7 @@ class Leg:
         self.ttft: float | None = None
         self.last_activity = time.perf_counter()
         self.upstream_request = upstream_request
+        self.answer_end: bytes | None = None  # b"" when the owner wants the answer's last bytes kept
         up = pool.take()
         if up is None:
             self._connect()
@@ -302,6 +305,8 @@ class Leg:
         if data:
             if self.dechunker is not None:
                 data = self.dechunker.feed(data)
+            if self.answer_end is not None:
+                self.answer_end = (self.answer_end + data)[-ANSWER_END_BYTES:]
             if self.committed:
                 self.out.append(data)
                 self.last_data = data

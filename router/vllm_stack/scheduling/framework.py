@@ -58,6 +58,7 @@ class RequestContext:
     cache_salt: str | None = None  # the request's ``cache_salt`` (vLLM keeps such caches apart)
     excluded: set[str] | frozenset[str] = _NO_ENGINES  # engines already tried (retries): see exclude()
     upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
+    keep_answer_end: bool = False  # a plugin wants Completion.answer_end (e.g. the engine's usage)
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:
@@ -84,6 +85,9 @@ class Completion:
     status: str  # the outcome label of the request counter: "200", "503", "client_closed", ...
     duration: float  # seconds from the request's arrival
     ttft: float | None  # seconds to the first streamed event, for streamed answers
+    # The answer's last bytes (dechunked, at most relay.leg.ANSWER_END_BYTES), when a prepare-data
+    # plugin set ``keep_answer_end``: where the engine's ``usage`` is, in a JSON body or an SSE stream.
+    answer_end: bytes | None = None
 
     @property
     def ok(self) -> bool:

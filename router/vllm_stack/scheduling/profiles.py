@@ -3,7 +3,9 @@ configuration of the same shape a user writes in the router's YAML (:mod:`.confi
 
 Adding a strategy name is one entry in :func:`builtin_config`; adding a behaviour is a plugin.
 ``prefixaware`` is the prefix-cache picker: block-aligned chained keys of the whole prompt, an index
-of which engine was sent which blocks, and a load bound (character blocks until a tokenizer mode).
+of which engine was sent which blocks, and a load bound; where engines publish KV events and the
+router has the model's tokenizer, the events keep that index exact (:mod:`.index.feed`).
+(production-stack's ``kvaware`` is something else, LMCache controller lookups, and is not this.)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
             logic, {"type": "consistent-hash-picker", "parameters": {"key": "session", "epsilon": epsilon}}
         )
     if logic == "prefixaware":
-        parameters: dict[str, Any] = {"epsilon": epsilon}
+        parameters: dict[str, Any] = {"epsilon": epsilon, "kv_events": config.kv_events}
         if config.tokenizers:
             parameters["tokenizers"] = dict(config.tokenizers)
         return _single(logic, {"type": "prefix-cache-picker", "parameters": parameters})

@@ -101,6 +101,15 @@ class Parameters:
             raise ConfigError(f"plugin {self.plugin!r}: parameter {key!r} must be a string")
         return value
 
+    def switch(self, key: str, default: str) -> str:
+        """``auto``, ``on`` or ``off`` (YAML's booleans, as ``on``/``off`` unquoted parse, accepted)."""
+        value = self._get(key, default)
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        if value not in ("auto", "on", "off"):
+            raise ConfigError(f"plugin {self.plugin!r}: parameter {key!r} must be auto, on or off")
+        return value
+
     def mapping(self, key: str) -> dict[str, str]:
         value = self._get(key, {})
         if not isinstance(value, Mapping) or not all(

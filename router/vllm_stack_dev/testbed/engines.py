@@ -76,6 +76,7 @@ class EngineSpec:
     max_loras: int = 4
     max_lora_rank: int = 8
     kv_events: bool = True
+    kv_replay: bool = False  # also a replay endpoint for missed KV-event batches
     runner: str | None = None  # e.g. "pooling" (with convert="embed") for an embedding engine
     convert: str | None = None
     max_model_len: int | None = 2048
@@ -95,6 +96,7 @@ class Engine:
     process: subprocess.Popen[bytes]
     log_path: Path
     cpu: int | None
+    kv_replay_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -179,7 +181,9 @@ def dtype_override() -> list[str]:
     return ["--dtype", "float32"] if cpu_has_amx() else []
 
 
-def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list[str]:
+def server_args(
+    spec: EngineSpec, port: int, kv_events_port: int | None, kv_replay_port: int | None = None
+) -> list[str]:
     """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
     if spec.args is not None:  # the dtype substitution goes last, so it wins over a rendered one
         return [*spec.args, "--host", "127.0.0.1", "--port", str(port), *dtype_override()]
@@ -190,6 +194,7 @@ def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list
         "--port", str(port),
         "--load-format", "dummy",
         "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
         "--seed", "0",
     ]  # fmt: skip
     if spec.max_model_len:
@@ -208,6 +213,8 @@ def server_args(spec: EngineSpec, port: int, kv_events_port: int | None) -> list
         ]
     if kv_events_port is not None:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}
+        if kv_replay_port is not None:
+            config["replay_endpoint"] = f"tcp://*:{kv_replay_port}"
         args += ["--kv-events-config", json.dumps(config)]
     return [*args, *spec.extra_args, *dtype_override()]
 
@@ -287,11 +294,12 @@ def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port:
     that was stopped, to restart it at the same address."""
     port = free_port() if port is None else port
     kv_port = free_port() if spec.kv_events and spec.args is None and not spec.runner else None
+    replay_port = free_port() if kv_port is not None and spec.kv_replay else None
     command = [
         str(engine_python()),
         "-m",
         "vllm.entrypoints.openai.api_server",
-        *server_args(spec, port, kv_port),
+        *server_args(spec, port, kv_port, replay_port),
     ]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
@@ -309,7 +317,7 @@ def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-    return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu)
+    return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu, replay_port)
 
 
 def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT) -> None:

@@ -20,6 +20,8 @@ class EndpointInfo:
     name: str  # pod name, or host:port for static
     url: str  # http://ip:port
     ready: bool = True
+    kv_events: str | None = None  # ZMQ endpoint of its KV events, when discovery knows it
+    kv_replay: str | None = None  # ... and of their replay
 
 
 SnapshotSink = Callable[[list[EndpointInfo]], Awaitable[None]]

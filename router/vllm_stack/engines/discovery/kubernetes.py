@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 _LIST_TIMEOUT_S = 30.0  # a list of one namespace's engine pods is small; longer means the server is stuck
 _CONNECT_TIMEOUT_S = 10.0
+KV_EVENTS_PORT = "kv-events"  # container port names of the engine's KV-event publisher and its replay
+KV_REPLAY_PORT = "kv-replay"
 _WATCH_GRACE_S = 30.0  # past timeoutSeconds + this, a silent watch connection is considered dead
 
 
@@ -76,7 +78,26 @@ def pod_endpoint(pod: V1Pod, port: int) -> EndpointInfo | None:
     if not any(c.type == "Ready" and c.status == "True" for c in status.conditions or ()):
         return None
     host = f"[{status.pod_ip}]" if ":" in status.pod_ip else status.pod_ip  # IPv6 pod IPs
-    return EndpointInfo(name=meta.name, url=f"http://{host}:{port}", ready=True)
+    ports = named_ports(pod)
+    events, replay = ports.get(KV_EVENTS_PORT), ports.get(KV_REPLAY_PORT)
+    return EndpointInfo(
+        name=meta.name,
+        url=f"http://{host}:{port}",
+        ready=True,
+        kv_events=f"tcp://{host}:{events}" if events else None,
+        kv_replay=f"tcp://{host}:{replay}" if replay else None,
+    )
+
+
+def named_ports(pod: V1Pod) -> dict[str, int]:
+    """The pod's named container ports (the chart names the KV-event publisher's ``kv-events``)."""
+    spec = pod.spec
+    found: dict[str, int] = {}
+    for container in (spec.containers if spec is not None else None) or ():
+        for p in container.ports or ():
+            if p.name and p.container_port:
+                found.setdefault(p.name, p.container_port)
+    return found
 
 
 class _WatchProtocolError(Exception):

@@ -69,6 +69,16 @@ class PrefixIndex:
             self._evict(largest, excess)
             self._size -= excess
 
+    def remove(self, engine: str, keys: Sequence[int]) -> None:
+        """The engine evicted ``keys`` (a KV event said so)."""
+        held = self._by_engine.get(engine)
+        if not held:
+            return
+        before = len(held)
+        for key in keys:
+            held.pop(key, None)
+        self._size -= before - len(held)
+
     @staticmethod
     def _evict(held: dict[int, None], count: int) -> None:
         oldest = list(islice(held, count))  # a dict iterates oldest first

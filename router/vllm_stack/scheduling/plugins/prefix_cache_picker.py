@@ -29,21 +29,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
+import xxhash
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import engine_loads
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.metrics import RouterMetrics
+from vllm_stack.scheduling.framework import Completion, RequestContext
 from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of, token_block_keys
+from vllm_stack.scheduling.index.kv_events import EventBatch, KvEventIndexer
 from vllm_stack.scheduling.index.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
+from vllm_stack.scheduling.index.tokenizer_source import HubTokenizer, is_hub
 from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker, prefix_key
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 log = logging.getLogger(__name__)
+_xxh3 = xxhash.xxh3_64_intdigest
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 DEFAULT_BLOCK_TOKENS = 128  # vLLM's CPU block size; engines report theirs in vllm:cache_config_info
 
@@ -60,6 +67,8 @@ class PrefixCachePicker:
         match_threshold: float = 0.5,
         tokenizers: dict[str, Any] | None = None,
         inline_bytes: int = 16_384,
+        kv_events: KvEventIndexer | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.name = name
         self.index = index
@@ -68,8 +77,10 @@ class PrefixCachePicker:
         self.match_threshold = match_threshold
         self.tokenizers = tokenizers or {}  # model name -> ChatTokenizer
         self.inline_bytes = inline_bytes
+        self.kv_events = kv_events
+        self.metrics = metrics
         self._ids_key = name + "/ids"
-        self._turn = 0
+        self._predicted_key = name + "/predicted"
         self._short = ConsistentHashPicker("prefix", prefix_key, epsilon)
 
     @classmethod
@@ -82,22 +93,47 @@ class PrefixCachePicker:
         max_blocks = int(parameters.number("max_blocks", DEFAULT_MAX_BLOCKS, minimum=1))
         index = context.state.get((cls.type_name, name), lambda: PrefixIndex(max_blocks))
         index.max_blocks = max_blocks
-        tokenizers = {}
-        for model, directory in parameters.mapping("tokenizers").items():
+        tokenizers: dict[str, Any] = {}
+        for model, source in parameters.mapping("tokenizers").items():
             from vllm_stack.scheduling.index.tokens import ChatTokenizer  # only when one is configured
 
-            # Loaded once per directory and kept across reloads (a tokenizer takes a while to load).
+            # Loaded once per source and kept across reloads (a tokenizer takes a while to load);
+            # a Hub repository is fetched in the background (character blocks until it is there).
             tokenizers[model] = context.state.get(
-                ("tokenizer", directory), lambda d=directory: ChatTokenizer(d)
+                ("tokenizer", source),
+                lambda s=source: HubTokenizer(s) if is_hub(s) else ChatTokenizer(s),
             )
         inline = int(parameters.number("inline_bytes", 16_384, minimum=0))
-        return cls(name, index, epsilon, chars, threshold, tokenizers, inline)
+        mode = parameters.switch("kv_events", "auto")
+        # Event keys come from token ids: without a tokenizer no request key would ever match them.
+        events = None
+        if mode == "on" or (mode == "auto" and tokenizers):
+            events = context.state.get((cls.type_name, name, "kv_events"), lambda: KvEventIndexer(index))
+        return cls(name, index, epsilon, chars, threshold, tokenizers, inline, events, context.metrics)
+
+    # ---- KV events (vllm_stack.scheduling.index.feed.KvEventConsumer) ---------------------------------
+    @property
+    def wants_kv_events(self) -> bool:
+        return self.kv_events is not None
+
+    def apply_events(self, engine: Engine, batch: EventBatch) -> None:
+        if self.kv_events is not None:
+            self.kv_events.apply(engine.name, base_model(engine), batch, engine.kv_blocks)
+
+    def engine_reset(self, engine: Engine) -> None:
+        if self.kv_events is not None:
+            self.kv_events.forget_engine(engine.name)
 
     # ---- prepare-data: token ids, when the model's tokenizer is known ----------------------------------
     def prepare(self, ctx: RequestContext) -> asyncio.Future[None] | None:
+        ctx.keep_answer_end = self.metrics is not None  # the engine's usage: see response_complete
         tokenizer = self.tokenizers.get(ctx.model)
         if tokenizer is None or ctx.prompt is None:
             return None
+        if type(tokenizer) is HubTokenizer:
+            tokenizer = tokenizer.ready()
+            if tokenizer is None:
+                return None
         if len(ctx.body) <= self.inline_bytes:
             self._tokenize(ctx, tokenizer)
             return None
@@ -144,11 +180,14 @@ class PrefixCachePicker:
         n = len(engines)
         cap = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n)
         index = self.index
-        self._turn = (self._turn + 1) % (1 << 30)
+        seed = self._keys(ctx, engines[0].kv_block_size or DEFAULT_BLOCK_TOKENS)[0]
         matches = []
+        matched = []
         for e in engines:
             keys = self._keys(ctx, e.kv_block_size or DEFAULT_BLOCK_TOKENS)
-            matches.append(index.match(e.name, keys) / len(keys) if keys else 0.0)
+            blocks = index.match(e.name, keys)
+            matched.append(blocks)
+            matches.append(blocks / len(keys) if keys else 0.0)
         best_anywhere = max(matches)
         use_match = best_anywhere >= self.match_threshold and best_anywhere > 0
         best: tuple[float, float, int, int] | None = None
@@ -157,11 +196,15 @@ class PrefixCachePicker:
             if loads[i] >= cap and n > 1:
                 continue
             match = matches[i] if use_match else 0.0
-            rank = (-match, loads[i], index.blocks_of(e.name), (i + self._turn) % n)
+            # Ties go by a hash of the prompt's first block and the engine's name: different prompts
+            # spread, and every router replica given the same state makes the same choice.
+            rank = (-match, loads[i], index.blocks_of(e.name), tie_break(e.name, seed))
             if best is None or rank < best:
                 best, chosen = rank, i
         engine = engines[chosen]
-        keys = self._keys(ctx, engine.kv_block_size or DEFAULT_BLOCK_TOKENS)
+        block_tokens = engine.kv_block_size or DEFAULT_BLOCK_TOKENS
+        keys = self._keys(ctx, block_tokens)
+        ctx.cycle[self._predicted_key] = (matched[chosen] * block_tokens, block_tokens)
         index.record(engine.name, keys, engine.kv_blocks)
         match = matches[chosen]
         if use_match and match < best_anywhere:
@@ -172,15 +215,51 @@ class PrefixCachePicker:
             return engine, "prefix_spread"  # a short shared part only: placed as a new prefix
         return engine, "prefix_hit" if match == 1.0 else "prefix_partial"
 
+    # ---- response-complete: predicted against actual cached tokens -----------------------------------
+    def response_complete(self, ctx: RequestContext, completion: Completion) -> None:
+        if self.metrics is None or not completion.ok:
+            return
+        predicted = ctx.cycle.get(self._predicted_key)
+        if predicted is None:  # not placed by the index (a short prompt), or no engine was picked
+            return
+        tokens, block = predicted
+        found = _CACHED_TOKENS.findall(completion.answer_end or b"")
+        mode = "tokens" if self._ids_key in ctx.cycle else "characters"
+        self.metrics.observe_prefix_prediction(mode, tokens, int(found[-1]) if found else None, block)
+
     def describe(self) -> dict[str, Any]:
         """For ``GET /engines``: the block mode and the index's size."""
         index = self.index
         return {
             "mode": "characters",
-            "token_mode_models": sorted(self.tokenizers),
+            "index": "kv_events" if self.kv_events is not None else "routed",
+            "token_mode_models": sorted(
+                m
+                for m, t in self.tokenizers.items()
+                if type(t) is not HubTokenizer or t.tokenizer is not None
+            ),
+            "tokenizers": {
+                m: t.describe()
+                if type(t) is HubTokenizer
+                else {"source": str(t.directory), "state": "loaded"}
+                for m, t in self.tokenizers.items()
+            },
             "chars_per_token": self.chars_per_token,
             "match_threshold": self.match_threshold,
             "indexed_blocks": len(index),
             "max_blocks": index.max_blocks,
             "blocks_per_engine": {name: index.blocks_of(name) for name in index.engines()},
+            **({"kv_events": self.kv_events.describe()} if self.kv_events is not None else {}),
         }
+
+
+def tie_break(engine: str, seed: int) -> int:
+    return _xxh3(engine.encode(), seed)
+
+
+def base_model(engine: Engine) -> str:
+    """The engine's base model name (the chain seed of its blocks that no adapter computed)."""
+    for card in engine.model_cards:
+        if card.get("parent") is None and isinstance(card.get("id"), str):
+            return card["id"]
+    return min(engine.models) if engine.models else ""

@@ -1,0 +1,248 @@
+"""KV events, without engines: the indexer keys blocks as requests are keyed, and the feed recovers
+what its stream loses.
+
+The feed is fed by ``tests/fakes/kv_publisher.py``, a stand-in for vLLM's ZMQ publisher (same wire
+format, same replay protocol) that can drop a batch, restart its sequence or lose its buffer on cue,
+which a real engine cannot be told to do. The real engines' streams are tested in
+``test_kv_events_engine.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from tests.fakes.kv_publisher import FakeKvPublisher, removed, stored
+from vllm_stack.engines.circuit import CircuitBreaker
+from vllm_stack.engines.engine import Engine
+from vllm_stack.scheduling.index.blocks import salt_of, token_block_keys
+from vllm_stack.scheduling.index.feed import KvEventFeed, sources_from_engine
+from vllm_stack.scheduling.index.kv_events import EventBatch, KvEventIndexer, batch_decoder
+from vllm_stack.scheduling.index.prefix_index import PrefixIndex
+
+BS = 4
+MODEL = "m"
+
+
+def batch(*events: dict) -> EventBatch:
+    return batch_decoder.decode(msgspec.msgpack.encode([0.0, list(events), 0]))
+
+
+def test_indexer_keys_are_the_request_keys_and_follow_removals_and_clears() -> None:
+    index = PrefixIndex()
+    indexer = KvEventIndexer(index)
+    ids = list(range(100, 100 + 5 * BS))
+    want = token_block_keys(ids, BS, salt_of(MODEL, None))
+    # Two events, chained by the engine's parent hash (bytes, as vLLM's sha256 hashes are).
+    indexer.apply("e0", MODEL, batch(stored([b"h0", b"h1"], ids[: 2 * BS], BS)), None)
+    indexer.apply("e0", MODEL, batch(stored([b"h2", b"h3", b"h4"], ids[2 * BS :], BS, parent=b"h1")), None)
+    assert index.match("e0", want) == 5
+    # An adapter's blocks are seeded with its name, a cache_salt with the salt (vLLM's extra keys).
+    indexer.apply("e0", MODEL, batch(stored([7], ids[:BS], BS, lora_name="ad", extra_keys=[["ad"]])), None)
+    indexer.apply("e0", MODEL, batch(stored([8], ids[:BS], BS, extra_keys=[["s1"]])), None)
+    assert index.match("e0", token_block_keys(ids, BS, salt_of("ad", None))) == 1
+    assert index.match("e0", token_block_keys(ids, BS, salt_of(MODEL, "s1"))) == 1
+    # A block whose parent the router never saw cannot be keyed: counted, skipped.
+    indexer.apply("e0", MODEL, batch(stored([b"x"], ids[:BS], BS, parent=b"unknown")), None)
+    assert indexer.describe()["e0"]["orphans"] == 1
+    # Offload tiers are not the engine's prefix cache.
+    indexer.apply("e0", MODEL, batch(stored([b"c"], [1] * BS, BS, medium="CPU")), None)
+    assert index.match("e0", token_block_keys([1] * BS, BS, salt_of(MODEL, None))) == 0
+    indexer.apply("e0", MODEL, batch(removed([b"h3"])), None)
+    assert index.match("e0", want) == 3
+    indexer.apply("e0", MODEL, batch({"type": "AllBlocksCleared"}), None)
+    assert index.match("e0", want) == 0 and index.blocks_of("e0") == 0
+    # The hash map is bounded by the engine's capacity, as the index is.
+    for i in range(50):
+        indexer.apply("e1", MODEL, batch(stored([1000 + i], [i] * BS, BS)), 10)
+    assert indexer.describe()["e1"]["mapped"] == 10 and index.blocks_of("e1") == 10
+    indexer.forget_engine("e1")
+    assert "e1" not in indexer.describe() and index.blocks_of("e1") == 0
+
+
+def test_sources_from_engine_replace_the_wildcard_host() -> None:
+    doc = {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+        },
+        "1": {"enable_kv_cache_events": False, "publisher": "null"},
+    }
+    (src,) = sources_from_engine(doc, "http://10.1.2.3:8000")
+    assert (src.endpoint, src.replay) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
+    assert sources_from_engine({}, "http://h:1") == [] and sources_from_engine(None, "http://h:1") == []
+
+
+class Recorder:
+    """A consumer that keeps what the feed hands it."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []  # the block hashes stored, per batch
+        self.resets = 0
+
+    def apply_events(self, engine: Engine, batch: EventBatch) -> None:
+        self.batches.append([h for e in batch.events for h in getattr(e, "block_hashes", ())])
+
+    def engine_reset(self, engine: Engine) -> None:
+        self.resets += 1
+
+
+async def until(predicate, within: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.02)
+
+
+def one(pub: FakeKvPublisher, n: int, send: bool = True) -> int:
+    return pub.publish(stored([n], [n] * BS, BS), send=send)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_feed_replays_what_it_missed_and_resets_when_it_cannot(replay: bool) -> None:
+    pub = FakeKvPublisher(replay=replay, buffer_steps=5)
+    engine = Engine("e0", "http://127.0.0.1:1", CircuitBreaker(5, 10.0))
+    engine.healthy = True
+    engine.kv_events_endpoint, engine.kv_replay_endpoint = pub.endpoint, pub.replay_endpoint
+    rec = Recorder()
+
+    async def no_sources(_engine: Engine) -> None:
+        raise AssertionError("discovery gave the endpoint; the engine is not asked")
+
+    feed = KvEventFeed(lambda: [engine], no_sources)
+    feed.consumers = (rec,)
+    task = asyncio.ensure_future(feed.run(interval=0.05))
+    try:
+        for n in range(3):  # published before the router subscribed
+            one(pub, n)
+        await until(lambda: "e0" in feed.stats)
+        # Until the subscription is up, batches are lost on the wire (ZMQ's late joiner): keep
+        # publishing until one arrives. With replay, everything from seq 0 is then applied in order.
+        n = 3
+        while not rec.batches:
+            one(pub, n)
+            n += 1
+            await asyncio.sleep(0.05)
+        await until(lambda: feed.stats["e0"][0].last_seq == n - 1)
+        if replay:
+            assert rec.batches == [[i] for i in range(n)] and rec.resets == 0
+        else:
+            assert rec.resets == 0 and rec.batches[-1] == [n - 1]
+        stats = feed.stats["e0"][0]
+        # One batch lost on the wire: replayed from the buffer, or (no replay) the engine reset.
+        rec.batches.clear()
+        one(pub, 100, send=False)
+        one(pub, 101)
+        await until(lambda: stats.last_seq == n + 1)
+        assert stats.gaps == 1
+        if replay:
+            assert rec.batches == [[100], [101]] and rec.resets == 0
+        else:
+            assert rec.batches == [[101]] and rec.resets == 1
+        # More lost than the engine's buffer holds: reset, then what the buffer still had.
+        resets = rec.resets
+        rec.batches.clear()
+        for k in range(8):
+            one(pub, 200 + k, send=False)
+        one(pub, 300)
+        await until(lambda: stats.last_seq == n + 10)
+        assert rec.resets == resets + 1
+        assert rec.batches == ([[204], [205], [206], [207], [300]] if replay else [[300]])
+        # The engine restarted: its sequence starts again, its cache is empty.
+        resets = rec.resets
+        pub.restart()
+        one(pub, 400)
+        await until(lambda: stats.last_seq == 0)
+        assert rec.resets == resets + 1 and rec.batches[-1] == [400]
+        # The engine left: its subscription ends.
+        feed_engines: list[Engine] = []
+        feed._engines = lambda: feed_engines  # noqa: SLF001 - the registry's list, emptied
+        await until(lambda: "e0" not in feed.stats)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close()
+
+
+def events_setup(tokenizer_dir: str) -> object:
+    from vllm_stack.config import RouterConfig
+    from vllm_stack.metrics import RouterMetrics
+    from vllm_stack.scheduling.config import build_scheduling
+    from vllm_stack.scheduling.plugins import builtin_registry
+    from vllm_stack.scheduling.profiles import scheduling_config
+    from vllm_stack.scheduling.registry import PluginState
+
+    config = RouterConfig(routing_logic="prefixaware", tokenizers={MODEL: tokenizer_dir})
+    return build_scheduling(scheduling_config(config), builtin_registry(), PluginState(), RouterMetrics())
+
+
+def pool(n: int, block_size: int) -> list[Engine]:
+    out = []
+    for i in range(n):
+        e = Engine(f"e{i}", f"http://10.0.0.{i}:8000", CircuitBreaker(5, 10.0))
+        e.healthy, e.kv_block_size, e.kv_blocks = True, block_size, 10_000
+        e.model_cards = ({"id": MODEL, "parent": None},)
+        out.append(e)
+    return out
+
+
+def chat(user: int, turns: int) -> list[dict]:
+    messages = [{"role": "system", "content": "You answer from the shared handbook. " * 4}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"user {user} question {t} " * 10})
+        messages.append({"role": "assistant", "content": f"answer {t} to {user} " * 5})
+    return messages[:-1]
+
+
+async def test_two_replicas_fed_the_same_events_make_the_same_decisions(tiny_model_dir) -> None:  # noqa: ANN001
+    """Two routers (separate processes in production: separate plugin state here) that see the same
+    events and the same engine loads choose the same engine for every request: follow-up turns where
+    the events say their conversation is, new conversations by the same deterministic tie-break."""
+    import json
+
+    from vllm_stack.scheduling.framework import RequestContext
+    from vllm_stack.scheduling.index.tokens import ChatTokenizer
+
+    bs = 16
+    tokenizer = ChatTokenizer(tiny_model_dir)
+    replicas = [events_setup(str(tiny_model_dir)) for _ in range(2)]
+    pools = [pool(3, bs), pool(3, bs)]
+    # Conversations 0..5 were prefilled (by some other router) on engine u % 3, as its events say.
+    for u in range(6):
+        ids = tokenizer.chat_ids({"messages": chat(u, 2)})
+        whole = len(ids) // bs
+        event = stored([u * 1000 + b for b in range(whole)], ids[: whole * bs], bs)
+        for setup, engines in zip(replicas, pools, strict=True):
+            setup.plugins["prefix-cache-picker"].apply_events(engines[u % 3], batch(event))
+    # The second replica has routed other traffic (to other engines) before: what it decides for these
+    # requests must not depend on its own history.
+    other = pool(3, bs)
+    for o in other:
+        o.name = "x" + o.name
+    for user in range(100, 102):
+        messages = chat(user, 1)
+        body = json.dumps({"model": MODEL, "messages": messages}).encode()
+        replicas[1].scheduler.schedule(RequestContext(MODEL, body=body, prompt=body), other)
+    decisions: list[list[tuple[str, str]]] = [[], []]
+    for user, turns in [(u, 3) for u in range(6)] + [(u, 1) for u in range(10, 22)]:
+        messages = chat(user, turns)
+        body = json.dumps({"model": MODEL, "messages": messages}).encode()
+        for k, (setup, engines) in enumerate(zip(replicas, pools, strict=True)):
+            ctx = RequestContext(MODEL, body=body, prompt=json.dumps(messages).encode())
+            for hook in setup.hooks.prepare:
+                pending = hook(ctx)
+                if pending is not None:
+                    await pending
+            result = setup.scheduler.schedule(ctx, engines)
+            decisions[k].append((result.engine.name, result.reason))
+    assert decisions[0] == decisions[1]
+    follow_ups, new = decisions[0][:6], decisions[0][6:]
+    assert [name for name, _ in follow_ups] == [f"e{u % 3}" for u in range(6)]
+    assert {reason for _, reason in follow_ups} <= {"prefix_hit", "prefix_partial"}
+    assert len({name for name, _ in new}) == 3  # new conversations spread over the engines
