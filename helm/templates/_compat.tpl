@@ -15,7 +15,7 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
 {{- with $r.otel }}{{ $n = append $n (printf "routerSpec.otel: the vllm-stack router has no tracing yet: no spans are sent%s (the engines' own OTEL_* env, if any, is passed through)" (ternary (printf " to %s" .endpoint) "" (not (empty .endpoint)))) }}{{ end -}}
 {{- with $r.lmcacheConfig }}{{ $n = append $n "routerSpec.lmcacheConfig: ignored: production-stack's router embeds LMCache for kvaware routing only; this router does not" }}{{ end -}}
-{{- if and $r.hf_token (kindIs "string" $r.hf_token) }}{{ $n = append $n "routerSpec.hf_token: not needed: the vllm-stack router never loads a tokenizer" }}{{ end -}}
+{{- if and $r.hf_token (ne $r.routingLogic "prefixaware") }}{{ $n = append $n (printf "routerSpec.hf_token: unused with routingLogic %s: the vllm-stack router fetches tokenizers only for prefixaware routing" $r.routingLogic) }}{{ end -}}
 {{- $ctlPorts := list -}}
 {{- range list "lmcacheControllerPort" "lmcacheControllerReplyPort" "lmcacheControllerHeartbeatPort" }}{{ if not (empty (get $r .)) }}{{ $ctlPorts = append $ctlPorts (printf "routerSpec.%s" .) }}{{ end }}{{ end -}}
 {{- with $ctlPorts }}{{ $n = append $n (printf "%s: production-stack's router hosts an LMCache controller there for kvaware routing only; with routingLogic %s nothing uses it and this router hosts none" (join ", " .) $r.routingLogic) }}{{ end -}}

@@ -32,7 +32,12 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- with (include "vllm-stack.engine.chatTemplatePath" .) }}{{ $args = append (append $args "--chat-template") . }}{{ end -}}
 {{- if eq (include "vllm-stack.kvEvents.enabled" $root) "true" -}}
 {{- $kv := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $root.Values.servingEngineSpec.kvEvents.port)) -}}
+{{- with $root.Values.servingEngineSpec.kvEvents.replayPort }}{{ $_ := set $kv "replay_endpoint" (printf "tcp://*:%d" (int .)) }}{{ end -}}
 {{- $args = append (append $args "--kv-events-config") (toJson $kv) -}}
+{{- end -}}
+{{- /* The engine's cached-token count per request: the router's predicted-versus-actual hit metric. */ -}}
+{{- if and (eq (include "vllm-stack.router.prefixAware" $root) "true") (not (has "--enable-prompt-tokens-details" ($vc.extraArgs | default list))) -}}
+{{- $args = append $args "--enable-prompt-tokens-details" -}}
 {{- end -}}
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" -}}
 {{- $role := "kv_both" -}}

@@ -154,6 +154,52 @@ Decisions shared by several templates.
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the router routes by prompt prefix (and so wants KV events, tokenizers and the
+     engines' cached-token counts). */}}
+{{- define "vllm-stack.router.prefixAware" -}}
+{{- if and .Values.routerSpec.enableRouter (eq .Values.routerSpec.routingLogic "prefixaware") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The router's --tokenizers value: model=source pairs, comma-separated (empty: none). Given
+     routerSpec.tokenizers first; with fetchTokenizers, every enabled model whose modelURL is a Hub
+     repository (ORG/NAME, not a path) gets hf:ORG/NAME[@modelRevision]. */}}
+{{- define "vllm-stack.router.tokenizers" -}}
+{{- $r := .Values.routerSpec -}}
+{{- $pairs := dict -}}
+{{- if eq (include "vllm-stack.router.prefixAware" .) "true" -}}
+{{- $root := . -}}
+{{- if $r.fetchTokenizers -}}
+{{- range $m := .Values.servingEngineSpec.modelSpec -}}
+{{- $url := $m.modelURL | default "" -}}
+{{- if and (eq (include "vllm-stack.model.enabled" (dict "root" $root "model" $m)) "true") (regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$" $url) -}}
+{{- $_ := set $pairs (include "vllm-stack.model.servedName" (dict "root" $root "model" $m)) (printf "hf:%s%s" $url (ternary (printf "@%s" (toString $m.modelRevision)) "" (not (empty $m.modelRevision)))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $k, $v := $r.tokenizers }}{{ $_ := set $pairs $k $v }}{{ end -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $k, $v := $pairs }}{{ $out = append $out (printf "%s=%s" $k $v) }}{{ end -}}
+{{- join "," $out -}}
+{{- end -}}
+
+{{/* The Hugging Face token the router fetches tokenizers with: a secretKeyRef body, or empty. */}}
+{{- define "vllm-stack.router.hfTokenRef" -}}
+{{- $r := .Values.routerSpec -}}
+{{- if $r.hf_token -}}
+{{- include "vllm-stack.secretKeyRef" (dict "root" . "value" $r.hf_token "key" "hfToken-router") -}}
+{{- else -}}
+{{- $root := . -}}
+{{- $found := "" -}}
+{{- range $m := .Values.servingEngineSpec.modelSpec -}}
+{{- if and (not $found) $m.hf_token (eq (include "vllm-stack.model.enabled" (dict "root" $root "model" $m)) "true") (or (kindIs "string" $m.hf_token) $m.hf_token.secretName) -}}
+{{- $found = include "vllm-stack.secretKeyRef" (dict "root" $root "value" $m.hf_token "key" (printf "hfToken-%s" $m.name)) -}}
+{{- end -}}
+{{- end -}}
+{{- $found -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Secret holding VLLM_API_KEY: (dict name key) or empty when no key is configured. */}}
 {{- define "vllm-stack.vllmApiKeyRef" -}}
 {{- $k := .Values.servingEngineSpec.vllmApiKey -}}

@@ -10,6 +10,7 @@
 {{- end -}}
 {{- $args = concat $args (list "--routing-logic" $r.routingLogic) -}}
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
+{{- with (include "vllm-stack.router.tokenizers" .) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}
 {{- $args = concat $args (list "--engine-scrape-interval" (include "vllm-stack.str" $r.engineScrapeInterval) "--health-check-interval" (include "vllm-stack.str" $r.healthCheckInterval) "--request-timeout" (include "vllm-stack.str" $r.requestTimeout) "--max-body-bytes" (include "vllm-stack.str" $r.maxBodyBytes) "--log-level" $r.logLevel) -}}
 {{- /* What is left of the pod's grace period after the preStop sleep, minus 5 s to exit cleanly. */}}
 {{- $grace := max 1 (sub (sub (int $r.terminationGracePeriodSeconds) (int $r.preStopSleepSeconds)) 5) -}}
