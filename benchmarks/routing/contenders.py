@@ -1,0 +1,258 @@
+"""The routers compared by the routing-quality benchmark: how to start each one and when it is ready.
+
+Each contender is a router process started fresh for each run, in its own process group (the Rust
+router's launcher hands over to a child process, and a group can be stopped as a whole), with
+PR_SET_PDEATHSIG so that no router outlives the benchmark even if the benchmark is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ROOT / ".venv" / "bin" / "vllm-stack"
+SESSION_HEADER_FLAG = "x-user-id"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every contender is given: the two engines and the model they serve."""
+
+    engine_urls: list[str]
+    kv_event_ports: list[int | None]
+    model: str
+    model_dir: Path
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A router configuration: its name in the report, its family ("ours" or "rust") and command."""
+
+    name: str
+    family: str
+    command: Callable[[Setup, int, int], list[str]]  # (setup, port, metrics port) -> argv
+    env: Callable[[Setup], dict[str, str]] = lambda _setup: {}
+
+
+def our_router_help() -> str:
+    """Our installed router's --help text: its flags change while strategies are being built."""
+    return subprocess.run([str(OURS), "router", "--help"], capture_output=True, text=True, check=False).stdout
+
+
+def our_routing_logics(help_text: str) -> set[str]:
+    """The --routing-logic choices listed in `help_text`."""
+    for line in help_text.splitlines():
+        if "--routing-logic {" in line:
+            return set(line.split("{", 1)[1].split("}", 1)[0].split(","))
+    return set()
+
+
+def kv_mode_args(logic: str, help_text: str) -> list[str] | None:
+    """Flags that select `logic` on our router as it is now, or None if it does not offer it.
+
+    "prefixaware" is the approximate index (`--kv-events off` where that flag exists, since token mode
+    may follow KV events by default); "kvaware" is the precise one: `--routing-logic kvaware` where
+    offered, else `prefixaware --kv-events on`."""
+    logics = our_routing_logics(help_text)
+    has_kv_flag = "--kv-events" in help_text
+    if logic == "kvaware":
+        if "kvaware" in logics:
+            return ["--routing-logic", "kvaware"]
+        if has_kv_flag and "prefixaware" in logics:
+            return ["--routing-logic", "prefixaware", "--kv-events", "on"]
+        return None
+    if logic not in logics:
+        return None
+    if logic == "prefixaware" and has_kv_flag:
+        return ["--routing-logic", "prefixaware", "--kv-events", "off"]
+    return ["--routing-logic", logic]
+
+
+def _ours(logic: str, tokenizers: bool = False) -> Callable[[Setup, int, int], list[str]]:
+    """Command line of our router running strategy `logic` on `port`.
+
+    The session header is named explicitly (`--session-key x-user-id`, the header the workloads send)
+    so the comparison does not depend on the router's default header name."""
+
+    def command(setup: Setup, port: int, _metrics_port: int) -> list[str]:
+        selected = kv_mode_args(logic, our_router_help())
+        if selected is None:
+            raise RuntimeError(f"our router no longer offers {logic}")
+        args = [
+            str(OURS), "router",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--static-backends", ",".join(setup.engine_urls),
+            *selected,
+            "--session-key", SESSION_HEADER_FLAG,
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if tokenizers:
+            args += ["--tokenizers", f"{setup.model}={setup.model_dir}"]
+        return args
+
+    return command
+
+
+def _rust(policy: str, kv_events: bool = False) -> Callable[[Setup, int, int], list[str]]:
+    """Command line of the Rust vllm-router with `--policy policy` on `port` (installed on first use)."""
+
+    def command(setup: Setup, port: int, metrics_port: int) -> list[str]:
+        from run import install_reference  # benchmarks/router/run.py
+
+        args = [
+            str(install_reference()),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *setup.engine_urls,
+            "--policy", policy,
+            "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if kv_events:
+            for url, kv_port in zip(setup.engine_urls, setup.kv_event_ports, strict=True):
+                args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{kv_port}"]
+            args += ["--kv-event-block-size", str(setup.block_size), "--kv-event-model", setup.model]
+        return args
+
+    return command
+
+
+def _rust_env(setup: Setup) -> dict[str, str]:
+    """The Rust router finds a local tokenizer through VLLM_ROUTER_TOKENIZER (when it tokenizes at all)."""
+    return {"VLLM_ROUTER_TOKENIZER": str(setup.model_dir)}
+
+
+CONTENDERS: dict[str, Contender] = {
+    "ours-roundrobin": Contender("ours-roundrobin", "ours", _ours("roundrobin")),
+    "ours-session": Contender("ours-session", "ours", _ours("session")),
+    "ours-prefixaware": Contender("ours-prefixaware", "ours", _ours("prefixaware", tokenizers=True)),
+    "ours-kvaware": Contender("ours-kvaware", "ours", _ours("kvaware", tokenizers=True)),
+    "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
+    "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
+}
+
+
+def unavailable(name: str) -> str | None:
+    """Why contender `name` cannot run here, or None. Checked once, before any engine starts."""
+    contender = CONTENDERS[name]
+    if contender.family == "ours":
+        logic = name.split("-", 1)[1]
+        if kv_mode_args(logic, our_router_help()) is None:
+            return f"`vllm-stack router --help` offers neither --routing-logic {logic} nor --kv-events on"
+        return None
+    try:
+        from run import install_reference
+
+        install_reference()
+    except (subprocess.CalledProcessError, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        return f"vllm-router could not be installed: {str(detail).strip().splitlines()[-1:]}"
+    return None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the benchmark dies (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+@dataclass
+class RouterProcess:
+    """A started router: its process (group leader), port and log."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    metrics_url: str
+
+    def policy_metrics(self, limit: int = 60) -> list[str]:
+        """The router's own metrics about cache/KV/policy decisions, to see what a policy really did.
+
+        Why: a KV-aware policy that silently falls back to load-only scoring looks like a bad
+        cache policy in the engines' figures; its own counters tell the two apart."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+                text = response.read().decode(errors="replace")
+        except (OSError, ValueError) as exc:
+            return [f"(metrics not read: {exc})"]
+        pattern = re.compile(r"kv|cache|prefix|policy|tokeni", re.IGNORECASE)
+        lines = [line for line in text.splitlines() if line and line[0] != "#" and pattern.search(line)]
+        return lines[:limit]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the router's process group, SIGKILL what is left after `timeout` seconds."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+
+
+def start(
+    contender: Contender, setup: Setup, port: int, metrics_port: int, log_dir: Path, tag: str
+) -> RouterProcess:
+    """Start `contender` on `port` (Rust: metrics on `metrics_port`); output to log_dir/<tag>.log."""
+    log_path = log_dir / f"{tag}.log"
+    command = contender.command(setup, port, metrics_port)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(contender.env(setup))
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(command) + "\n").encode())
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    metrics = metrics_port if contender.family == "rust" else port
+    return RouterProcess(contender.name, process, port, log_path, f"http://127.0.0.1:{metrics}/metrics")
+
+
+def wait_ready(router: RouterProcess, model: str, timeout: float = 90.0) -> None:
+    """Until the router answers /v1/models listing `model` (it has found the engines), or fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if router.process.poll() is not None:
+            raise RuntimeError(f"{router.name} exited with {router.process.returncode}:\n{router.log_tail()}")
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{router.url}/v1/models", timeout=2) as response:
+                if response.status == 200 and f'"{model}"' in response.read().decode():
+                    return
+        time.sleep(0.3)
+    raise TimeoutError(f"{router.name} not ready in {timeout:.0f} s:\n{router.log_tail()}")
+
+
+def add_router_benchmarks_to_path() -> None:
+    """benchmarks/router/run.py holds install_reference(); make it importable as `run`."""
+    path = str(ROOT / "benchmarks" / "router")
+    if path not in sys.path:
+        sys.path.insert(0, path)
