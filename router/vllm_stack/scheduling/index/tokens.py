@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from vllm_stack.config import ConfigError
+from vllm_stack.scheduling.index.prefix_tokens import PrefixTokenCache
 
 
 def _raise(message: str) -> None:
@@ -54,6 +55,11 @@ class ChatTokenizer:
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
         self._template = env.from_string(template) if isinstance(template, str) else None
+        special = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        self.prefixes = PrefixTokenCache(self._encode_plain, special)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     @property
     def has_chat_template(self) -> bool:
@@ -77,8 +83,9 @@ class ChatTokenizer:
         )
 
     def chat_ids(self, request: Mapping[str, Any]) -> list[int]:
-        """Token ids of a chat request (rendered, then encoded without added special tokens)."""
-        return self.tokenizer.encode(self.render(request), add_special_tokens=False).ids
+        """Token ids of a chat request (rendered, then encoded without added special tokens); the
+        conversation's earlier turns come from :class:`PrefixTokenCache`."""
+        return self.prefixes.ids(self.render(request))
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a completion prompt (special tokens added, as the engine does)."""
