@@ -246,3 +246,39 @@ async def test_two_replicas_fed_the_same_events_make_the_same_decisions(tiny_mod
     assert [name for name, _ in follow_ups] == [f"e{u % 3}" for u in range(6)]
     assert {reason for _, reason in follow_ups} <= {"prefix_hit", "prefix_partial"}
     assert len({name for name, _ in new}) == 3  # new conversations spread over the engines
+
+
+async def test_an_adapter_uses_its_base_models_tokenizer_and_meets_its_events(tiny_model_dir) -> None:  # noqa: ANN001
+    """An adapter's requests are tokenized with its base model's tokenizer (learnt from the engines'
+    model cards after its first request) and keyed with the adapter's name, as the engine's events
+    for that adapter are."""
+    import json
+
+    from vllm_stack.scheduling.framework import RequestContext
+    from vllm_stack.scheduling.index.tokens import ChatTokenizer
+
+    bs = 16
+    setup = events_setup(str(tiny_model_dir))
+    picker = setup.plugins["prefix-cache-picker"]
+    engines = pool(2, bs)
+    for e in engines:
+        e.model_cards = ({"id": MODEL, "parent": None}, {"id": "ad", "parent": MODEL})
+    messages = chat(1, 2)
+    body = json.dumps({"model": "ad", "messages": messages}).encode()
+    ids = ChatTokenizer(tiny_model_dir).chat_ids({"messages": messages})
+    whole = len(ids) // bs
+    event = stored(list(range(whole)), ids[: whole * bs], bs, lora_name="ad", extra_keys=[["ad"]] * whole)
+    picker.apply_events(engines[1], batch(event))
+
+    def route() -> tuple[RequestContext, str, str]:
+        ctx = RequestContext("ad", body=body, prompt=json.dumps(messages).encode())
+        for hook in setup.hooks.prepare:
+            assert hook(ctx) is None
+        result = setup.scheduler.schedule(ctx, engines)
+        return ctx, result.engine.name, result.reason
+
+    ctx, _, _ = route()  # the first: character blocks, and the base model is learnt
+    assert "prefix-cache-picker/ids" not in ctx.cycle
+    ctx, name, reason = route()
+    assert ctx.cycle["prefix-cache-picker/ids"] == ids
+    assert (name, reason) == ("e1", "prefix_hit")  # where the adapter's events said its blocks are

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _xxh3 = xxhash.xxh3_64_intdigest
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
+MAX_ADAPTERS = 10_000  # adapters whose base model is remembered
 DEFAULT_BLOCK_TOKENS = 128  # vLLM's CPU block size; engines report theirs in vllm:cache_config_info
 
 
@@ -81,6 +82,8 @@ class PrefixCachePicker:
         self.metrics = metrics
         self._ids_key = name + "/ids"
         self._predicted_key = name + "/predicted"
+        # adapter name -> its base model (from the engines' model cards), whose tokenizer it uses
+        self._bases: dict[str, str] = {}
         self._short = ConsistentHashPicker("prefix", prefix_key, epsilon)
 
     @classmethod
@@ -128,6 +131,9 @@ class PrefixCachePicker:
     def prepare(self, ctx: RequestContext) -> asyncio.Future[None] | None:
         ctx.keep_answer_end = self.metrics is not None  # the engine's usage: see response_complete
         tokenizer = self.tokenizers.get(ctx.model)
+        if tokenizer is None:
+            base = self._bases.get(ctx.model)
+            tokenizer = self.tokenizers.get(base) if base else None
         if tokenizer is None or ctx.prompt is None:
             return None
         if type(tokenizer) is HubTokenizer:
@@ -174,6 +180,8 @@ class PrefixCachePicker:
     def pick(
         self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None
     ) -> tuple[Engine, str]:
+        if self.tokenizers and ctx.model not in self.tokenizers and ctx.model not in self._bases:
+            self._learn_base(ctx.model, engines[0])
         if not self._keys(ctx, engines[0].kv_block_size or DEFAULT_BLOCK_TOKENS):
             return self._short.pick(ctx, engines, scores)
         loads = engine_loads(engines)
@@ -215,6 +223,18 @@ class PrefixCachePicker:
             return engine, "prefix_spread"  # a short shared part only: placed as a new prefix
         return engine, "prefix_hit" if match == 1.0 else "prefix_partial"
 
+    def _learn_base(self, model: str, engine: Engine) -> None:
+        """Note an adapter's base model, so its next requests are tokenized with the base's tokenizer
+        (this one goes by character blocks). Bounded: adapters are bounded per engine by the registry."""
+        if len(self._bases) >= MAX_ADAPTERS:
+            return
+        for card in engine.model_cards:
+            if card.get("id") == model:
+                parent = card.get("parent")
+                # "" for a model without a tokenizer of its own or of its base: not looked up again
+                self._bases[model] = parent if isinstance(parent, str) and parent in self.tokenizers else ""
+                return
+
     # ---- response-complete: predicted against actual cached tokens -----------------------------------
     def response_complete(self, ctx: RequestContext, completion: Completion) -> None:
         if self.metrics is None or not completion.ok:
@@ -231,7 +251,8 @@ class PrefixCachePicker:
         """For ``GET /engines``: the block mode and the index's size."""
         index = self.index
         return {
-            "mode": "characters",
+            # Per model: token blocks for token_mode_models, character blocks for every other model.
+            "mode": "tokens" if self.tokenizers else "characters",
             "index": "kv_events" if self.kv_events is not None else "routed",
             "token_mode_models": sorted(
                 m
