@@ -30,23 +30,27 @@ def salt_of(*parts: str | None) -> int:
 def char_block_keys(data: bytes | memoryview, block_chars: int, salt: int, limit: int = 1 << 16) -> list[int]:
     """Keys of the whole ``block_chars``-byte blocks of ``data`` (at most ``limit`` of them)."""
     view = memoryview(data)
-    keys: list[int] = []
-    key = salt
-    whole = min(len(view) // block_chars, limit)
-    for i in range(whole):
-        key = _xxh3(view[i * block_chars : (i + 1) * block_chars], key)
-        keys.append(key)
-    return keys
+    return _chain(view, block_chars, min(len(view) // block_chars, limit), salt)
 
 
 def token_block_keys(ids: Sequence[int], block_size: int, salt: int, limit: int = 1 << 16) -> list[int]:
     """Chained keys of the whole ``block_size``-token blocks of ``ids`` (at most ``limit``): the
     token-mode keys, from the router's own tokenization or from an engine's KV events alike."""
-    view = memoryview(array("I", ids).tobytes())
-    step = 4 * block_size
+    whole = min(len(ids) // block_size, limit)
+    if whole <= 0:
+        return []
+    view = memoryview(array("I", ids[: whole * block_size]).tobytes())
+    return _chain(view, 4 * block_size, whole, salt)
+
+
+def _chain(view: memoryview, step: int, count: int, salt: int) -> list[int]:
+    """The chain over ``count`` blocks of ``step`` bytes (slices made first: the loop is the cost)."""
+    blocks = [view[i : i + step] for i in range(0, count * step, step)]
     keys: list[int] = []
+    append = keys.append
+    hash_ = _xxh3
     key = salt
-    for i in range(min(len(ids) // block_size, limit)):
-        key = _xxh3(view[i * step : (i + 1) * step], key)
-        keys.append(key)
+    for block in blocks:
+        key = hash_(block, key)
+        append(key)
     return keys

@@ -55,9 +55,9 @@ class PrefixIndex:
         if held is None:
             held = self._by_engine[engine] = {}
         before = len(held)
+        pop = held.pop
         for key in keys:
-            if key in held:
-                del held[key]  # re-inserted below: now the most recent
+            pop(key, None)  # re-inserted: now the most recent
             held[key] = None
         limit = capacity or DEFAULT_ENGINE_BLOCKS
         if len(held) > limit:
