@@ -438,3 +438,21 @@ async def test_pod_deleted_during_a_watch_gap_gets_no_traffic_after_the_relist(a
             codes = [(await h.post("/v1/completions", json=body)).status_code for _ in range(20)]
     assert codes == [200] * 20
     assert a.completed == served_by_a, "the deleted pod still got traffic"
+
+
+async def test_a_pods_kv_event_ports_are_reported(api: FakeKubeApi, start: Start) -> None:
+    """The chart names the engine container's KV-event publisher and replay ports; the router
+    subscribes to them (vllm_stack.scheduling.index.feed) without asking the engine."""
+    api.add_pod("a", labels=LABELS, ip="10.1.2.3")
+
+    def ports(pod: dict) -> None:
+        pod["spec"]["containers"][0]["ports"] = [
+            {"name": "http", "containerPort": PORT},
+            {"name": "kv-events", "containerPort": 5557},
+            {"name": "kv-replay", "containerPort": 5558},
+        ]
+
+    api.update_pod("a", ports)
+    recorder = await start()
+    (endpoint,) = await recorder.wait_for(lambda s: bool(s))
+    assert (endpoint.kv_events, endpoint.kv_replay) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
