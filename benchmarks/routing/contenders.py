@@ -46,55 +46,29 @@ class Contender:
     env: Callable[[Setup], dict[str, str]] = lambda _setup: {}
 
 
-def our_router_help() -> str:
-    """Our installed router's --help text: its flags change while strategies are being built."""
-    return subprocess.run([str(OURS), "router", "--help"], capture_output=True, text=True, check=False).stdout
+#: Our router's flags per contender. ``prefixaware`` with the model's tokenizer follows the engines'
+#: KV events by default (``--kv-events auto``); ``ours-approx`` turns that off, leaving the index of
+#: what the router itself sent where.
+OUR_FLAGS: dict[str, tuple[str, ...]] = {
+    "ours-roundrobin": ("--routing-logic", "roundrobin"),
+    "ours-session": ("--routing-logic", "session"),
+    "ours-approx": ("--routing-logic", "prefixaware", "--kv-events", "off"),
+    "ours-kvevents": ("--routing-logic", "prefixaware", "--kv-events", "on"),
+}
 
 
-def our_routing_logics(help_text: str) -> set[str]:
-    """The --routing-logic choices listed in `help_text`."""
-    for line in help_text.splitlines():
-        if "--routing-logic {" in line:
-            return set(line.split("{", 1)[1].split("}", 1)[0].split(","))
-    return set()
-
-
-def kv_mode_args(logic: str, help_text: str) -> list[str] | None:
-    """Flags that select `logic` on our router as it is now, or None if it does not offer it.
-
-    "prefixaware" is the approximate index (`--kv-events off` where that flag exists, since token mode
-    may follow KV events by default); "kvaware" is the precise one: `--routing-logic kvaware` where
-    offered, else `prefixaware --kv-events on`."""
-    logics = our_routing_logics(help_text)
-    has_kv_flag = "--kv-events" in help_text
-    if logic == "kvaware":
-        if "kvaware" in logics:
-            return ["--routing-logic", "kvaware"]
-        if has_kv_flag and "prefixaware" in logics:
-            return ["--routing-logic", "prefixaware", "--kv-events", "on"]
-        return None
-    if logic not in logics:
-        return None
-    if logic == "prefixaware" and has_kv_flag:
-        return ["--routing-logic", "prefixaware", "--kv-events", "off"]
-    return ["--routing-logic", logic]
-
-
-def _ours(logic: str, tokenizers: bool = False) -> Callable[[Setup, int, int], list[str]]:
-    """Command line of our router running strategy `logic` on `port`.
+def _ours(name: str, tokenizers: bool = False) -> Callable[[Setup, int, int], list[str]]:
+    """Command line of our router as contender `name` on `port`.
 
     The session header is named explicitly (`--session-key x-user-id`, the header the workloads send)
     so the comparison does not depend on the router's default header name."""
 
     def command(setup: Setup, port: int, _metrics_port: int) -> list[str]:
-        selected = kv_mode_args(logic, our_router_help())
-        if selected is None:
-            raise RuntimeError(f"our router no longer offers {logic}")
         args = [
             str(OURS), "router",
             "--host", "127.0.0.1", "--port", str(port),
             "--static-backends", ",".join(setup.engine_urls),
-            *selected,
+            *OUR_FLAGS[name],
             "--session-key", SESSION_HEADER_FLAG,
             "--log-level", "warning",
         ]  # fmt: skip
@@ -135,10 +109,10 @@ def _rust_env(setup: Setup) -> dict[str, str]:
 
 
 CONTENDERS: dict[str, Contender] = {
-    "ours-roundrobin": Contender("ours-roundrobin", "ours", _ours("roundrobin")),
-    "ours-session": Contender("ours-session", "ours", _ours("session")),
-    "ours-prefixaware": Contender("ours-prefixaware", "ours", _ours("prefixaware", tokenizers=True)),
-    "ours-kvaware": Contender("ours-kvaware", "ours", _ours("kvaware", tokenizers=True)),
+    "ours-roundrobin": Contender("ours-roundrobin", "ours", _ours("ours-roundrobin")),
+    "ours-session": Contender("ours-session", "ours", _ours("ours-session")),
+    "ours-approx": Contender("ours-approx", "ours", _ours("ours-approx", tokenizers=True)),
+    "ours-kvevents": Contender("ours-kvevents", "ours", _ours("ours-kvevents", tokenizers=True)),
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }
@@ -148,9 +122,6 @@ def unavailable(name: str) -> str | None:
     """Why contender `name` cannot run here, or None. Checked once, before any engine starts."""
     contender = CONTENDERS[name]
     if contender.family == "ours":
-        logic = name.split("-", 1)[1]
-        if kv_mode_args(logic, our_router_help()) is None:
-            return f"`vllm-stack router --help` offers neither --routing-logic {logic} nor --kv-events on"
         return None
     try:
         from run import install_reference
