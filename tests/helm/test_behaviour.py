@@ -269,12 +269,28 @@ def test_multi_model_secrets_api_key_and_kv_events():
         "name": "hf-token",
         "key": "token",
     }
-    # prefixaware routing turns KV-event publishing on
+    # prefixaware routing turns KV-event publishing on (with replay, and the engines' cached-token
+    # counts for the predicted-versus-actual metric) ...
     for d in (llama, qwen):
         c = container(d)
         cfg = json.loads(flag(c["args"], "--kv-events-config"))
-        assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+        assert cfg == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+        }
         assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in c["ports"]
+        assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in c["ports"]
+        assert c["args"].count("--enable-prompt-tokens-details") == 1
+    # ... and gives the router each Hub model's tokenizer, fetched with the first model's token.
+    router_c = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    assert flag(router_c["args"], "--tokenizers") == (
+        "meta-llama/Llama-3.1-8B-Instruct=hf:meta-llama/Llama-3.1-8B-Instruct,qwen-small=hf:Qwen/Qwen2.5-1.5B-Instruct"
+    )
+    router_env = env_of(router_c)
+    assert router_env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert router_env["VLLM_STACK_CACHE_DIR"]["value"].startswith("/tmp/")  # the tmp emptyDir
     assert flag(container(qwen)["args"], "--served-model-name") == "qwen-small"
     assert flag(container(qwen)["args"], "--max-num-batched-tokens") == "1000000"
     assert container(qwen)["args"][-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
