@@ -90,7 +90,9 @@ async def test_prefixaware_finds_prompts_prefilled_elsewhere_and_follows_cache_r
         # (usage.prompt_tokens_details.cached_tokens), within one block.
         for router in routers:
             outcomes = {
-                o: metric_value(router, "vllm_stack_router_prefix_predictions_total", mode="tokens", outcome=o)
+                o: metric_value(
+                    router, "vllm_stack_router_prefix_predictions_total", mode="tokens", outcome=o
+                )
                 for o in ("exact", "over", "under", "unreported")
             }
             assert outcomes == {"exact": 1, "over": 0, "under": 0, "unreported": 0}, outcomes
