@@ -8,7 +8,6 @@ PR_SET_PDEATHSIG so that no router outlives the benchmark even if the benchmark 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -19,6 +18,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_stack_dev.testbed.engines import spawn_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ROOT / ".venv" / "bin" / "vllm-stack"
@@ -133,12 +134,6 @@ def unavailable(name: str) -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the benchmark dies (Linux only)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 @dataclass
 class RouterProcess:
     """A started router: its process (group leader), port and log."""
@@ -191,19 +186,7 @@ def start(
     command = contender.command(setup, port, metrics_port)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(contender.env(setup))
-    with log_path.open("wb") as log:
-        log.write(("$ " + " ".join(command) + "\n").encode())
-        log.flush()
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+    process = spawn_logged(command, log_path, env, cwd=ROOT)
     metrics = metrics_port if contender.family == "rust" else port
     return RouterProcess(contender.name, process, port, log_path, f"http://127.0.0.1:{metrics}/metrics")
 

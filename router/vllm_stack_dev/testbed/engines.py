@@ -61,6 +61,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def spawn_logged(
+    command: Sequence[str], log_path: Path, env: dict[str, str], cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` in its own process group (so stopping it stops its children), output and the
+    command line itself to ``log_path``, ended when this process dies (PR_SET_PDEATHSIG)."""
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(command) + "\n").encode())
+        log.flush()
+        return subprocess.Popen(
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
 @dataclass
 class EngineSpec:
     """What to start: one model, served under one name, with the test bed's defaults.
@@ -305,18 +325,7 @@ def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port:
         command = ["taskset", "-c", str(cpu), *command]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as log:
-        log.write(("$ " + " ".join(command) + "\n").encode())
-        log.flush()
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=engine_env(spec, cpu),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+    process = spawn_logged(command, log_path, engine_env(spec, cpu))
     return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu, replay_port)
 
 
