@@ -10,7 +10,8 @@ What is changed from the rendered arguments, and why (everything else is passed 
 - engine: `--kv-transfer-config` (LMCacheConnectorV1) is dropped: LMCache's CUDA extension does not load
   without a GPU (GPU-only).
 - engine: `--host 0.0.0.0 --port 8000` are dropped; the test bed appends loopback and a free port. The ZMQ
-  KV-event endpoint's port 5557 becomes a free port, so that parallel test sessions do not collide.
+  KV-event endpoint's port 5557 (and its replay port 5558) become free ports, so that parallel test sessions
+  do not collide.
 - engine: `--gpu-memory-utilization` and `--dtype bfloat16` are kept: the CPU build accepts both (the KV
   cache size on CPU comes from VLLM_CPU_KVCACHE_SPACE, set by the test bed).
 - engine env: the rendered plain values are kept (PYTHONHASHSEED) except HF_HOME (a pod path) and the
@@ -71,6 +72,8 @@ def engine_args_for_cpu(rendered: list[str], model_dir: Path, kv_port: int) -> l
     args = _drop(args, "--kv-transfer-config")
     events = json.loads(flag(args, "--kv-events-config"))
     events["endpoint"] = events["endpoint"].replace(":5557", f":{kv_port}")
+    if "replay_endpoint" in events:
+        events["replay_endpoint"] = events["replay_endpoint"].replace(":5558", f":{free_port()}")
     return _replace_value(args, "--kv-events-config", json.dumps(events))
 
 
