@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-engine lint format bench bench-routing soak clean help
+.PHONY: install run test test-fast test-engine lint format bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        run the local stack (2 real vLLM engines + router) until Ctrl-C"
@@ -16,6 +16,7 @@ help:
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
 	@echo "make bench-routing  routing quality on 2 real engines, ~1-1.5 h (ROUTING_ARGS=\"--quick\"); not part of make test"
+	@echo "make bench-prefix   prefix-cache routing cost: decision time, memory per block, KV-event ingestion (~3 min)"
 	@echo "make soak       router soak under faults, 30 min (SOAK_ARGS=\"--minutes 3\"); not part of make test"
 
 # The project environment; re-installed only when pyproject.toml changes. uv does the installing.
@@ -60,6 +61,9 @@ bench: install
 ROUTING_ARGS ?=
 bench-routing: install-run
 	@$(BIN)/python benchmarks/routing/quality.py $(ROUTING_ARGS)
+
+bench-prefix: install
+	@$(BIN)/python benchmarks/router/prefix_cost.py
 
 SOAK_ARGS ?=
 soak: $(STAMP)
