@@ -280,5 +280,5 @@ async def test_an_adapter_uses_its_base_models_tokenizer_and_meets_its_events(ti
     ctx, _, _ = route()  # the first: character blocks, and the base model is learnt
     assert "prefix-cache-picker/ids" not in ctx.cycle
     ctx, name, reason = route()
-    assert ctx.cycle["prefix-cache-picker/ids"] == ids
+    assert list(ctx.cycle["prefix-cache-picker/ids"]) == ids
     assert (name, reason) == ("e1", "prefix_hit")  # where the adapter's events said its blocks are

@@ -152,7 +152,7 @@ async def test_token_mode_keys_follow_the_engines_token_blocks(tiny_model_dir) -
         pending = hook(ctx)
         assert pending is not None  # past inline_bytes: a worker thread tokenizes
         await pending
-        ids = ctx.cycle["prefix-cache-picker/ids"]
+        ids = list(ctx.cycle["prefix-cache-picker/ids"])
         assert ids == ChatTokenizer(tiny_model_dir).chat_ids({"messages": messages})
         result = setup.scheduler.schedule(ctx, pool)
         chosen.append(result)

@@ -91,7 +91,7 @@ async def test_a_hub_tokenizer_is_fetched_in_the_background_then_used(
             await asyncio.sleep(0.05)
         assert picker.describe()["token_mode_models"] == ["m"]
         ctx = request()
-        ids = ctx.cycle["prefix-cache-picker/ids"]
+        ids = list(ctx.cycle["prefix-cache-picker/ids"])
         assert ids == ChatTokenizer(tiny_model_dir).chat_ids({"messages": messages})
         result = setup.scheduler.schedule(ctx, [engine])
         keys = token_block_keys(ids, 16, salt_of("m", None))

@@ -39,7 +39,10 @@ def token_block_keys(ids: Sequence[int], block_size: int, salt: int, limit: int 
     whole = min(len(ids) // block_size, limit)
     if whole <= 0:
         return []
-    view = memoryview(array("I", ids[: whole * block_size]).tobytes())
+    if isinstance(ids, array) and ids.typecode == "I":  # the router's own tokens: no copy
+        view = memoryview(ids).cast("B")
+    else:
+        view = memoryview(array("I", ids[: whole * block_size]).tobytes())
     return _chain(view, 4 * block_size, whole, salt)
 
 

@@ -57,9 +57,13 @@ class PrefixTokenCache:
 
     def ids(self, text: str) -> list[int]:
         """The ids of ``text``, as ``encode(text)`` gives them."""
+        return self.id_array(text).tolist()
+
+    def id_array(self, text: str) -> array:
+        """:meth:`ids` as 4-byte ids, the form block keys hash (no list of ints made on the way)."""
         cuts = [m.end() for m in self._boundary.finditer(text)] if self._boundary is not None else []
         if not cuts:
-            return list(self._encode(text))
+            return array("I", self._encode(text))
         hashes = self._prefix_hashes(text, cuts)
         start, ids, used = 0, array("I"), None
         with self._lock:
@@ -79,7 +83,7 @@ class PrefixTokenCache:
             prefix.extend(self._encode(text[start:last]))
             self._store(hashes[-1], text[:last], prefix, replaces=used)
             ids = prefix
-        out = ids.tolist()
+        out = array("I", ids)
         if last < len(text):
             out.extend(self._encode(text[last:]))
         return out

@@ -14,6 +14,7 @@ Keys (:func:`vllm_stack.scheduling.index.blocks.token_block_keys`) chain whole b
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ class ChatTokenizer:
         """Token ids of a chat request (rendered, then encoded without added special tokens); the
         conversation's earlier turns come from :class:`PrefixTokenCache`."""
         return self.prefixes.ids(self.render(request))
+
+    def chat_id_array(self, request: Mapping[str, Any]) -> array:
+        """:meth:`chat_ids` as a 4-byte array (what the router hashes into block keys)."""
+        return self.prefixes.id_array(self.render(request))
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """Token ids of a completion prompt (special tokens added, as the engine does)."""

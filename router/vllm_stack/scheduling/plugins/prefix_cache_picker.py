@@ -150,7 +150,7 @@ class PrefixCachePicker:
         try:
             doc = orjson.loads(ctx.body)
             if isinstance(doc.get("messages"), list):
-                ids = tokenizer.chat_ids(doc)
+                ids = tokenizer.chat_id_array(doc)
             elif isinstance(doc.get("prompt"), str):
                 ids = tokenizer.prompt_ids(doc["prompt"])
             else:
