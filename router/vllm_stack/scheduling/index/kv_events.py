@@ -19,13 +19,12 @@ too); blocks in offload tiers are not prefix-cache hits of that engine's schedul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 import msgspec
 
 from vllm_stack.scheduling.index.blocks import salt_of, token_block_keys
-from vllm_stack.scheduling.index.prefix_index import DEFAULT_ENGINE_BLOCKS, PrefixIndex
+from vllm_stack.scheduling.index.prefix_index import DEFAULT_ENGINE_BLOCKS, PrefixIndex, evict_oldest
 
 PRIMARY_MEDIA = (None, "GPU")
 
@@ -128,8 +127,7 @@ class KvEventIndexer:
         self.index.record(engine, keys, capacity)
         limit = max(capacity or DEFAULT_ENGINE_BLOCKS, len(keys))
         if len(mapping) > limit:
-            for old in list(islice(mapping, len(mapping) - limit)):
-                del mapping[old]
+            evict_oldest(mapping, len(mapping) - limit)
         blocks.stored += len(keys)
         return len(keys)
 

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
+from typing import Any
 
 DEFAULT_ENGINE_BLOCKS = 16_384  # an engine whose KV capacity is not known yet
 DEFAULT_MAX_BLOCKS = 1_000_000  # all engines together
+
+
+def evict_oldest(entries: dict[Any, Any], count: int) -> None:
+    """Drop the ``count`` oldest entries of a dict kept in recency order (a dict iterates oldest first)."""
+    for key in list(islice(entries, count)):
+        del entries[key]
 
 
 class PrefixIndex:
@@ -81,9 +88,7 @@ class PrefixIndex:
 
     @staticmethod
     def _evict(held: dict[int, None], count: int) -> None:
-        oldest = list(islice(held, count))  # a dict iterates oldest first
-        for key in oldest:
-            del held[key]
+        evict_oldest(held, count)
 
     def forget_engine(self, name: str) -> None:
         """The engine left (or its cache was reset): drop everything it held."""
