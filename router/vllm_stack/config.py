@@ -20,7 +20,15 @@ import yaml
 
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
-KV_EVENT_MODES = ("auto", "on", "off")
+SWITCH_VALUES = ("auto", "on", "off")
+KV_EVENT_MODES = SWITCH_VALUES
+
+
+def switch_value(value: Any) -> Any:  # noqa: ANN401 - checked by the caller
+    """An auto/on/off setting as written: YAML reads an unquoted ``on``/``off`` as a boolean."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
 
 
 log = logging.getLogger(__name__)
@@ -114,8 +122,8 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, Mapping):
             raise ValueError("expected a mapping of model name to tokenizer directory")
         return {str(k): str(v) for k, v in value.items()}
-    if name == "kv_events" and isinstance(value, bool):  # YAML reads an unquoted on/off as a boolean
-        return "on" if value else "off"
+    if name == "kv_events":
+        return switch_value(value)
     if name in _TUPLE_FIELDS:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from vllm_stack.config import ConfigError
+from vllm_stack.config import SWITCH_VALUES, ConfigError, switch_value
 from vllm_stack.metrics import RouterMetrics
 
 T = TypeVar("T")
@@ -103,10 +103,8 @@ class Parameters:
 
     def switch(self, key: str, default: str) -> str:
         """``auto``, ``on`` or ``off`` (YAML's booleans, as ``on``/``off`` unquoted parse, accepted)."""
-        value = self._get(key, default)
-        if isinstance(value, bool):
-            value = "on" if value else "off"
-        if value not in ("auto", "on", "off"):
+        value = switch_value(self._get(key, default))
+        if value not in SWITCH_VALUES:
             raise ConfigError(f"plugin {self.plugin!r}: parameter {key!r} must be auto, on or off")
         return value
 
