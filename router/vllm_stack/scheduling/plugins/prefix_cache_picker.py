@@ -182,13 +182,14 @@ class PrefixCachePicker:
     ) -> tuple[Engine, str]:
         if self.tokenizers and ctx.model not in self.tokenizers and ctx.model not in self._bases:
             self._learn_base(ctx.model, engines[0])
-        if not self._keys(ctx, engines[0].kv_block_size or DEFAULT_BLOCK_TOKENS):
+        first = self._keys(ctx, engines[0].kv_block_size or DEFAULT_BLOCK_TOKENS)
+        if not first:
             return self._short.pick(ctx, engines, scores)
         loads = engine_loads(engines)
         n = len(engines)
         cap = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n)
         index = self.index
-        seed = self._keys(ctx, engines[0].kv_block_size or DEFAULT_BLOCK_TOKENS)[0]
+        seed = first[0]
         matches = []
         matched = []
         for e in engines:
