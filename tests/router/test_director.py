@@ -364,3 +364,54 @@ async def test_an_awaiting_stage_resumes_and_a_client_leaving_cancels_it() -> No
             await wait_for(lambda: gate.futures[1].cancelled(), what="the hook's future cancelled")
             await wait_for(lambda: engine.in_flight == 0, what="in-flight settled")
             assert len(a.seen) == 1 and engine.breaker.available()
+
+
+async def test_the_prefill_a_picker_books_is_released_at_the_first_token_or_the_end() -> None:
+    """``prefixaware`` books each request's uncached prompt tokens on its engine
+    (``Engine.prefill_tokens``, the work its cost weighs); the director releases them when the first
+    streamed token arrives, when a plain answer ends, and when the client leaves before either."""
+    a = StubEngine("a", ["stub-model"])
+    a.behaviour.delay_s = 0.4
+    a.behaviour.token_delay_s = 0.1
+    content = [{"role": "user", "content": "a prompt long enough for several blocks " * 40}]
+    body = {"model": "stub-model", "messages": content, "max_tokens": 4}
+    async with stubs(a) as urls:
+        router = build_router(
+            {**FAST, "static_backends": urls[0], "routing_logic": "prefixaware"}, environ={}
+        )
+        async with serving(router) as url, http(url) as h:
+            await wait_for(lambda: router.registry.healthy_count == 1, what="healthy engine")
+            engine = router.registry.engines()[0]
+
+            # 1. streamed: booked until the first token, released while the answer goes on
+            async def first_event() -> None:
+                async with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                    lines = r.aiter_lines()
+                    while not (await anext(lines)).startswith("data:"):
+                        pass
+                    await wait_for(lambda: engine.prefill_tokens == 0, what="prefill released")
+                    assert engine.in_flight == 1  # the answer goes on
+                    _ = [line async for line in lines]
+
+            task = asyncio.ensure_future(first_event())
+            await wait_for(lambda: engine.in_flight == 1, what="request sent")
+            assert engine.prefill_tokens > 100  # before the engine's first byte (delay_s)
+            await task
+            # 2. a plain answer: booked until it ends (a hit now: only the partial last block)
+            task = asyncio.ensure_future(h.post("/v1/chat/completions", json=body))
+            await wait_for(lambda: engine.in_flight == 1, what="request sent")
+            assert 0 < engine.prefill_tokens < 100
+            assert (await task).status_code == 200
+            assert engine.prefill_tokens == 0 and engine.in_flight == 0
+            # 3. the client leaves before the answer starts
+            reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+            payload = httpx.Request("POST", "/", json={**body, "messages": content * 2}).content
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+            )
+            await writer.drain()
+            await wait_for(lambda: engine.prefill_tokens > 0, what="prefill booked")
+            writer.close()
+            await wait_for(lambda: engine.in_flight == 0, what="in-flight settled")
+            assert engine.prefill_tokens == 0

@@ -67,6 +67,7 @@ class ProxiedRequest:
         "waiting",
         "ttft",
         "answer_end",
+        "prefill_tokens",
     )
 
     def __init__(
@@ -99,6 +100,7 @@ class ProxiedRequest:
         self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
         self.ttft: float | None = None
         self.answer_end: bytes | None = None
+        self.prefill_tokens = 0  # booked on self.engine.prefill_tokens for the current attempt
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         hooks = director.hooks
@@ -198,6 +200,9 @@ class ProxiedRequest:
         self.engine = engine
         engine.breaker.acquire()
         engine.in_flight += 1
+        tokens = self.prefill_tokens = ctx.prefill_tokens
+        if tokens:
+            engine.prefill_tokens += tokens
         gauge = self.gauge = director.metrics.in_flight_child(engine.name)
         gauge.inc()
         self.in_attempt = True
@@ -233,6 +238,16 @@ class ProxiedRequest:
             assert engine is not None and self.gauge is not None
             engine.in_flight -= 1
             self.gauge.dec()
+            self.first_token()
+
+    def first_token(self) -> None:
+        """Release the prefill booked on the engine (its first token is out, or the attempt ended)."""
+        tokens = self.prefill_tokens
+        if tokens:
+            self.prefill_tokens = 0
+            engine = self.engine
+            assert engine is not None
+            engine.prefill_tokens -= tokens
 
     def _other_candidate(self) -> bool:
         excluded = self.ctx.excluded
@@ -300,6 +315,8 @@ class ProxiedRequest:
         self.in_attempt = False  # _end_attempt, inlined: this is every request's way out
         engine.in_flight -= 1
         self.gauge.dec()
+        if self.prefill_tokens:
+            self.first_token()
         self.conn.finish(leg.keep_alive)
         self._account()
 

@@ -28,6 +28,9 @@ class Engine:
 
     ``in_flight`` is the router's own count of requests it sent there and has not finished; it is
     exact and instant, while the scraped queue length lags by up to one scrape interval.
+    ``prefill_tokens`` is the router's estimate of the prompt tokens those requests still have to
+    prefill there (what a picker that estimates it, the prefix-cache picker, booked; 0 otherwise):
+    booked when the request is sent, released at its first streamed token or its end.
     """
 
     __slots__ = (
@@ -44,6 +47,7 @@ class Engine:
         "successes",
         "breaker",
         "in_flight",
+        "prefill_tokens",
         "telemetry",
         "stale_after",
         "last_check",
@@ -77,6 +81,7 @@ class Engine:
         self.successes = 0
         self.breaker = breaker
         self.in_flight = 0
+        self.prefill_tokens = 0
         self.telemetry: EngineTelemetry | None = None
         self.stale_after = stale_after
         self.last_check = 0.0
@@ -109,6 +114,7 @@ class Engine:
             "models": sorted(self.models),
             "circuit_breaker": self.breaker.state.name.lower(),
             "in_flight": self.in_flight,
+            "prefill_tokens": self.prefill_tokens,
             "load": None
             if t is None
             else {

@@ -103,6 +103,10 @@ class LegOwner(Protocol):
 
     def engine_name(self) -> str: ...
 
+    def first_token(self) -> None:
+        """The first streamed event arrived: the engine has prefilled the prompt."""
+        ...
+
     def retry_on_status(self, leg: Leg, status: int) -> bool:
         """A retryable status arrived before anything was forwarded: True when the owner runs
         another leg (this one aborts its exchange and reports nothing more)."""
@@ -346,6 +350,7 @@ class Leg:
             owner = self.owner
             self.ttft = now - owner.started
             self.metrics.observe_ttft(owner.model_label, self.ttft)
+            owner.first_token()
         if events > 1:
             self.itl.observe_zeros(events - 1)
         self.last_event = now

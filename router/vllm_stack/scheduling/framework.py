@@ -59,6 +59,9 @@ class RequestContext:
     excluded: set[str] | frozenset[str] = _NO_ENGINES  # engines already tried (retries): see exclude()
     upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
     keep_answer_end: bool = False  # a plugin wants Completion.answer_end (e.g. the engine's usage)
+    # The picker's estimate of the prompt tokens the chosen engine must prefill (not cached there):
+    # booked on Engine.prefill_tokens while the request waits for its first token (0: no estimate).
+    prefill_tokens: int = 0
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:
