@@ -96,11 +96,61 @@ def test_a_hit_never_goes_to_an_overloaded_engine() -> None:
     pool = engines(2)
     prompt = conversation(0, 2)
     home = s.schedule(RequestContext("m", prompt=prompt), pool).engine
-    home.in_flight = 6  # the other has none: (1.25 * 7 / 2) rounds up to 5, below 6
+    # the other has none: ceil(1.25 * 9 / 2) + slack 2 = 8, and home is at 8
+    home.in_flight = 8
     result = s.schedule(RequestContext("m", prompt=prompt), pool)
     assert result.engine is not home and result.reason == "prefix_overflow"
     home.in_flight = 0
     assert s.schedule(RequestContext("m", prompt=prompt), pool).reason == "prefix_hit"
+
+
+def test_a_hit_stays_while_the_work_ahead_costs_less_than_prefilling_elsewhere() -> None:
+    """The choice weighs the prefill a hit saves against the work queued ahead of it: requests in
+    flight that are mostly cached do not push a long shared prompt onto an engine without it; a
+    queue of uncached prefill larger than the saving plus the copy's cache space (``copy_cost``, one
+    token per token copied) does, and the prefix then lives on both engines."""
+    s = scheduler()
+    pool = engines(2, block_size=16)
+    document = json.dumps([{"role": "user", "content": "the long shared document " * 200}]).encode()
+    ctx = RequestContext("m", prompt=document)
+    home = s.schedule(ctx, pool).engine
+    prompt_tokens = len(document) / 4
+    assert ctx.prefill_tokens == int(prompt_tokens)  # nothing cached anywhere yet
+    other = next(e for e in pool if e is not home)
+    # four requests in flight on home, each with a short uncached question left to prefill
+    home.in_flight, home.prefill_tokens = 4, 4 * 50
+    ctx = RequestContext("m", prompt=document)
+    result = s.schedule(ctx, pool)
+    assert result.engine is home and result.reason == "prefix_hit"
+    assert ctx.prefill_tokens < 16  # at most the partial last block
+    # a queue of uncached prefill worth the whole prompt twice: still home (the copy costs as much
+    # cache as it saves prefill); past that, the idle engine prefills it and holds it too
+    home.prefill_tokens = 2 * int(prompt_tokens) - 100
+    assert s.schedule(RequestContext("m", prompt=document), pool).engine is home
+    home.prefill_tokens = 2 * int(prompt_tokens) + 100
+    result = s.schedule(RequestContext("m", prompt=document), pool)
+    assert result.engine is other and result.reason == "prefix_replicate"
+    home.in_flight, home.prefill_tokens = 0, 0
+    again = s.schedule(RequestContext("m", prompt=document), pool)
+    assert again.reason == "prefix_hit"
+
+
+def test_a_hot_prefix_is_copied_before_its_engine_takes_more_than_its_share() -> None:
+    """At low concurrency the holder of a hot prefix is always the cheapest engine; the bound on
+    each engine's share of the recent decisions (``share_window``) copies the prefix to a second
+    engine instead of letting one engine take all of that traffic."""
+    s = scheduler()
+    pool = engines(2, block_size=16)
+    hot = json.dumps([{"role": "system", "content": "the hot tenant's long policy " * 100}])
+    reasons = collections.Counter()
+    per_engine = collections.Counter()
+    for i in range(400):
+        prompt = (hot[:-1] + json.dumps([{"role": "user", "content": f"question {i}"}])[1:]).encode()
+        result = s.schedule(RequestContext("m", prompt=prompt), pool)
+        reasons[result.reason] += 1
+        per_engine[result.engine.name] += 1
+    assert reasons["prefix_overflow"] >= 1  # the copy, once
+    assert max(per_engine.values()) / (400 / 2) <= 1.3  # no engine above 1.3 x the mean
 
 
 def test_the_index_survives_a_rebuild_and_engines_leaving() -> None:

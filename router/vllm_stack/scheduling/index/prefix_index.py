@@ -12,7 +12,7 @@ holding that block), no other structure per block.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import islice
+from itertools import islice, takewhile
 from typing import Any
 
 DEFAULT_ENGINE_BLOCKS = 16_384  # an engine whose KV capacity is not known yet
@@ -47,12 +47,7 @@ class PrefixIndex:
         held = self._by_engine.get(engine)
         if not held:
             return 0
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(held.__contains__, keys)))  # the loop in C
 
     def record(self, engine: str, keys: Sequence[int], capacity: int | None = None) -> None:
         """The engine now holds ``keys`` (it was sent the request): most recent last; evict to bounds."""

@@ -12,14 +12,24 @@ starts from the model (or adapter) name and ``cache_salt``. Two modes, per model
 (:class:`~..index.prefix_index.PrefixIndex`, in the plugin state, so it survives reloads) remembers
 which engine was sent which blocks, bounded per engine by that engine's KV capacity.
 
-Load guard (bounded loads, as the consistent-hash picker): only engines whose load (router in-flight
-plus engine queue, :mod:`vllm_stack.engines.load`) is below ``ceil((1 + epsilon) * (total + 1) / n)``
-may take the request, so a popular prefix never piles onto one engine; among them the longest match
-wins, ties go to the less loaded, when it covers at least ``match_threshold`` of the prompt's blocks.
-Below that (a new conversation that shares only, say, a system prompt) the request is treated as a
-new prefix: it goes to the least loaded engine, and among equally loaded ones to the one holding the
-fewest blocks, so what is new spreads over the engines' caches and a short shared prefix ends up
-cached on several engines instead of pulling every conversation onto one.
+The choice is a cost in prompt tokens: what a hit saves against the work queued ahead of it.
+- Work ahead on an engine: the prompt tokens the router's requests there still have to prefill
+  (``Engine.prefill_tokens``, booked from ``ctx.prefill_tokens`` when a request is sent, released at
+  its first token), plus ``request_tokens`` per request in flight (their decoding).
+- A prompt with at least ``match_threshold`` of its blocks on some engine: each engine costs the
+  work ahead + the prompt tokens it lacks + ``copy_cost`` x the tokens another engine holds and it
+  would hold again (the copy's cache space). The cheapest wins: a hit stays while its queue costs
+  less than prefilling elsewhere, and a hot prefix is copied to a second engine when its holder's
+  queue is worth more than that (``prefix_replicate``).
+- Below that (a new conversation that shares only, say, a system prompt) the request is a new
+  prefix: it goes to the engine holding the fewest blocks, then the one with the least work ahead,
+  so what is new spreads over the engines' caches and a short shared prefix ends up cached on
+  several engines instead of pulling every conversation onto one.
+- Two bounds first, so a popular prefix never piles onto one engine: the in-flight bound (requests
+  in flight plus engine queue below ``ceil((1 + epsilon) * (total + 1) / n) + slack``) and the share
+  bound (an engine's share of the last ``share_window`` decisions below ``(1 + epsilon)`` times a
+  fair share; see :class:`RecentShares`). A holder over either loses the request
+  (``prefix_overflow``).
 A prompt shorter than one block (which no engine caches) is placed by bounded-load consistent hashing
 of its first bytes, so equal short prompts still meet.
 """
@@ -27,6 +37,7 @@ of its first bytes, so equal short prompts still meet.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import re
@@ -53,6 +64,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 MAX_ADAPTERS = 10_000  # adapters whose base model is remembered
+MIN_SHARE = 4  # decisions in a row one engine may always take (a few are no lack of balance)
 DEFAULT_BLOCK_TOKENS = 128  # vLLM's CPU block size; engines report theirs in vllm:cache_config_info
 
 
@@ -66,6 +78,10 @@ class PrefixCachePicker:
         epsilon: float = 0.25,
         chars_per_token: float = 4.0,
         match_threshold: float = 0.5,
+        request_tokens: float = 16.0,
+        slack: int = 2,
+        copy_cost: float = 1.0,
+        share_window: int = 256,
         tokenizers: dict[str, Any] | None = None,
         inline_bytes: int = 16_384,
         kv_events: KvEventIndexer | None = None,
@@ -76,6 +92,10 @@ class PrefixCachePicker:
         self.epsilon = epsilon
         self.chars_per_token = chars_per_token
         self.match_threshold = match_threshold
+        self.request_tokens = request_tokens
+        self.slack = slack
+        self.copy_cost = copy_cost
+        self.shares = RecentShares(share_window)
         self.tokenizers = tokenizers or {}  # model name -> ChatTokenizer
         self.inline_bytes = inline_bytes
         self.kv_events = kv_events
@@ -93,6 +113,10 @@ class PrefixCachePicker:
             raise ConfigError(f"plugin {name!r}: epsilon must be > 0")
         chars = parameters.number("chars_per_token", 4.0, minimum=0.5)
         threshold = parameters.number("match_threshold", 0.5, minimum=0.0)
+        per_request = parameters.number("request_tokens", 16.0, minimum=0.0)
+        slack = int(parameters.number("slack", 2, minimum=0))
+        copy_cost = parameters.number("copy_cost", 1.0, minimum=0.0)
+        window = int(parameters.number("share_window", 256, minimum=0))
         max_blocks = int(parameters.number("max_blocks", DEFAULT_MAX_BLOCKS, minimum=1))
         index = context.state.get((cls.type_name, name), lambda: PrefixIndex(max_blocks))
         index.max_blocks = max_blocks
@@ -112,7 +136,21 @@ class PrefixCachePicker:
         events = None
         if mode == "on" or (mode == "auto" and tokenizers):
             events = context.state.get((cls.type_name, name, "kv_events"), lambda: KvEventIndexer(index))
-        return cls(name, index, epsilon, chars, threshold, tokenizers, inline, events, context.metrics)
+        return cls(
+            name,
+            index,
+            epsilon,
+            chars,
+            threshold,
+            per_request,
+            slack,
+            copy_cost,
+            window,
+            tokenizers,
+            inline,
+            events,
+            context.metrics,
+        )
 
     # ---- KV events (vllm_stack.scheduling.index.feed.KvEventConsumer) ---------------------------------
     @property
@@ -187,42 +225,67 @@ class PrefixCachePicker:
             return self._short.pick(ctx, engines, scores)
         loads = engine_loads(engines)
         n = len(engines)
-        cap = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n)
+        cap = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n) + self.slack
+        shares = self.shares.counts(engines)
+        share_cap = max(math.ceil((1.0 + self.epsilon) * (sum(shares) + 1) / n), MIN_SHARE)
+        over = [n > 1 and (loads[i] >= cap or shares[i] >= share_cap) for i in range(n)]
         index = self.index
         seed = first[0]
-        matches = []
+        prompt = self._prompt_tokens(ctx)
         matched = []
+        cached = []  # prompt tokens found in each engine's cache
+        share = 0.0  # the largest share of the prompt's blocks found on one engine
         for e in engines:
-            keys = self._keys(ctx, e.kv_block_size or DEFAULT_BLOCK_TOKENS)
+            block_tokens = e.kv_block_size or DEFAULT_BLOCK_TOKENS
+            keys = self._keys(ctx, block_tokens)
             blocks = index.match(e.name, keys)
             matched.append(blocks)
-            matches.append(blocks / len(keys) if keys else 0.0)
-        best_anywhere = max(matches)
-        use_match = best_anywhere >= self.match_threshold and best_anywhere > 0
-        best: tuple[float, float, int, int] | None = None
+            cached.append(blocks * block_tokens)
+            if blocks and blocks / len(keys) > share:
+                share = blocks / len(keys)
+        most = max(cached)
+        new_prefix = most == 0 or share < self.match_threshold
+        per_request = self.request_tokens
+        best: tuple[float, ...] | None = None
         chosen = 0
         for i, e in enumerate(engines):
-            if loads[i] >= cap and n > 1:
+            if over[i]:
                 continue
-            match = matches[i] if use_match else 0.0
+            # Work ahead of this request there, in prompt tokens: what the router's requests still
+            # have to prefill, plus a share per request in flight (their decoding).
+            ahead = e.prefill_tokens + per_request * e.in_flight
             # Ties go by a hash of the prompt's first block and the engine's name: different prompts
             # spread, and every router replica given the same state makes the same choice.
-            rank = (-match, loads[i], index.blocks_of(e.name), tie_break(e.name, seed))
+            if new_prefix:
+                rank: tuple[float, ...] = (index.blocks_of(e.name), ahead, tie_break(e.name, seed))
+            else:
+                # Prefilling a part another engine holds also costs that much cache space again.
+                cost = ahead + max(0.0, prompt - cached[i]) + self.copy_cost * (most - cached[i])
+                rank = (cost, -cached[i], index.blocks_of(e.name), tie_break(e.name, seed))
             if best is None or rank < best:
                 best, chosen = rank, i
         engine = engines[chosen]
         block_tokens = engine.kv_block_size or DEFAULT_BLOCK_TOKENS
         keys = self._keys(ctx, block_tokens)
-        ctx.cycle[self._predicted_key] = (matched[chosen] * block_tokens, block_tokens)
+        ctx.cycle[self._predicted_key] = (cached[chosen], block_tokens)
+        ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
         index.record(engine.name, keys, engine.kv_blocks)
-        match = matches[chosen]
-        if use_match and match < best_anywhere:
-            return engine, "prefix_overflow"  # the engine holding more was over the load bound
-        if match == 0:
-            return engine, "prefix_miss"
-        if not use_match:
-            return engine, "prefix_spread"  # a short shared part only: placed as a new prefix
-        return engine, "prefix_hit" if match == 1.0 else "prefix_partial"
+        self.shares.add(engine.name)
+        if new_prefix:
+            return engine, "prefix_miss" if most == 0 else "prefix_spread"
+        if cached[chosen] < most:
+            holders = [i for i, c in enumerate(cached) if c == most]
+            if all(over[i] for i in holders):
+                return engine, "prefix_overflow"  # every engine holding more was over a bound
+            return engine, "prefix_replicate"  # less work there, even prefilling what it lacks
+        return engine, "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
+
+    def _prompt_tokens(self, ctx: RequestContext) -> float:
+        """The prompt's length in tokens: counted in token mode, estimated from bytes otherwise."""
+        ids = ctx.cycle.get(self._ids_key)
+        if ids is not None:
+            return float(len(ids))
+        return len(ctx.prompt or b"") / self.chars_per_token
 
     def _learn_base(self, model: str, engine: Engine) -> None:
         """Note an adapter's base model, so its next requests are tokenized with the base's tokenizer
@@ -268,11 +331,52 @@ class PrefixCachePicker:
             },
             "chars_per_token": self.chars_per_token,
             "match_threshold": self.match_threshold,
+            "request_tokens": self.request_tokens,
+            "slack": self.slack,
+            "copy_cost": self.copy_cost,
+            "share_window": self.shares.window,
             "indexed_blocks": len(index),
             "max_blocks": index.max_blocks,
             "blocks_per_engine": {name: index.blocks_of(name) for name in index.engines()},
             **({"kv_events": self.kv_events.describe()} if self.kv_events is not None else {}),
         }
+
+
+class RecentShares:
+    """How many of the last ``window`` decisions went to each engine (0: no window, no bound).
+
+    The long-run balance the in-flight bound cannot see: at low concurrency a hot prefix's holder is
+    always the cheapest engine, so without this bound one engine would take all of that prefix's
+    traffic. Past ``(1 + epsilon)`` times its fair share of the window, an engine takes no more
+    requests until its share falls, and a hot prefix is copied to another engine.
+    """
+
+    __slots__ = ("window", "_recent", "_counts")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._recent: collections.deque[str] = collections.deque()
+        self._counts: dict[str, int] = {}
+
+    def add(self, engine: str) -> None:
+        if self.window <= 0:
+            return
+        counts = self._counts
+        recent = self._recent
+        if len(recent) >= self.window:
+            old = recent.popleft()
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+        recent.append(engine)
+        counts[engine] = counts.get(engine, 0) + 1
+
+    def counts(self, engines: Sequence[Engine]) -> list[int]:
+        """Each candidate's count (an engine that left keeps its old entries until they age out)."""
+        get = self._counts.get
+        return [get(e.name, 0) for e in engines]
 
 
 def tie_break(engine: str, seed: int) -> int:
