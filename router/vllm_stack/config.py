@@ -51,7 +51,9 @@ class RouterConfig:
     k8s_namespace: str = "default"
     k8s_label_selector: str = ""
     k8s_port: int = 8000
-    routing_logic: str = "roundrobin"  # a built-in strategy (vllm_stack.scheduling.profiles), checked there
+    # A built-in strategy (vllm_stack.scheduling.profiles), checked there. prefixaware: the best by the
+    # routing-quality benchmark (benchmarks/routing) on every workload, so the default.
+    routing_logic: str = "prefixaware"
     scheduling: Mapping[str, Any] | None = field(default=None, compare=False)  # plugins and profiles (YAML)
     session_key: str = "x-session-id"
     session_balance_epsilon: float = 0.25  # bounded loads: no engine above (1 + e) x mean load

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engines", type=int, default=2)
     run.add_argument("--port", type=int, default=8080)
     run.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    run.add_argument("--routing-logic", default="roundrobin")
+    run.add_argument("--routing-logic", default="prefixaware")
     run.set_defaults(func=_cmd_run)
     return parser
 

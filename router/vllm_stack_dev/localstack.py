@@ -27,13 +27,19 @@ SERVED_MODEL = "tiny-llama"
 ENGINE_READY_TIMEOUT = 600.0
 
 
-def router_command(port: int, backends: list[str], routing_logic: str) -> list[str]:
-    return [
+def router_command(
+    port: int, backends: list[str], routing_logic: str, model_dir: Path | None = None
+) -> list[str]:
+    """The router's command line; with ``prefixaware``, the model's own tokenizer (token mode)."""
+    command = [
         sys.executable, "-m", "vllm_stack.cli", "router",
         "--host", "127.0.0.1", "--port", str(port),
         "--service-discovery", "static", "--static-backends", ",".join(backends),
         "--routing-logic", routing_logic,
     ]  # fmt: skip
+    if routing_logic == "prefixaware" and model_dir is not None:
+        command += ["--tokenizers", f"{SERVED_MODEL}={model_dir}"]
+    return command
 
 
 def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> None:
@@ -50,7 +56,7 @@ def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> 
 
 
 def run_local_stack(
-    engines: int = 2, port: int = 8080, size: str = "tiny", routing_logic: str = "roundrobin"
+    engines: int = 2, port: int = 8080, size: str = "tiny", routing_logic: str = "prefixaware"
 ) -> int:
     started = time.monotonic()
     port = int(os.environ.get("VLLM_STACK_PORT", port))
@@ -69,7 +75,9 @@ def run_local_stack(
             print(f"    {engine.name}: {engine.url}", flush=True)
         router_log = (log_dir / "router.log").open("wb")
         router = subprocess.Popen(
-            router_command(port, group.urls, routing_logic), stdout=router_log, stderr=subprocess.STDOUT
+            router_command(port, group.urls, routing_logic, model_dir),
+            stdout=router_log,
+            stderr=subprocess.STDOUT,
         )
         try:
             wait_http_ok(f"http://127.0.0.1:{port}/ready", 60, router)

@@ -123,7 +123,9 @@ def test_router_args_follow_the_contract():
         "--k8s-port",
         "8000",
         "--routing-logic",
-        "roundrobin",
+        "prefixaware",  # the chart's default: the best strategy by benchmarks/routing
+        "--tokenizers",  # the Hub model's tokenizer, fetched by the router (fetchTokenizers)
+        "mistralai/Mistral-7B-Instruct-v0.2=hf:mistralai/Mistral-7B-Instruct-v0.2",
         "--engine-scrape-interval",
         "1",
         "--health-check-interval",
@@ -315,8 +317,9 @@ def test_multi_model_secrets_api_key_and_kv_events():
 
 
 def test_round_robin_engines_publish_no_kv_events():
-    c = container(engine(render([SEED]), "mistral"))
+    c = container(engine(render([SEED], ["routerSpec.routingLogic=roundrobin"]), "mistral"))
     assert "--kv-events-config" not in c["args"]
+    assert "--enable-prompt-tokens-details" not in c["args"]
     assert [p["name"] for p in c["ports"]] == ["http"]
 
 

@@ -39,7 +39,9 @@ async def running_router(
     **settings: Any,
 ) -> AsyncIterator[tuple[str, Router]]:
     """A router on an ephemeral port over ``backends``; waits until ``wait_healthy`` engines are healthy."""
-    cli = {**FAST, "static_backends": ",".join(backends), **settings}
+    # Relay, failover and HTTP tests need a placement they can predict (round-robin, not the default
+    # prefixaware); the routing strategies have their own tests.
+    cli = {**FAST, "routing_logic": "roundrobin", "static_backends": ",".join(backends), **settings}
     router = build_router(cli, environ=environ or {})
     async with serving(router) as url:
         need = len(backends) if wait_healthy is None else wait_healthy
