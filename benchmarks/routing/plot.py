@@ -42,8 +42,9 @@ def bar_values(summary: dict, workloads: list[str], name: str, key: str, scale: 
             high.append(0.0)
             continue
         means.append(stat["mean"] * scale)
-        low.append((stat["mean"] - stat["min"]) * scale)
-        high.append((stat["max"] - stat["mean"]) * scale)
+        # max(0, ...): equal runs give a mean a rounding error outside [min, max]
+        low.append(max(0.0, (stat["mean"] - stat["min"]) * scale))
+        high.append(max(0.0, (stat["max"] - stat["mean"]) * scale))
     return means, [low, high]
 
 
