@@ -107,8 +107,8 @@ def test_a_hit_never_goes_to_an_overloaded_engine() -> None:
 def test_a_hit_stays_while_the_work_ahead_costs_less_than_prefilling_elsewhere() -> None:
     """The choice weighs the prefill a hit saves against the work queued ahead of it: requests in
     flight that are mostly cached do not push a long shared prompt onto an engine without it; a
-    queue of uncached prefill larger than the saving plus the copy's cache space (``copy_cost``, one
-    token per token copied) does, and the prefix then lives on both engines."""
+    queue of uncached prefill larger than the saving plus the copy's cache space (``copy_cost``, two
+    tokens per token copied) does, and the prefix then lives on both engines."""
     s = scheduler()
     pool = engines(2, block_size=16)
     document = json.dumps([{"role": "user", "content": "the long shared document " * 200}]).encode()
@@ -123,11 +123,11 @@ def test_a_hit_stays_while_the_work_ahead_costs_less_than_prefilling_elsewhere()
     result = s.schedule(ctx, pool)
     assert result.engine is home and result.reason == "prefix_hit"
     assert ctx.prefill_tokens < 16  # at most the partial last block
-    # a queue of uncached prefill worth the whole prompt twice: still home (the copy costs as much
-    # cache as it saves prefill); past that, the idle engine prefills it and holds it too
-    home.prefill_tokens = 2 * int(prompt_tokens) - 100
+    # a queue of uncached prefill worth the whole prompt three times: still home (the copy costs
+    # twice its size in cache on top of its prefill); past that, the idle engine prefills it too
+    home.prefill_tokens = 3 * int(prompt_tokens) - 100
     assert s.schedule(RequestContext("m", prompt=document), pool).engine is home
-    home.prefill_tokens = 2 * int(prompt_tokens) + 100
+    home.prefill_tokens = 3 * int(prompt_tokens) + 100
     result = s.schedule(RequestContext("m", prompt=document), pool)
     assert result.engine is other and result.reason == "prefix_replicate"
     home.in_flight, home.prefill_tokens = 0, 0

@@ -17,8 +17,9 @@ The choice is a cost in prompt tokens: what a hit saves against the work queued 
   (``Engine.prefill_tokens``, booked from ``ctx.prefill_tokens`` when a request is sent, released at
   its first token), plus ``request_tokens`` per request in flight (their decoding).
 - A prompt with at least ``match_threshold`` of its blocks on some engine: each engine costs the
-  work ahead + the prompt tokens it lacks + ``copy_cost`` x the tokens another engine holds and it
-  would hold again (the copy's cache space). The cheapest wins: a hit stays while its queue costs
+  work ahead + the prompt tokens it lacks + ``copy_cost`` (2) x the tokens another engine holds and
+  it would hold again (the copy's cache space, and the dead copy a conversation leaves behind when
+  it moves). The cheapest wins: a hit stays while its queue costs
   less than prefilling elsewhere, and a hot prefix is copied to a second engine when its holder's
   queue is worth more than that (``prefix_replicate``).
 - Below that (a new conversation that shares only, say, a system prompt) the request is a new
@@ -80,7 +81,7 @@ class PrefixCachePicker:
         match_threshold: float = 0.5,
         request_tokens: float = 16.0,
         slack: int = 2,
-        copy_cost: float = 1.0,
+        copy_cost: float = 2.0,
         share_window: int = 256,
         tokenizers: dict[str, Any] | None = None,
         inline_bytes: int = 16_384,
@@ -115,7 +116,7 @@ class PrefixCachePicker:
         threshold = parameters.number("match_threshold", 0.5, minimum=0.0)
         per_request = parameters.number("request_tokens", 16.0, minimum=0.0)
         slack = int(parameters.number("slack", 2, minimum=0))
-        copy_cost = parameters.number("copy_cost", 1.0, minimum=0.0)
+        copy_cost = parameters.number("copy_cost", 2.0, minimum=0.0)
         window = int(parameters.number("share_window", 256, minimum=0))
         max_blocks = int(parameters.number("max_blocks", DEFAULT_MAX_BLOCKS, minimum=1))
         index = context.state.get((cls.type_name, name), lambda: PrefixIndex(max_blocks))
@@ -259,7 +260,8 @@ class PrefixCachePicker:
             if new_prefix:
                 rank: tuple[float, ...] = (index.blocks_of(e.name), ahead, tie_break(e.name, seed))
             else:
-                # Prefilling a part another engine holds also costs that much cache space again.
+                # Prefilling a part another engine holds also costs cache space: the copy, and for a
+                # conversation that then follows it, the dead copy it leaves behind (copy_cost 2).
                 cost = ahead + max(0.0, prompt - cached[i]) + self.copy_cost * (most - cached[i])
                 rank = (cost, -cached[i], index.blocks_of(e.name), tie_break(e.name, seed))
             if best is None or rank < best:
