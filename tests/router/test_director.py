@@ -415,3 +415,24 @@ async def test_the_prefill_a_picker_books_is_released_at_the_first_token_or_the_
             writer.close()
             await wait_for(lambda: engine.in_flight == 0, what="in-flight settled")
             assert engine.prefill_tokens == 0
+
+
+async def test_a_retried_request_releases_the_prefill_booked_on_the_engine_that_failed() -> None:
+    """``prefixaware`` on two engines: the one holding the prompt answers 503, the request is retried on
+    the other, and neither engine keeps any booked prefill afterwards."""
+    a, b = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
+    content = [{"role": "user", "content": "a prompt long enough for several blocks " * 40}]
+    body = {"model": "stub-model", "messages": content, "max_tokens": 2}
+    async with stubs(a, b) as urls:
+        router = build_router(
+            {**FAST, "static_backends": ",".join(urls), "routing_logic": "prefixaware"}, environ={}
+        )
+        async with serving(router) as url, http(url) as h:
+            await wait_for(lambda: router.registry.healthy_count == 2, what="healthy engines")
+            assert (await h.post("/v1/chat/completions", json=body)).status_code == 200
+            holder = a if a.seen else b
+            holder.behaviour.fail_statuses = [503]
+            r = await h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and len(a.seen) + len(b.seen) == 3  # retried once
+            assert [e.prefill_tokens for e in router.registry.engines()] == [0, 0]
+            assert all(e.in_flight == 0 for e in router.registry.engines())

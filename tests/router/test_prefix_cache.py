@@ -153,6 +153,33 @@ def test_a_hot_prefix_is_copied_before_its_engine_takes_more_than_its_share() ->
     assert max(per_engine.values()) / (400 / 2) <= 1.3  # no engine above 1.3 x the mean
 
 
+def test_when_each_engine_is_over_one_bound_the_load_bound_decides() -> None:
+    """One engine over the in-flight bound, the other over its share of recent decisions: the request
+    goes to the one under the in-flight bound (never, by default, to the first engine listed)."""
+    s = scheduler()
+    pool = engines(2, block_size=16)
+    picker = s.profile.picker
+    busy, recent = pool
+    busy.in_flight = 20
+    for _ in range(50):
+        picker.shares_for("m").add(recent.name)
+    prompt = json.dumps([{"role": "user", "content": "a prompt of several blocks " * 20}]).encode()
+    assert s.schedule(RequestContext("m", prompt=prompt), pool).engine is recent
+
+
+def test_the_share_bound_counts_each_model_apart() -> None:
+    """Traffic of a model only one engine serves does not count against that engine for another model."""
+    s = scheduler()
+    pool = engines(2, block_size=16)
+    document = json.dumps([{"role": "user", "content": "model x document " * 40}]).encode()
+    first = s.schedule(RequestContext("x", prompt=document), pool).engine
+    for i in range(40):  # model y, on the same engine only
+        other = json.dumps([{"role": "user", "content": f"model y prompt {i} " * 20}]).encode()
+        s.schedule(RequestContext("y", prompt=other), [first])
+    again = s.schedule(RequestContext("x", prompt=document), pool)
+    assert again.engine is first and again.reason == "prefix_hit"
+
+
 def test_the_index_survives_a_rebuild_and_engines_leaving() -> None:
     state = PluginState()
     pool = engines(2)

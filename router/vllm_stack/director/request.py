@@ -192,6 +192,7 @@ class ProxiedRequest:
         self.attempts_left -= 1
         director = self.director
         ctx = self.ctx
+        ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
         result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.model))
         engine = result.engine
         if engine is None:

@@ -28,9 +28,10 @@ The choice is a cost in prompt tokens: what a hit saves against the work queued 
   several engines instead of pulling every conversation onto one.
 - Two bounds first, so a popular prefix never piles onto one engine: the in-flight bound (requests
   in flight plus engine queue below ``ceil((1 + epsilon) * (total + 1) / n) + slack``) and the share
-  bound (an engine's share of the last ``share_window`` decisions below ``(1 + epsilon)`` times a
-  fair share; see :class:`RecentShares`). A holder over either loses the request
-  (``prefix_overflow``).
+  bound (an engine's share of the model's last ``share_window`` decisions below
+  ``max(ceil((1 + epsilon) * (decisions + 1) / n), 4)``; see :class:`RecentShares`). A holder over
+  either loses the request (``prefix_overflow``); when every engine is over one of them, the
+  in-flight bound alone decides.
 A prompt shorter than one block (which no engine caches) is placed by bounded-load consistent hashing
 of its first bytes, so equal short prompts still meet.
 """
@@ -96,7 +97,8 @@ class PrefixCachePicker:
         self.request_tokens = request_tokens
         self.slack = slack
         self.copy_cost = copy_cost
-        self.shares = RecentShares(share_window)
+        self.share_window = share_window
+        self._shares: dict[str, RecentShares] = {}  # per model: models may be served by different engines
         self.tokenizers = tokenizers or {}  # model name -> ChatTokenizer
         self.inline_bytes = inline_bytes
         self.kv_events = kv_events
@@ -227,9 +229,12 @@ class PrefixCachePicker:
         loads = engine_loads(engines)
         n = len(engines)
         cap = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n) + self.slack
-        shares = self.shares.counts(engines)
+        recent = self.shares_for(ctx.model)
+        shares = recent.counts(engines)
         share_cap = max(math.ceil((1.0 + self.epsilon) * (sum(shares) + 1) / n), MIN_SHARE)
         over = [n > 1 and (loads[i] >= cap or shares[i] >= share_cap) for i in range(n)]
+        if all(over):  # each over one bound or the other: the in-flight bound alone decides
+            over = [load >= cap for load in loads]
         index = self.index
         seed = first[0]
         prompt = self._prompt_tokens(ctx)
@@ -272,7 +277,7 @@ class PrefixCachePicker:
         ctx.cycle[self._predicted_key] = (cached[chosen], block_tokens)
         ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
         index.record(engine.name, keys, engine.kv_blocks)
-        self.shares.add(engine.name)
+        recent.add(engine.name)
         if new_prefix:
             return engine, "prefix_miss" if most == 0 else "prefix_spread"
         if cached[chosen] < most:
@@ -281,6 +286,15 @@ class PrefixCachePicker:
                 return engine, "prefix_overflow"  # every engine holding more was over a bound
             return engine, "prefix_replicate"  # less work there, even prefilling what it lacks
         return engine, "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
+
+    def shares_for(self, model: str) -> RecentShares:
+        """The model's recent decisions (bounded: models come from the engines' cards, few)."""
+        shares = self._shares.get(model)
+        if shares is None:
+            if len(self._shares) >= MAX_ADAPTERS:
+                self._shares.clear()
+            shares = self._shares[model] = RecentShares(self.share_window)
+        return shares
 
     def _prompt_tokens(self, ctx: RequestContext) -> float:
         """The prompt's length in tokens: counted in token mode, estimated from bytes otherwise."""
@@ -336,7 +350,7 @@ class PrefixCachePicker:
             "request_tokens": self.request_tokens,
             "slack": self.slack,
             "copy_cost": self.copy_cost,
-            "share_window": self.shares.window,
+            "share_window": self.share_window,
             "indexed_blocks": len(index),
             "max_blocks": index.max_blocks,
             "blocks_per_engine": {name: index.blocks_of(name) for name in index.engines()},
