@@ -16,6 +16,7 @@ one, so traffic is not pushed to the engine the router knows least about.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from operator import attrgetter
@@ -61,6 +62,13 @@ def engine_loads(engines: Sequence[Engine]) -> list[float]:
             return [float(e.in_flight) for e in engines]
         waiting.append(t.waiting)
     return [e.in_flight + w for e, w in zip(engines, waiting, strict=True)]
+
+
+def bounded_capacity(counts: Sequence[float], epsilon: float) -> int:
+    """Bounded loads (consistent hashing with bounded loads): an engine at or above
+    ``ceil((1 + epsilon) * (total + 1) / n)`` takes no more, so with the next request counted no engine
+    goes past ``1 + epsilon`` times the mean; the least loaded is always below it."""
+    return math.ceil((1.0 + epsilon) * (sum(counts) + 1) / len(counts))
 
 
 def queue_length(engine: Engine, now: float | None = None) -> float | None:

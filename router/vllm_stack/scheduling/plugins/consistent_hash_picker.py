@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
-from vllm_stack.engines.load import in_flight
+from vllm_stack.engines.load import bounded_capacity, in_flight
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
@@ -93,7 +92,7 @@ class ConsistentHashPicker:
         if n == 1:
             return engines[0], self._hit
         ring = self._ring(engines)
-        capacity = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n)
+        capacity = bounded_capacity(loads, self.epsilon)
         start = bisect.bisect(ring.points, stable_hash(key)) % len(ring.points)
         seen: set[int] = set()
         first = True

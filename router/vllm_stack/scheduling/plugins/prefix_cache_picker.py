@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -51,7 +50,7 @@ import xxhash
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
-from vllm_stack.engines.load import engine_loads
+from vllm_stack.engines.load import bounded_capacity, engine_loads
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.framework import Completion, RequestContext
 from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of, token_block_keys
@@ -228,10 +227,10 @@ class PrefixCachePicker:
             return self._short.pick(ctx, engines, scores)
         loads = engine_loads(engines)
         n = len(engines)
-        cap = math.ceil((1.0 + self.epsilon) * (sum(loads) + 1) / n) + self.slack
+        cap = bounded_capacity(loads, self.epsilon) + self.slack
         recent = self.shares_for(ctx.model)
         shares = recent.counts(engines)
-        share_cap = max(math.ceil((1.0 + self.epsilon) * (sum(shares) + 1) / n), MIN_SHARE)
+        share_cap = max(bounded_capacity(shares, self.epsilon), MIN_SHARE)
         over = [n > 1 and (loads[i] >= cap or shares[i] >= share_cap) for i in range(n)]
         if all(over):  # each over one bound or the other: the in-flight bound alone decides
             over = [load >= cap for load in loads]
