@@ -25,6 +25,8 @@ from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser, make_parser
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.director.director import Director, ProxySettings
+from vllm_stack.engines.adapter_placement import AdapterPlacement
+from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.discovery.static import StaticDiscovery
 from vllm_stack.engines.engine import Engine
@@ -92,9 +94,14 @@ class Router:
         self.registry.on_engine_left.append(lambda engine: self.pools.forget(engine.url))
         self.registry.on_engine_left.append(lambda engine: self.plugin_state.forget_engine(engine.name))
         self.kv_feed = KvEventFeed(self.registry.engines, self._fetch_kv_sources)
+        self.adapters = AdapterPlacement(
+            self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
+        )
         setup = self._build_scheduling(config)
         self.director = Director(self.registry, self.pools, self.metrics, setup, self._proxy_settings(config))
         self._apply_runtime(config, setup)
+        # The hot path's check: None when no adapter or weighted name is configured.
+        self.catalog: AdapterCatalog | None = self.adapters.catalog if self.adapters.catalog else None
         self.control_session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._discovery_task: asyncio.Task[None] | None = None
@@ -102,7 +109,13 @@ class Router:
     # ---- configuration ---------------------------------------------------------------------------
     def _build_scheduling(self, config: RouterConfig) -> SchedulingSetup:
         """Plugins, profiles and hooks for ``config`` (``ConfigError`` when they cannot be built)."""
-        return build_scheduling(scheduling_config(config), self.plugins, self.plugin_state, self.metrics)
+        return build_scheduling(
+            scheduling_config(config), self.plugins, self.plugin_state, self.metrics, self.adapters
+        )
+
+    @staticmethod
+    def _catalog(config: RouterConfig) -> AdapterCatalog:
+        return AdapterCatalog.from_settings(config.lora_adapters, config.weighted_models)
 
     def _proxy_settings(self, config: RouterConfig) -> ProxySettings:
         return ProxySettings(
@@ -122,6 +135,7 @@ class Router:
         )
         self.parser: BodyParser = make_parser(config.json_parser, config.prefix_chars)
         self.auth = ApiKeyAuth(config.api_keys)
+        self.admin_auth = ApiKeyAuth(config.admin_api_keys)
         self.max_body_bytes = config.max_body_bytes
         self.session_header = config.session_key.lower().encode("latin-1")
 
@@ -135,6 +149,8 @@ class Router:
         state = {name: p.describe() for name, p in setup.plugins.items() if hasattr(p, "describe")}
         if self.kv_feed.consumers:
             state["kv_event_streams"] = self.kv_feed.describe()
+        if self.adapters.catalog:
+            state["lora_adapters"] = self.adapters.describe()
         return {**setup.description, "state": state} if state else setup.description
 
     # ---- what the server asks (vllm_stack.server.serve.ServedApp) --------------------------------------
@@ -172,6 +188,7 @@ class Router:
         The scheduling is built first: a configuration whose plugins cannot be built raises
         ``ConfigError`` and changes nothing. Plugin state (indexes) carries over to the new plugins.
         """
+        catalog = self._catalog(config)
         setup = self._build_scheduling(config)
         old = self.config
         for name in (
@@ -184,6 +201,10 @@ class Router:
             if getattr(old, name) != getattr(config, name):
                 log.warning("config: %s changed; it takes effect after a restart", name)
         self._apply_runtime(config, setup)
+        self.adapters.catalog = catalog
+        self.adapters.load_timeout = config.lora_load_timeout
+        self.catalog = catalog if catalog else None
+        self.adapters.reconcile_all()
         self.registry.static_models = _static_models(config)
         if isinstance(self.discovery, StaticDiscovery) and config.service_discovery == "static":
             self.discovery.update(config.static_backends)
@@ -229,6 +250,13 @@ class Router:
         ) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
+
+    async def _post_engine(self, engine: Engine, path: str, doc: dict[str, Any]) -> tuple[int, bytes]:
+        """POST a JSON document to an engine (adapter loads and unloads)."""
+        assert self.control_session is not None
+        headers = {"content-type": "application/json", **self._engine_headers()}
+        async with self.control_session.post(engine.url + path, json=doc, headers=headers) as resp:
+            return resp.status, await resp.read()
 
     async def _fetch_metrics(self, engine: Engine) -> str:
         assert self.control_session is not None
@@ -278,6 +306,7 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.adapters.close()
         await self.registry.close()
         self.pools.close()
         if self.control_session is not None:

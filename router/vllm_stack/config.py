@@ -62,6 +62,11 @@ class RouterConfig:
     tokenizers: Mapping[str, str] | None = field(default=None, compare=False)
     # prefixaware: follow the engines' KV events (auto: when a tokenizer makes request keys match them)
     kv_events: str = "auto"
+    # LoRA adapters (vllm_stack.engines.adapters): [{name, source, base_model, tier}], checked there
+    lora_adapters: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)
+    # weighted model names: {name: [{model, weight}, ...]} (canary / blue-green splits)
+    weighted_models: Mapping[str, Any] | None = field(default=None, compare=False)
+    lora_load_timeout: float = 120.0  # seconds one POST /v1/load_lora_adapter may take
     engine_scrape_interval: float = 1.0
     health_check_interval: float = 5.0
     health_failure_threshold: int = 3
@@ -76,6 +81,9 @@ class RouterConfig:
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None
     api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+    # Keys that may load and unload adapters through the router (none: those endpoints are refused)
+    admin_api_keys_file: str | None = None
+    admin_api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
     shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"
     log_level: str = "info"
@@ -106,6 +114,8 @@ class RouterConfig:
             raise ConfigError("scrape and health-check intervals must be > 0")
         if self.session_balance_epsilon <= 0:
             raise ConfigError("session_balance_epsilon must be > 0")
+        if self.lora_load_timeout <= 0:
+            raise ConfigError("lora_load_timeout must be > 0")
         return self
 
 
@@ -126,6 +136,14 @@ def _coerce(name: str, value: Any) -> Any:
         return {str(k): str(v) for k, v in value.items()}
     if name == "kv_events":
         return switch_value(value)
+    if name == "lora_adapters":  # checked by vllm_stack.engines.adapters
+        if not isinstance(value, list | tuple):
+            raise ValueError("expected a list of {name, source, base_model, tier}")
+        return tuple(value)
+    if name == "weighted_models":
+        if not isinstance(value, Mapping):
+            raise ValueError("expected a mapping of model name to [{model, weight}, ...]")
+        return dict(value)
     if name in _TUPLE_FIELDS:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
@@ -157,8 +175,10 @@ def _normalise(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         if name in RETIRED:
             log.warning("%s: %r is ignored: %s", source, key, RETIRED[name])
             continue
-        if name in ("api_keys", "config_file"):
-            raise ConfigError(f"{source}: {key!r} cannot be set here (use api_keys_file / --config)")
+        if name in ("api_keys", "admin_api_keys", "config_file"):
+            raise ConfigError(
+                f"{source}: {key!r} cannot be set here (use api_keys_file / admin_api_keys_file / --config)"
+            )
         if name not in _FIELD_TYPES:
             raise ConfigError(f"{source}: unknown setting {key!r}")
         try:
@@ -180,8 +200,10 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _normalise(data, str(path))
 
 
-def load_api_keys(path: str | None, environ: Mapping[str, str]) -> frozenset[str]:
-    """Client API keys from a file (one per line, ``#`` comments) plus ``VLLM_STACK_API_KEYS`` (comma list)."""
+def load_api_keys(
+    path: str | None, environ: Mapping[str, str], variable: str = "VLLM_STACK_API_KEYS"
+) -> frozenset[str]:
+    """API keys from a file (one per line, ``#`` comments) plus the comma list in ``variable``."""
     keys: set[str] = set()
     if path:
         try:
@@ -191,7 +213,7 @@ def load_api_keys(path: str | None, environ: Mapping[str, str]) -> frozenset[str
                     keys.add(line)
         except OSError as exc:
             raise ConfigError(f"cannot read api keys file {path}: {exc}") from exc
-    keys.update(k.strip() for k in environ.get("VLLM_STACK_API_KEYS", "").split(",") if k.strip())
+    keys.update(k.strip() for k in environ.get(variable, "").split(",") if k.strip())
     return frozenset(keys)
 
 
@@ -207,5 +229,9 @@ def load_config(
         settings.update(read_yaml(config_file))
     settings.update(_normalise({k: v for k, v in (cli or {}).items() if v is not None}, "command line"))
     config = replace(RouterConfig(), **settings, config_file=config_file)
-    config = replace(config, api_keys=load_api_keys(config.api_keys_file, environ))
+    config = replace(
+        config,
+        api_keys=load_api_keys(config.api_keys_file, environ),
+        admin_api_keys=load_api_keys(config.admin_api_keys_file, environ, "VLLM_STACK_ADMIN_API_KEYS"),
+    )
     return config.validate()

@@ -23,6 +23,7 @@ ERROR_MARKER = b"x-vllm-stack-error"
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",

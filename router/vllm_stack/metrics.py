@@ -14,7 +14,7 @@ import bisect
 import math
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
@@ -238,6 +238,32 @@ class RouterMetrics:
             PREFIX + "engine_scrape_errors_total",
             "Failed scrapes of an engine's /metrics.",
             ["engine"],
+            registry=r,
+        )
+        # LoRA adapters (not on the plain path): loads, unloads and where adapter requests were sent.
+        self.adapter_loads = Counter(
+            PREFIX + "adapter_loads_total",
+            "LoRA adapter loads the router made, by tier and outcome (ok, failed).",
+            ["tier", "outcome"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            PREFIX + "adapter_load_seconds",
+            "Time of one POST /v1/load_lora_adapter the router made (an eviction before it included).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_unloads = Counter(
+            PREFIX + "adapter_unloads_total",
+            "LoRA adapters the router unloaded to free a slot, by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.adapter_placements = Counter(
+            PREFIX + "adapter_placements_total",
+            "Where requests for registered adapters were sent: held (an engine had it), loading (a load "
+            "under way), free_slot, evict (an adapter unloaded first), over_capacity (no slot could be freed).",
+            ["outcome"],
             registry=r,
         )
         self.build_info = Gauge(PREFIX + "build_info", "Router build information.", ["version"], registry=r)

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 32 MiB)")
     p.add_argument("--engine-ca-file", help="CA bundle for https engines (default: the system's)")
     p.add_argument("--api-keys-file", help="client API keys, one per line (or env VLLM_STACK_API_KEYS)")
+    p.add_argument(
+        "--admin-api-keys-file",
+        help="keys that may load/unload LoRA adapters through the router, one per line (or env VLLM_STACK_ADMIN_API_KEYS)",
+    )
+    p.add_argument(
+        "--lora-load-timeout", type=float, help="seconds one LoRA adapter load may take (default 120)"
+    )
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"))
     # Extras.
     p.add_argument("--retries", type=int, help="extra attempts on another engine (default 2)")

@@ -31,6 +31,8 @@ class StubBehaviour:
     token_delay_s: float = 0.0  # between streamed chunks
     break_after_chunks: int | None = None  # close the connection after this many streamed chunks
     tokens: int = 8  # streamed chunks when max_tokens is absent
+    lora_load_delay_s: float = 0.0  # before a LoRA load answers
+    lora_load_status: int = 200  # a load's answer (400 with vLLM's words when not 200)
 
 
 @dataclass
@@ -63,10 +65,14 @@ class StubEngine:
         models: list[str] | None = None,
         behaviour: StubBehaviour | None = None,
         max_model_len: int = 2048,
+        max_loras: int | None = None,
     ) -> None:
         self.name = name
         self.behaviour = behaviour or StubBehaviour()
         self.max_model_len = max_model_len
+        self.max_loras = max_loras  # publish vllm:lora_requests_info with this max_lora (None: no LoRA)
+        self.lora_loads: list[str] = []  # every load asked for, in order
+        self.running_by_model: collections.Counter[str] = collections.Counter()
         self.cards: dict[str, dict[str, Any]] = {}
         for m in models or ["stub-model"]:
             self.add_model(m)
@@ -133,7 +139,37 @@ class StubEngine:
             )
         if path == "/v1/load_lora_adapter":
             doc = orjson.loads(body)
+            self.lora_loads.append(doc["lora_name"])
+            if b.lora_load_delay_s:
+                await asyncio.sleep(b.lora_load_delay_s)
+            if b.lora_load_status != 200:
+                return await self._json(
+                    send,
+                    b.lora_load_status,
+                    {
+                        "error": {
+                            "message": "No adapter found",
+                            "type": "NotFoundError",
+                            "param": None,
+                            "code": 404,
+                        }
+                    },
+                )
+            if doc["lora_name"] in self.cards:
+                return await self._json(
+                    send,
+                    400,
+                    {
+                        "error": {
+                            "message": f"The lora adapter '{doc['lora_name']}' has already been loaded.",
+                            "type": "InvalidUserInput",
+                            "param": None,
+                            "code": 400,
+                        }
+                    },
+                )
             self.add_model(doc["lora_name"], parent=next(iter(self.cards)))
+            self.cards[doc["lora_name"]]["root"] = doc.get("lora_path")
             return await self._text(
                 send, 200, f"Success: LoRA adapter '{doc['lora_name']}' added successfully."
             )
@@ -154,6 +190,8 @@ class StubEngine:
                     {"error": {"message": "bad json", "type": "BadRequestError", "param": None, "code": 400}},
                 )
         self.running += 1
+        model = str(doc.get("model", ""))
+        self.running_by_model[model] += 1
         try:
             if b.delay_s:
                 await asyncio.sleep(b.delay_s)
@@ -163,6 +201,9 @@ class StubEngine:
                 await self._complete(send, path, doc, headers)
         finally:
             self.running -= 1
+            self.running_by_model[model] -= 1
+            if not self.running_by_model[model]:
+                del self.running_by_model[model]
 
     async def _complete(self, send: Any, path: str, doc: dict[str, Any], headers: dict[str, str]) -> None:
         model = doc.get("model", "")
@@ -266,6 +307,17 @@ class StubEngine:
             for model, card in self.cards.items():
                 if card["parent"] is None:
                     lines.append(f'{name}{{engine="0",model_name="{model}"}} {float(value)}')
+        if self.max_loras is not None:  # as vLLM: the latest label set has the largest value
+            running = ",".join(m for m in self.running_by_model if self.cards.get(m, {}).get("parent"))
+            lines.append("# TYPE vllm:lora_requests_info gauge")
+            lines.append(
+                f'vllm:lora_requests_info{{max_lora="{self.max_loras}",running_lora_adapters="",'
+                f'waiting_lora_adapters=""}} {time.time() - 100:.3f}'
+            )
+            lines.append(
+                f'vllm:lora_requests_info{{max_lora="{self.max_loras}",running_lora_adapters="{running}",'
+                f'waiting_lora_adapters=""}} {time.time():.3f}'
+            )
         await self._raw(send, 200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4")
 
     async def _json(self, send: Any, status: int, payload: Any) -> None:

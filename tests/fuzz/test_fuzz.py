@@ -105,10 +105,14 @@ async def test_lora_load_for_an_unknown_base_model_is_404() -> None:
     on the proxied endpoints. A stub engine: only the router's own answer matters."""
     from tests.router.helpers import http, running_router, stubs
 
-    async with stubs(StubEngine("s", ["stub-model"])) as urls, running_router(urls) as (url, _):
-        async with http(url) as h:
+    adapter = {"name": "x", "source": "/x", "base_model": "nope"}
+    env = {"VLLM_STACK_ADMIN_API_KEYS": "admin"}
+    async with stubs(StubEngine("s", ["stub-model"])) as urls:
+        async with running_router(urls, environ=env, lora_adapters=[adapter]) as (url, _), http(url) as h:
             r = await h.post(
-                "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x", "base_model": "nope"}
+                "/v1/load_lora_adapter",
+                json={"lora_name": "x", "lora_path": "/x", "base_model": "nope"},
+                headers={"authorization": "Bearer admin"},
             )
     assert r.status_code == 404, r.text
     assert r.json()["error"]["code"] == "model_not_found"

@@ -19,7 +19,9 @@ import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import httpx
 import openai
 import pytest
 from vllm_stack_dev.testbed.engines import Engine, wait_ready
@@ -38,6 +40,12 @@ DEFAULTS = {  # the chart's routerSpec defaults (helm/values.yaml), not the fast
     "health_failure_threshold": 3,
     "health_success_threshold": 2,
 }
+
+
+def _adapters(engine: Engine) -> set[str]:
+    """The adapters the engine itself lists in /v1/models."""
+    cards = httpx.get(engine.url + "/v1/models", timeout=10).json()["data"]
+    return {c["id"] for c in cards if c.get("parent")}
 
 
 class Load:
@@ -85,9 +93,13 @@ class Load:
 
 
 @contextlib.asynccontextmanager
-async def _round_robin(victim: Engine, survivor: Engine) -> AsyncIterator[tuple[str, RegisteredEngine]]:
+async def _round_robin(
+    victim: Engine, survivor: Engine, **settings: Any
+) -> AsyncIterator[tuple[str, RegisteredEngine]]:
     """A router with the chart's defaults over the two engines; yields its URL and its view of ``victim``."""
-    async with running_router([victim.url, survivor.url], routing_logic="roundrobin", **DEFAULTS) as (
+    async with running_router(
+        [victim.url, survivor.url], routing_logic="roundrobin", **DEFAULTS, **settings
+    ) as (
         url,
         router,
     ):
@@ -96,11 +108,17 @@ async def _round_robin(victim: Engine, survivor: Engine) -> AsyncIterator[tuple[
         yield url, engine
 
 
-async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(session_engines, engines) -> None:
+async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(
+    session_engines, engines, lora_adapter_dir
+) -> None:
+    """Also issue 13's "hot adapters back after an engine restart", on this restart: a hot adapter is
+    on both engines from the start, and on the restarted one again within seconds of its being ready."""
     spare = session_engines.spare_engine()
-    async with _round_robin(spare, engines[0]) as (url, engine):
+    hot = [{"name": "hot-lora", "source": str(lora_adapter_dir), "base_model": MODEL, "tier": "hot"}]
+    async with _round_robin(spare, engines[0], lora_adapters=hot) as (url, engine):
         load = Load(url)
         async with load.running():
+            await wait_for(lambda: "hot-lora" in engine.models, 30, "the hot adapter on the spare")
             await load.served(20, "requests on both engines")
             await wait_for(lambda: engine.in_flight > 0, 30, "a request on the spare")
             spare.kill()
@@ -118,10 +136,21 @@ async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(sessi
             )
             traffic_after = time.monotonic() - ready
             await load.served(20, "requests on both engines again")
-        print(f"ejected {ejected_after:.2f} s after SIGKILL; traffic {traffic_after:.2f} s after ready")
-        assert load.failed == [], load.failed[:5]
-        assert ejected_after <= 1.0
-        assert traffic_after <= 2.0
+            # the router's view is learned from the engine's answers; the engine's own list confirms it
+            await wait_for(lambda: "hot-lora" in engine.models, 10, "the hot adapter on the restart")
+            hot_after = time.monotonic() - ready
+            assert "hot-lora" in await asyncio.to_thread(_adapters, restarted)
+            answer = await client(url).completions.create(model="hot-lora", prompt="hello", max_tokens=2)
+            assert answer.model == "hot-lora"
+    async with httpx.AsyncClient(timeout=10) as h:  # the router is gone; the shared engine keeps nothing
+        await h.post(engines[0].url + "/v1/unload_lora_adapter", json={"lora_name": "hot-lora"})
+    print(
+        f"ejected {ejected_after:.2f} s after SIGKILL; traffic {traffic_after:.2f} s and the hot adapter "
+        f"{hot_after:.2f} s after ready"
+    )
+    assert load.failed == [], load.failed[:5]
+    assert ejected_after <= 1.0
+    assert traffic_after <= 2.0
 
 
 async def test_hung_engine_opens_its_circuit_and_comes_back(engines) -> None:

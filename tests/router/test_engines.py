@@ -87,9 +87,17 @@ async def test_embeddings_and_models_union(engines, embedding_engine) -> None:
 
 
 async def test_lora_adapter_load_fanout_route_and_unload(engines, lora_adapter_dir) -> None:
-    async with running_router(engines.urls) as (url, router), http(url) as h:
+    registered = [{"name": "tiny-lora", "source": str(lora_adapter_dir), "base_model": MODEL}]
+    admin = {"authorization": "Bearer admin-key"}
+    env = {"VLLM_STACK_ADMIN_API_KEYS": "admin-key"}
+    async with (
+        running_router(engines.urls, environ=env, lora_adapters=registered) as (url, router),
+        http(url) as h,
+    ):
         r = await h.post(
-            "/v1/load_lora_adapter", json={"lora_name": "tiny-lora", "lora_path": str(lora_adapter_dir)}
+            "/v1/load_lora_adapter",
+            json={"lora_name": "tiny-lora", "lora_path": str(lora_adapter_dir)},
+            headers=admin,
         )
         assert r.status_code == 200, r.text
         await wait_for(
@@ -101,7 +109,7 @@ async def test_lora_adapter_load_fanout_route_and_unload(engines, lora_adapter_d
         assert cards["tiny-lora"]["parent"] == MODEL
         out = await client(url).completions.create(model="tiny-lora", prompt="Hello", max_tokens=4)
         assert out.model == "tiny-lora"
-        r = await h.post("/v1/unload_lora_adapter", json={"lora_name": "tiny-lora"})
+        r = await h.post("/v1/unload_lora_adapter", json={"lora_name": "tiny-lora"}, headers=admin)
         assert r.status_code == 200, r.text
         await wait_for(lambda: not router.registry.candidates("tiny-lora"), within=10, what="adapter gone")
 

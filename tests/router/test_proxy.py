@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -148,26 +147,61 @@ async def test_models_union_dedup_keeps_vllm_fields() -> None:
     assert cards["base-a"]["root"] == "base-a"
 
 
-async def test_lora_adapter_fanout_and_routing(router2) -> None:
-    url, router, engines = router2
-    async with http(url) as h:
-        r = await h.post("/v1/load_lora_adapter", json={"lora_name": "ad1", "lora_path": "/x"})
+ADMIN = {"VLLM_STACK_ADMIN_API_KEYS": "admin-key"}
+AD1 = {"name": "ad1", "source": "/x", "base_model": "stub-model"}
+
+
+async def test_lora_adapter_fanout_and_routing(two_stubs) -> None:
+    engines, urls = two_stubs
+    admin = {"authorization": "Bearer admin-key"}
+    async with running_router(urls, environ=ADMIN, lora_adapters=[AD1]) as (url, router), http(url) as h:
+        r = await h.post("/v1/load_lora_adapter", json={"lora_name": "ad1", "lora_path": "/x"}, headers=admin)
         assert r.status_code == 200, r.text
         assert "added" in r.text
         for e in engines:
             assert "ad1" in e.cards
-        # the registry re-probed the engines: the adapter is listed and routable now
-        for _ in range(100):
-            if router.registry.candidates("ad1"):
-                break
-            await asyncio.sleep(0.02)
+        # routable at once (the registry learned it from the answers, and re-probes the engines)
+        assert len(router.registry.candidates("ad1")) == 2
         models = (await h.get("/v1/models")).json()["data"]
         assert {m["id"]: m["parent"] for m in models}["ad1"] == "stub-model"
         r = await h.post("/v1/completions", json={"model": "ad1", "prompt": "x"})
         assert r.status_code == 200
-        r = await h.post("/v1/unload_lora_adapter", json={"lora_name": "ad1"})
+        r = await h.post("/v1/unload_lora_adapter", json={"lora_name": "ad1"}, headers=admin)
         assert r.status_code == 200
         assert all("ad1" not in e.cards for e in engines)
+        # the source comes from the registry when the request gives none
+        r = await h.post("/v1/load_lora_adapter", json={"lora_name": "ad1"}, headers=admin)
+        assert r.status_code == 200, r.text
+        assert all(e.cards["ad1"]["root"] == "/x" for e in engines)
+
+
+async def test_lora_loads_through_the_router_need_an_admin_key_and_a_registered_source(two_stubs) -> None:
+    """Before: any client key could make every engine read an arbitrary path."""
+    engines, urls = two_stubs
+    body = {"lora_name": "ad1", "lora_path": "/x"}
+    env = {**ADMIN, "VLLM_STACK_API_KEYS": "client-key"}
+    async with running_router(urls, environ=env, lora_adapters=[AD1]) as (url, _), http(url) as h:
+        for headers in ({}, {"authorization": "Bearer client-key"}, {"authorization": "Bearer wrong"}):
+            for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                r = await h.post(path, json=body, headers=headers)
+                assert r.status_code == 403, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "admin_key_required"
+        admin = {"authorization": "Bearer admin-key"}
+        r = await h.post(
+            "/v1/load_lora_adapter", json={"lora_name": "evil", "lora_path": "/etc"}, headers=admin
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_not_registered", r.text
+        r = await h.post(
+            "/v1/load_lora_adapter", json={"lora_name": "ad1", "lora_path": "/etc"}, headers=admin
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_source_mismatch", r.text
+        assert all("ad1" not in e.cards and "evil" not in e.cards for e in engines)
+        r = await h.post("/v1/load_lora_adapter", json=body, headers={"x-api-key": "admin-key"})
+        assert r.status_code == 200, r.text
+    # with no admin key configured the endpoints are off
+    async with running_router(urls, lora_adapters=[AD1]) as (url, _), http(url) as h:
+        r = await h.post("/v1/load_lora_adapter", json=body)
+        assert r.status_code == 403 and "no admin key is configured" in r.json()["error"]["message"]
 
 
 async def test_own_endpoints(router2) -> None:

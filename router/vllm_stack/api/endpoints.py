@@ -51,19 +51,40 @@ async def engines(router: RouterState, scope: dict[str, Any], receive: Receive, 
 
 
 async def models(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-    """``GET /v1/models``: union over healthy engines, deduplicated, vLLM's fields kept."""
-    await send_json(send, 200, {"object": "list", "data": router.registry.model_cards()})
+    """``GET /v1/models``: union over healthy engines, deduplicated, vLLM's fields kept; registered
+    adapters (with their base model as ``parent``) and weighted names too, loaded anywhere or not."""
+    cards = router.registry.model_cards()
+    if router.catalog is not None:
+        seen = {c["id"] for c in cards}
+        cards += [c for c in router.catalog.cards() if c["id"] not in seen]
+        cards.sort(key=lambda c: c["id"])
+    await send_json(send, 200, {"object": "list", "data": cards})
+
+
+def _check_admin(router: RouterState, headers: list[tuple[bytes, bytes]]) -> None:
+    """Adapter loads and unloads through the router need an admin key (refused when none is set)."""
+    if not router.admin_auth.enabled:
+        raise RouterError(
+            403,
+            "Loading and unloading adapters through the router is off: no admin key is configured "
+            "(admin_api_keys_file or VLLM_STACK_ADMIN_API_KEYS).",
+            code="admin_key_required",
+        )
+    if not router.admin_auth.check(headers):
+        raise RouterError(403, "This endpoint needs an admin API key.", code="admin_key_required")
 
 
 async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` sent to every engine of the base model.
 
-    Load: the engines serving ``base_model`` (a router-only field, removed before forwarding), or, when
-    it is absent and one base model is served, all of them. Unload: the engines that have the adapter.
+    Both need an admin key. Load takes registered adapters only (``lora_adapters``; a ``lora_path``
+    other than the registered source is refused, so no client key can make engines read an arbitrary
+    path) and goes to every engine of the adapter's base model. Unload: the engines that have it.
     All succeed -> the first engine's answer unchanged; otherwise the first failure's status with every
     engine's result in the message. Targeted engines are re-probed so ``/v1/models`` shows the change now.
     """
     headers = scope["headers"]
+    _check_admin(router, headers)
     content_length = next((v for k, v in headers if k == b"content-length"), None)
     body = await read_body(receive, router.max_body_bytes, content_length)
     if body is None:
@@ -79,6 +100,7 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
     registry = router.registry
     unload = scope["path"].endswith("unload_lora_adapter")
     base = doc.pop("base_model", None)
+    spec = None
     if unload:
         targets = list(registry.candidates(doc["lora_name"]))
         if not targets:
@@ -88,15 +110,27 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
                 code="model_not_found",
             )
     else:
-        if base is None:
-            bases = registry.base_models()
-            if len(bases) != 1:
-                raise RouterError(
-                    400,
-                    f"Several base models are served ({', '.join(bases) or 'none'}); name one in 'base_model'.",
-                    param="base_model",
-                )
-            base = bases[0]
+        spec = router.adapters.catalog.get(doc["lora_name"])
+        if spec is None:
+            raise RouterError(
+                400,
+                f"The LoRA adapter '{doc['lora_name']}' is not registered in the router's lora_adapters.",
+                param="lora_name",
+                code="adapter_not_registered",
+            )
+        if doc.get("lora_path") not in (None, spec.lora_path, spec.source):
+            raise RouterError(
+                400,
+                f"'lora_path' differs from the registered source of '{spec.name}'.",
+                param="lora_path",
+                code="adapter_source_mismatch",
+            )
+        if base is not None and base != spec.base_model:
+            raise RouterError(
+                400, f"'{spec.name}' is registered for base model '{spec.base_model}'.", param="base_model"
+            )
+        doc["lora_path"] = spec.lora_path
+        base = spec.base_model
         targets = list(registry.candidates(str(base)))
         if not targets and not registry.is_known(str(base)) and registry.healthy_count > 0:
             # as for an unknown model on the proxied paths: retrying cannot help
@@ -119,6 +153,13 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
             return engine, 502, f"{type(exc).__name__}: {exc}".encode(), "text/plain"
 
     results = await asyncio.gather(*(call(e) for e in targets))
+    for engine, status, _, _ in results:
+        if status != 200:
+            continue
+        if spec is None:
+            registry.forget_adapter(engine, doc["lora_name"])
+        else:
+            registry.learn_adapter(engine, spec.card())
     registry.refresh_soon(targets)
     failures = [r for r in results if r[1] >= 300]
     if not failures:

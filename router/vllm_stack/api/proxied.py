@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 
+import orjson
+
 from vllm_stack.api.parsing import multipart_field
 from vllm_stack.api.state import RouterState
 from vllm_stack.director.request import ProxiedRequest
+from vllm_stack.engines.adapters import AdapterCatalog, AdapterSpec
 from vllm_stack.errors import RouterError, model_not_found
 from vllm_stack.relay.headers import REQUEST_DROP, connection_listed
 from vllm_stack.request_id import new_request_id, valid_request_id
@@ -58,9 +61,17 @@ MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations
 UNKNOWN_MODEL_LABEL = "unknown"  # bounded metric label for names no engine serves
 
 
-def _resolve_model(router: RouterState, path: str, model: str | None) -> tuple[str, str]:
-    """The model to route and its metric label; 400 when none is named, 404 when no engine has it."""
+def _resolve_model(
+    router: RouterState, path: str, model: str | None, spec: AdapterSpec | None = None
+) -> tuple[str, str]:
+    """The model to route and its metric label; 400 when none is named, 404 when no engine has it
+    (a registered adapter exists when its base model does, loaded anywhere or not)."""
     registry = router.registry
+    if spec is not None:
+        base = spec.base_model
+        if registry.candidates(base) or registry.is_known(base) or registry.healthy_count == 0:
+            return spec.name, spec.name
+        raise model_not_found(base, registry.available_models(), what="base model")
     if not model:
         if path in MODEL_OPTIONAL:
             bases = registry.base_models()
@@ -72,6 +83,27 @@ def _resolve_model(router: RouterState, path: str, model: str | None) -> tuple[s
     if registry.healthy_count == 0:  # nothing is healthy, so the name cannot be checked: the director's 503
         return model, UNKNOWN_MODEL_LABEL
     raise model_not_found(model, registry.available_models())
+
+
+def _retarget(
+    catalog: AdapterCatalog, model: str | None, session_key: str | None, body: bytes, multipart: bool
+) -> tuple[str | None, bytes]:
+    """A weighted model name replaced by the target chosen for this request, in the body too (the
+    engine knows only the target); anything else unchanged."""
+    if model is None:
+        return model, body
+    target = catalog.target(model, session_key)
+    if target is None:
+        return model, body
+    if multipart:
+        raise RouterError(
+            400,
+            f"'{model}' is a weighted model name; this endpoint needs a model by its own name.",
+            param="model",
+        )
+    doc = orjson.loads(body)  # parsed once already: valid JSON with a string model
+    doc["model"] = target
+    return target, orjson.dumps(doc)
 
 
 def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:
@@ -128,7 +160,15 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
             fields = router.parser.parse(request.body)
             model, user, prefix = fields.model, fields.user, fields.prefix
             prompt, cache_salt = fields.prompt, fields.cache_salt
-        model, model_label = _resolve_model(router, path, model)
+        spec = None
+        catalog = router.catalog
+        if catalog is not None:
+            session = session_value.decode("latin-1") if session_value is not None else user
+            model, body = _retarget(catalog, model, session, request.body, path in MULTIPART_PATHS)
+            spec = catalog.get(model) if model else None
+        else:
+            body = request.body
+        model, model_label = _resolve_model(router, path, model, spec)
     except RouterError as err:
         router.metrics.observe_request(
             UNKNOWN_MODEL_LABEL, "none", str(err.status), time.perf_counter() - started
@@ -139,12 +179,14 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     key = director.settings.engine_auth
     if key:
         lines += (b"authorization: ", key, b"\r\n")
-    body = request.body
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
     session_key = session_value.decode("latin-1") if session_value is not None else user
     ctx = RequestContext(
         model, session_key, prefix, path=path, body=body, prompt=prompt, cache_salt=cache_salt
     )
+    if spec is not None:
+        ctx.adapter = spec
+        ctx.pool = spec.base_model
     # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
     ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label)  # starts it

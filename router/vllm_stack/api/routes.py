@@ -31,6 +31,7 @@ POST_ROUTES: dict[str, Handler] = {
     "/v1/unload_lora_adapter": endpoints.lora_fanout,
 }
 OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # no API key needed
+ADMIN_PATHS = frozenset(POST_ROUTES)  # an admin key, checked by the endpoint, instead of a client key
 
 
 async def control(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -43,6 +44,6 @@ async def control(router: RouterState, scope: dict[str, Any], receive: Receive, 
         if path in GET_ROUTES or path in POST_ROUTES or path in PROXIED_PATHS:
             raise RouterError(405, f"Method {method} not allowed on {path}.", code="method_not_allowed")
         raise RouterError(404, f"Unknown path {path}.", code="not_found")
-    if path not in OPEN_PATHS and not router.auth.check(scope["headers"]):
+    if path not in OPEN_PATHS and path not in ADMIN_PATHS and not router.auth.check(scope["headers"]):
         raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
     await handler(router, scope, receive, send)

@@ -12,6 +12,8 @@ from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.parsing import BodyParser
 from vllm_stack.config import RouterConfig
 from vllm_stack.director.director import Director
+from vllm_stack.engines.adapter_placement import AdapterPlacement
+from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
 
@@ -22,6 +24,9 @@ class RouterState(Protocol):
     metrics: RouterMetrics
     director: Director
     auth: ApiKeyAuth
+    admin_auth: ApiKeyAuth  # keys that may load and unload adapters
+    adapters: AdapterPlacement
+    catalog: AdapterCatalog | None  # None when no adapter or weighted model name is configured
     parser: BodyParser
     session_header: bytes
     max_body_bytes: int

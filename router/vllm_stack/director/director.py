@@ -79,5 +79,9 @@ class Director:
                 code="overloaded",
                 headers=_RETRY_AFTER,
             )
+        if reason == Reason.ADAPTER_UNAVAILABLE:
+            return RouterError(
+                502, message or f"The LoRA adapter '{model}' could not be loaded.", code="adapter_load_failed"
+            )
         log.error("no error is mapped for scheduling reason %r", reason)
         return RouterError(500, "The router could not route the request.", code="internal_error")

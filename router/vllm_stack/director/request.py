@@ -128,7 +128,7 @@ class ProxiedRequest:
                 index += 1
                 try:
                     if stage == _ADMIT:
-                        outcome = fn(ctx, self.director.registry.candidates(ctx.model))
+                        outcome = fn(ctx, self.director.registry.candidates(ctx.pool or ctx.model))
                     elif stage == _PREPARE:
                         outcome = fn(ctx)
                     else:
@@ -193,7 +193,7 @@ class ProxiedRequest:
         director = self.director
         ctx = self.ctx
         ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
-        result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.model))
+        result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
         engine = result.engine
         if engine is None:
             self._fail(self.last_error or director.error_for(result.reason, ctx.model))
@@ -254,7 +254,7 @@ class ProxiedRequest:
         excluded = self.ctx.excluded
         return any(
             e.name not in excluded and e.breaker.available()
-            for e in self.director.registry.candidates(self.ctx.model)
+            for e in self.director.registry.candidates(self.ctx.pool or self.ctx.model)
         )
 
     # ---- what the leg reports ----------------------------------------------------------------------------

@@ -21,6 +21,11 @@ class EngineTelemetry:
     scraped_at: float  # time.monotonic()
     block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
     num_blocks: int | None = None  # KV capacity in blocks (vllm:cache_config_info num_gpu_blocks)
+    # vllm:lora_requests_info (its latest series): adapter slots, and the adapters with requests
+    # running or waiting there (None: the engine does not serve LoRA, or published no such series)
+    max_loras: int | None = None
+    running_adapters: frozenset[str] | None = None
+    waiting_adapters: frozenset[str] | None = None
 
 
 class Engine:
@@ -58,6 +63,7 @@ class Engine:
         "kv_blocks",
         "kv_events_endpoint",
         "kv_replay_endpoint",
+        "max_loras",
     )
 
     def __init__(
@@ -94,10 +100,16 @@ class Engine:
         # KV events (vllm_stack.scheduling.index.feed): from discovery; None means ask the engine.
         self.kv_events_endpoint: str | None = None
         self.kv_replay_endpoint: str | None = None
+        # LoRA adapter slots (--max-loras), from its last scrape that had vllm:lora_requests_info.
+        self.max_loras: int | None = None
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
         """Scraped figures under the stale rule of :mod:`vllm_stack.engines.load` (unknown is not zero)."""
         return load.fresh_telemetry(self, now)
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters it serves now (its ``/v1/models`` cards that have a parent)."""
+        return [c["id"] for c in self.model_cards if c.get("parent")]
 
     def routable(self) -> bool:
         return self.ready and self.healthy
@@ -125,5 +137,11 @@ class Engine:
             },
             "completions": self.completions.describe(),
             "kv_cache": {"block_size": self.kv_block_size, "blocks": self.kv_blocks},
+            "lora": {
+                "max_loras": self.max_loras,  # None until the engine published it (its first request)
+                "adapters": sorted(self.adapters()),
+                "running": None if t is None or t.running_adapters is None else sorted(t.running_adapters),
+                "waiting": None if t is None or t.waiting_adapters is None else sorted(t.waiting_adapters),
+            },
             "last_error": self.last_error,
         }

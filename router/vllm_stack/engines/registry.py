@@ -65,6 +65,8 @@ class EngineRegistry:
         self._health_series: set[tuple[str, str]] = set()
         self.changed = asyncio.Event()  # set on every index rebuild (tests and /ready waiters)
         self.on_engine_left: list[Callable[[Engine], None]] = []  # e.g. close its pooled connections
+        # Told after every answered /v1/models (e.g. load the hot adapters an engine lacks)
+        self.on_models_learned: list[Callable[[Engine], None]] = []
 
     # ---- read side (hot path) -------------------------------------------------------------------
     def candidates(self, model: str) -> tuple[Engine, ...]:
@@ -155,6 +157,12 @@ class EngineRegistry:
             return False
         self._learn_models(engine, cards)
         self.record_check(engine, ok=True)
+        if self._engines.get(engine.name) is engine:
+            for hook in self.on_models_learned:
+                try:
+                    hook(engine)
+                except Exception:  # noqa: BLE001 - a hook's bug must not fail the health check
+                    log.exception("models-learned hook %r failed", hook)
         return True
 
     async def check_all(self) -> None:
@@ -252,6 +260,22 @@ class EngineRegistry:
         if models != engine.models:
             engine.models = models
             self._rebuild()
+
+    def learn_adapter(self, engine: Engine, card: dict[str, Any]) -> None:
+        """The router loaded an adapter there: routable at once, not only after the next probe."""
+        if card["id"] in engine.models:
+            return
+        engine.model_cards = (*engine.model_cards, {k: card[k] for k in _CARD_FIELDS if k in card})
+        engine.models = engine.models | {card["id"]}
+        self._rebuild()
+
+    def forget_adapter(self, engine: Engine, name: str) -> None:
+        """The router unloaded an adapter there (the next probe confirms it)."""
+        if name not in engine.models or name in engine.static_models:
+            return
+        engine.model_cards = tuple(c for c in engine.model_cards if c["id"] != name)
+        engine.models = engine.models - {name}
+        self._rebuild()
 
     def refresh_soon(self, engines: Iterable[Engine]) -> None:
         """Re-probe engines now (e.g. after a LoRA adapter was loaded) instead of at the next round."""

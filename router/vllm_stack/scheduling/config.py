@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_stack.config import ConfigError
+from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.framework import Filter, Picker, Profile, ProfileHandler, Scheduler, Scorer
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
@@ -130,7 +131,11 @@ def _profile(entry: Any, instances: Mapping[str, Any], metrics: RouterMetrics) -
 
 
 def build_scheduling(
-    raw: Mapping[str, Any], registry: PluginRegistry, state: PluginState, metrics: RouterMetrics
+    raw: Mapping[str, Any],
+    registry: PluginRegistry,
+    state: PluginState,
+    metrics: RouterMetrics,
+    adapters: AdapterPlacement | None = None,
 ) -> SchedulingSetup:
     """Build plugins, profiles and hooks from a ``scheduling`` mapping (``ConfigError`` when invalid)."""
     if not isinstance(raw, Mapping):
@@ -141,7 +146,7 @@ def build_scheduling(
     state.begin_build()
     applied = False
     try:
-        context = PluginContext(state, metrics)
+        context = PluginContext(state, metrics, adapters)
         instances, types = _plugins(raw.get("plugins"), registry, context)
         entries = _key(raw, "schedulingProfiles", "scheduling_profiles")
         if not isinstance(entries, Sequence) or isinstance(entries, str) or not entries:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from vllm_stack.engines.adapters import AdapterSpec
 from vllm_stack.engines.engine import Engine
 from vllm_stack.metrics import RouterMetrics, _Value
 
@@ -25,6 +26,7 @@ class Reason(enum.StrEnum):
     ALL_FILTERED = "all_filtered"  # candidates existed; filters (breakers, tried engines) removed all
     ALL_SATURATED = "all_saturated"  # candidates existed; every one is saturated
     OVERLOADED = "overloaded"  # admission: the router will not take more for this model now
+    ADAPTER_UNAVAILABLE = "adapter_unavailable"  # pre-request: the LoRA adapter could not be loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,7 @@ _MAX_RESULTS = 4096  # cached scheduling results per profile
 class RequestContext:
     """What routing may look at: the fields the API layer parsed, never more of the body than that."""
 
-    model: str
+    model: str  # what the engine is asked for (a base model or an adapter)
     session_key: str | None = None  # header value or body "user"
     prefix: bytes | None = None  # first bytes of the raw prompt/messages JSON (prefix affinity)
     path: str = ""
@@ -62,6 +64,10 @@ class RequestContext:
     # The picker's estimate of the prompt tokens the chosen engine must prefill (not cached there):
     # booked on Engine.prefill_tokens while the request waits for its first token (0: no estimate).
     prefill_tokens: int = 0
+    # A registered LoRA adapter: the engines of its base model are the candidates (``pool``), and the
+    # lora-affinity filter narrows them to where it is loaded or can be.
+    adapter: AdapterSpec | None = None
+    pool: str = ""  # the model whose engines are candidates, when it is not ``model``
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:

@@ -63,11 +63,34 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
     raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
 
 
+LORA_AFFINITY = "lora-affinity-filter"
+
+
+def with_lora_affinity(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the LoRA-affinity filter first in every profile, unless it lists one itself:
+    registered adapters are routed to where they are loaded whatever the strategy."""
+    plugins = raw.get("plugins")
+    profiles = raw.get("schedulingProfiles", raw.get("scheduling_profiles"))
+    if not isinstance(plugins, list) or not isinstance(profiles, list):
+        return raw  # malformed: build_scheduling reports it
+    if any(isinstance(p, dict) and p.get("type") == LORA_AFFINITY for p in plugins):
+        return raw
+    key = "schedulingProfiles" if "schedulingProfiles" in raw else "scheduling_profiles"
+    ref = {"pluginRef": LORA_AFFINITY}
+    return {
+        **raw,
+        "plugins": [{"type": LORA_AFFINITY}, *plugins],
+        key: [
+            {**p, "plugins": [ref, *(p.get("plugins") or [])]} if isinstance(p, dict) else p for p in profiles
+        ],
+    }
+
+
 def scheduling_config(config: RouterConfig) -> dict[str, Any]:
-    """The router's scheduling configuration: its YAML ``scheduling`` section, else the built-in one."""
-    if config.scheduling is not None:
-        return dict(config.scheduling)
-    return builtin_config(config)
+    """The router's scheduling configuration: its YAML ``scheduling`` section, else the built-in one
+    (with the LoRA-affinity filter when adapters are registered)."""
+    raw = dict(config.scheduling) if config.scheduling is not None else builtin_config(config)
+    return with_lora_affinity(raw) if config.lora_adapters else raw
 
 
 def build_scheduler(config: RouterConfig, metrics: RouterMetrics) -> Scheduler:

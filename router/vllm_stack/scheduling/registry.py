@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from vllm_stack.config import SWITCH_VALUES, ConfigError, switch_value
+from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.metrics import RouterMetrics
 
 T = TypeVar("T")
@@ -71,6 +72,7 @@ class PluginContext:
 
     state: PluginState
     metrics: RouterMetrics
+    adapters: AdapterPlacement | None = None  # the router's LoRA adapter placement
 
 
 class Parameters:

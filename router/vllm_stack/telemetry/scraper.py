@@ -35,17 +35,35 @@ _WANTED = {
 
 _CACHE_CONFIG = "vllm:cache_config_info{"
 _LABEL = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
+# vLLM sets this gauge to the current time under a new label set whenever the running or waiting
+# adapters change, and the old label sets stay in the exposition: the latest (largest value) is now.
+_LORA_INFO = "vllm:lora_requests_info{"
+_LORA_LABEL = re.compile(r'(max_lora|running_lora_adapters|waiting_lora_adapters)="([^"]*)"')
+
+
+def _adapter_set(value: str) -> frozenset[str]:
+    return frozenset(name for name in value.split(",") if name)
 
 
 def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry:
     """Sum the wanted series over their labels. Raises ``ValueError`` when the load series are absent."""
     sums: dict[str, float] = {}
     geometry: dict[str, int] = {}
+    lora: dict[str, str] | None = None
+    lora_at = float("-inf")
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
         if line.startswith(_CACHE_CONFIG):
             geometry.update((k, int(v)) for k, v in _LABEL.findall(line))
+            continue
+        if line.startswith(_LORA_INFO):
+            try:
+                at = float(line.rsplit("}", 1)[1].split()[0])
+            except (IndexError, ValueError):
+                continue
+            if at > lora_at:
+                lora_at, lora = at, dict(_LORA_LABEL.findall(line))
             continue
         name_end = len(line)
         for sep in ("{", " "):
@@ -64,6 +82,9 @@ def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry
         sums[key] = sums.get(key, 0.0) + value
     if "running" not in sums or "waiting" not in sums:
         raise ValueError("engine /metrics lacks vllm:num_requests_running / vllm:num_requests_waiting")
+    max_loras: int | None = None
+    if lora is not None and lora.get("max_lora", "").isdigit():
+        max_loras = int(lora["max_lora"])
     return EngineTelemetry(
         running=sums["running"],
         waiting=sums["waiting"],
@@ -73,6 +94,9 @@ def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry
         scraped_at=time.monotonic() if now is None else now,
         block_size=geometry.get("block_size"),
         num_blocks=geometry.get("num_gpu_blocks"),
+        max_loras=max_loras,
+        running_adapters=None if lora is None else _adapter_set(lora.get("running_lora_adapters", "")),
+        waiting_adapters=None if lora is None else _adapter_set(lora.get("waiting_lora_adapters", "")),
     )
 
 
@@ -128,6 +152,8 @@ class EngineScraper:
             engine.kv_block_size = telemetry.block_size
         if telemetry.num_blocks:
             engine.kv_blocks = telemetry.num_blocks
+        if telemetry.max_loras is not None:
+            engine.max_loras = telemetry.max_loras
 
     def _failed(self, engine: Engine, exc: Exception) -> None:
         engine.telemetry = None

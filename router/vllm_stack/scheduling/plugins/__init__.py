@@ -9,6 +9,7 @@ from __future__ import annotations
 from vllm_stack.scheduling.plugins.circuit_breaker_filter import CircuitBreakerFilter
 from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker
 from vllm_stack.scheduling.plugins.least_loaded_scorer import LeastLoadedScorer
+from vllm_stack.scheduling.plugins.lora_affinity import LoraAffinity
 from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdmission
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
 from vllm_stack.scheduling.plugins.model_profile_handler import ModelProfileHandler
@@ -39,6 +40,7 @@ BUILTIN_TYPES = (
     MaxInFlightAdmission,
     UpstreamHeaders,
     RequestTracker,
+    LoraAffinity,
 )
 
 
