@@ -30,7 +30,7 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- $anyModel := false -}}
 {{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $anyModel = true }}{{ if not .runtimeClassName }}{{ $ownRuntime = false }}{{ end }}{{ end }}{{ end -}}
 {{- if and $anyModel $ownRuntime $v.servingEngineSpec.runtimeClassName }}{{ $n = append $n "servingEngineSpec.runtimeClassName: not used: every deployed model sets its own runtimeClassName, which wins" }}{{ end -}}
-{{- with $v.servingEngineSpec.sidecar }}{{ $n = append $n "servingEngineSpec.sidecar: production-stack's LoRA sidecar is not shipped: load adapters with vllmConfig.loraModules or at run time (/v1/load_lora_adapter with vllmConfig.allowRuntimeLoraUpdating)" }}{{ end -}}
+{{- with $v.servingEngineSpec.sidecar }}{{ $n = append $n "servingEngineSpec.sidecar: production-stack's LoRA sidecar is not shipped: register adapters in loraAdapters (the router loads them where they are requested) or use vllmConfig.loraModules" }}{{ end -}}
 {{- $deployed := false -}}
 {{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $deployed = true }}{{ end }}{{ end -}}
 {{- if and $v.servingEngineSpec.modelSpec (not $deployed) }}{{ $n = append $n "servingEngineSpec: no model is deployed (every modelSpec entry is disabled), so its engine-wide settings render nothing" }}{{ end -}}
@@ -51,8 +51,9 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- end -}}
 {{- if hasKey $vc "v0" }}{{ $n = append $n (printf "%s.vllmConfig.v0: ignored: vLLM 0.32 has only the V1 engine, which runs (production-stack would set VLLM_USE_V1=0)" $p) }}{{ end -}}
 {{- if and $m.vllmConfig (not (hasKey $vc "enablePrefixCaching")) }}{{ $n = append $n (printf "%s.vllmConfig.enablePrefixCaching: not given, so vLLM's default (on); production-stack renders --no-enable-prefix-caching here" $p) }}{{ end -}}
+{{- if and (hasKey $vc "v1") (not (has (toString $vc.v1) (list "0" "false"))) }}{{ $n = append $n (printf "%s.vllmConfig.v1: nothing to set: vLLM 0.32 has only the V1 engine" $p) }}{{ end -}}
 {{- if and $vc.maxLoras (not (or $vc.enableLoRA $m.enableLoRA)) }}{{ $n = append $n (printf "%s.vllmConfig.maxLoras: --enable-lora added (vLLM ignores --max-loras without it; production-stack passes --max_loras alone)" $p) }}{{ end -}}
-{{- if and $m.enableLoRA $m.pvcStorage }}{{ $n = append $n (printf "%s.enableLoRA: --enable-lora; production-stack would also add its LoRA sidecar here (enableLoRA with pvcStorage), which is not shipped: load adapters with vllmConfig.loraModules or /v1/load_lora_adapter" $p) }}{{ end -}}
+{{- if and $m.enableLoRA $m.pvcStorage }}{{ $n = append $n (printf "%s.enableLoRA: --enable-lora; production-stack would also add its LoRA sidecar here (enableLoRA with pvcStorage), which is not shipped: register adapters in loraAdapters (the router loads them) or use vllmConfig.loraModules" $p) }}{{ end -}}
 {{- with $m.pvcMatchLabels }}{{ $n = append $n (printf "%s.pvcMatchLabels: the model's PVC selects a pre-provisioned PersistentVolume labelled %s" $p (toJson .)) }}{{ end -}}
 {{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) }}{{ $n = append $n (printf "%s.chatTemplate: --chat-template %s as given; the file must be in the image or a volume you mount (extraVolumes); production-stack would look for it under /templates on a PVC named vllm-templates-pvc" $p $m.chatTemplate) }}{{ end -}}
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" $ctx) "true" -}}
@@ -74,8 +75,12 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- range $key := list "kube-prometheus-stack" "prometheus-adapter" }}
 {{- with (get $v $key) }}{{ $n = append $n (printf "%s: not bundled%s: install prometheus-community/%s yourself; this chart's ServiceMonitors (monitoring.serviceMonitor.enabled) and KEDA triggers work with it" $key (ternary " (enabled: true asks for it)" "" (eq (toString .enabled) "true")) $key) }}{{ end -}}
 {{- end -}}
-{{- with $v.loraAdapters }}{{ $n = append $n "loraAdapters: no entry is enabled; production-stack's LoRA operator is not part of this chart" }}{{ end -}}
-{{- with $v.loraController }}{{ $n = append $n "loraController: enableLoraController is not true; production-stack's LoRA operator is not part of this chart" }}{{ end -}}
+{{- range $i, $a := $v.loraAdapters }}{{ if eq (toString $a.enabled) "false" }}{{ $n = append $n (printf "loraAdapters[%d] (%s): enabled: false, not registered with the router" $i (toString $a.name)) }}{{ end }}{{ if ne (toString $a.enabled) "false" -}}
+{{- with $a.loraAdapterDeploymentConfig }}{{ $n = append $n (printf "loraAdapters[%d].loraAdapterDeploymentConfig: not used: the router places adapters where they are requested (tier hot loads one on every engine of its base model)" $i) }}{{ end -}}
+{{- with ($a.adapterSource | default dict).credentials }}{{ $n = append $n (printf "loraAdapters[%d].adapterSource.credentials: not used: the engine downloads the adapter with its model's hf_token" $i) }}{{ end -}}
+{{- if eq (toString ($a.adapterSource | default dict).type) "local" }}{{ $n = append $n (printf "loraAdapters[%d].adapterSource.adapterPath: read by the engines, so it must be on their file system (a volume of the model's pods)" $i) }}{{ end -}}
+{{- end }}{{ end -}}
+{{- with $v.loraController }}{{ $n = append $n "loraController: not deployed: the router loads, places and unloads the adapters of loraAdapters itself" }}{{ end -}}
 {{- range $n }}
   {{ . }}
 {{- end }}

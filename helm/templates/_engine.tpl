@@ -19,7 +19,7 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- end -}}
 {{- end -}}
 {{- /* LoRA: production-stack files give only maxLoras; vLLM ignores it without --enable-lora. */ -}}
-{{- if or $vc.enableLoRA $m.enableLoRA $vc.maxLoras $vc.loraModules -}}
+{{- if or $vc.enableLoRA $m.enableLoRA $vc.maxLoras $vc.loraModules (include "vllm-stack.model.hasAdapters" .) -}}
 {{- $args = append $args "--enable-lora" -}}
 {{- with $vc.maxLoras }}{{ $args = append (append $args "--max-loras") (include "vllm-stack.str" .) }}{{ end -}}
 {{- with $vc.maxLoraRank }}{{ $args = append (append $args "--max-lora-rank") (include "vllm-stack.str" .) }}{{ end -}}
@@ -191,7 +191,8 @@ secretKeyRef:
     secretKeyRef:
       {{- . | nindent 6 }}
 {{- end }}
-{{- if $vc.allowRuntimeLoraUpdating }}
+{{- $ownEnv := list }}{{ range $m.env }}{{ $ownEnv = append $ownEnv (toString .name) }}{{ end }}
+{{- if and (or $vc.allowRuntimeLoraUpdating (include "vllm-stack.model.hasAdapters" .)) (not (has "VLLM_ALLOW_RUNTIME_LORA_UPDATING" $ownEnv)) }}
 - name: VLLM_ALLOW_RUNTIME_LORA_UPDATING
   value: "True"
 {{- end }}

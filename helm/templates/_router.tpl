@@ -15,8 +15,9 @@
 {{- /* What is left of the pod's grace period after the preStop sleep, minus 5 s to exit cleanly. */}}
 {{- $grace := max 1 (sub (sub (int $r.terminationGracePeriodSeconds) (int $r.preStopSleepSeconds)) 5) -}}
 {{- $args = concat $args (list "--shutdown-grace" (toString $grace)) -}}
-{{- if $r.config }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
+{{- if (include "vllm-stack.router.config" .) }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
+{{- if $r.adminApiKeysSecret }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}
 {{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
@@ -45,5 +46,59 @@ replaced by the default image and NOTES.txt says so (`vllmStackImage: false` rep
 {{- printf "%s:%s" "ghcr.io/vllm-stack/router" .Chart.AppVersion -}}
 {{- else -}}
 {{- printf "%s:%s" $r.repository (toString ($r.tag | default .Chart.AppVersion)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Registered LoRA adapters for the router (its `lora_adapters`), from production-stack's `loraAdapters`
+layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `adapterSource`
+(`type: local` with `adapterPath`, or `type: huggingface` with `repository`), and our `tier`
+(hot / warm / cold, default warm). The adapter's client-visible name is `adapterSource.adapterName`
+(what production-stack loads it as), else `name`. Renders a YAML list, or nothing.
+*/}}
+{{- define "vllm-stack.router.loraAdapters" -}}
+{{- $out := list -}}
+{{- range $i, $a := .Values.loraAdapters -}}
+{{- if ne (toString $a.enabled) "false" -}}
+{{- $src := $a.adapterSource | default dict -}}
+{{- $where := printf "loraAdapters[%d] (%s)" $i ($a.name | default "") -}}
+{{- with $src.pattern }}{{ fail (printf "%s: adapterSource.pattern (production-stack's operator finds several adapters by a pattern) is not implemented: register each adapter as its own entry" $where) }}{{ end -}}
+{{- $base := "" -}}
+{{- range $m := $.Values.servingEngineSpec.modelSpec -}}
+{{- $served := include "vllm-stack.model.servedName" (dict "root" $ "model" $m) -}}
+{{- if or (eq $m.name (toString $a.baseModel)) (eq $served (toString $a.baseModel)) }}{{ $base = $served }}{{ end -}}
+{{- end -}}
+{{- if not $base }}{{ fail (printf "%s: baseModel %q is no modelSpec's name or served model name" $where (toString $a.baseModel)) }}{{ end -}}
+{{- $source := "" -}}
+{{- if eq (toString $src.type) "huggingface" -}}
+{{- $source = printf "hf:%s" (required (printf "%s: adapterSource.repository is required with type huggingface" $where) $src.repository) -}}
+{{- else if eq (toString $src.type) "local" -}}
+{{- $source = required (printf "%s: adapterSource.adapterPath is required with type local" $where) $src.adapterPath -}}
+{{- else -}}
+{{- fail (printf "%s: adapterSource.type must be local or huggingface (got %q)" $where (toString $src.type)) -}}
+{{- end -}}
+{{- $name := $src.adapterName | default $a.name | required (printf "%s: a name or adapterSource.adapterName is required" $where) -}}
+{{- $out = append $out (dict "name" $name "source" $source "base_model" $base "tier" ($a.tier | default "warm")) -}}
+{{- end -}}
+{{- end -}}
+{{- with $out }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* The router's configuration file: routerSpec.config with the adapters and weighted names added. */}}
+{{- define "vllm-stack.router.config" -}}
+{{- $r := .Values.routerSpec -}}
+{{- $config := deepCopy ($r.config | default dict) -}}
+{{- with (include "vllm-stack.router.loraAdapters" .) }}{{ $_ := set $config "lora_adapters" (fromYamlArray .) }}{{ end -}}
+{{- with $r.weightedModels }}{{ $_ := set $config "weighted_models" . }}{{ end -}}
+{{- with $config }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* "true" when a registered adapter names this model as its base: the engine loads adapters at run time. */}}
+{{- define "vllm-stack.model.hasAdapters" -}}
+{{- $root := .root -}}
+{{- $m := .model -}}
+{{- $served := include "vllm-stack.model.servedName" . -}}
+{{- range $a := $root.Values.loraAdapters -}}
+{{- if and (ne (toString $a.enabled) "false") (or (eq (toString $a.baseModel) $m.name) (eq (toString $a.baseModel) $served)) }}true{{ end -}}
 {{- end -}}
 {{- end -}}

@@ -68,7 +68,7 @@ def test_types_enums_and_ranges(tmp_path, values, where):
 @pytest.mark.parametrize(
     "values, message",
     [
-        (model(vllmConfig={"v1": 1}), "only has the V1 engine"),
+        (model(vllmConfig={"v1": 0}), "asks for vLLM's V0 engine"),
         (model(chatTemplate="x"), "chatTemplate is not implemented"),
         (
             model(lmcacheConfig={"enabled": True, "nixlRole": "sender"}),
@@ -77,7 +77,10 @@ def test_types_enums_and_ranges(tmp_path, values, where):
         (model(lmcacheConfig={"enabled": True, "enableNixl": True}), "enableNixl"),
         (model(lmcacheConfig={"enabled": True, "controllerPort": 9000}), "controllerPullUrl"),
         ({"routerSpec": {"rootPath": "/api"}}, "rootPath is not implemented"),
-        ({"loraController": {"enableLoraController": True}}, "loraController is a production-stack key"),
+        (
+            {"loraAdapters": [{"baseModel": "nope", "adapterSource": {"type": "local", "adapterPath": "/a"}}]},
+            'baseModel "nope" is no modelSpec',
+        ),
         ({"servingEngineSpec": {"configs": {"a": "b"}}}, "servingEngineSpec.configs"),
         ({"servingEngineSpec": {"modelSpec": [{"name": "a"}, {"name": "a"}]}}, 'duplicate model name "a"'),
         (model(existingClaim="c", pvcStorage="1Gi"), "either existingClaim or pvcStorage"),
