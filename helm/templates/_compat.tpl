@@ -80,6 +80,7 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- with ($a.adapterSource | default dict).credentials }}{{ $n = append $n (printf "loraAdapters[%d].adapterSource.credentials: not used: the engine downloads the adapter with its model's hf_token" $i) }}{{ end -}}
 {{- if eq (toString ($a.adapterSource | default dict).type) "local" }}{{ $n = append $n (printf "loraAdapters[%d].adapterSource.adapterPath: read by the engines, so it must be on their file system (a volume of the model's pods)" $i) }}{{ end -}}
 {{- end }}{{ end -}}
+{{- if and (include "vllm-stack.router.loraAdapters" $) (not $v.servingEngineSpec.vllmApiKey) (not (and $v.networkPolicy $v.networkPolicy.enabled)) }}{{ $n = append $n "loraAdapters: their base models' engines accept POST /v1/load_lora_adapter (runtime LoRA updating) from anything that reaches them; set servingEngineSpec.vllmApiKey or networkPolicy.enabled so only the router can load adapters" }}{{ end -}}
 {{- with $v.loraController }}{{ $n = append $n "loraController: not deployed: the router loads, places and unloads the adapters of loraAdapters itself" }}{{ end -}}
 {{- range $n }}
   {{ . }}

@@ -58,6 +58,7 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 */}}
 {{- define "vllm-stack.router.loraAdapters" -}}
 {{- $out := list -}}
+{{- $names := list -}}
 {{- range $i, $a := .Values.loraAdapters -}}
 {{- if ne (toString $a.enabled) "false" -}}
 {{- $src := $a.adapterSource | default dict -}}
@@ -65,10 +66,11 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 {{- with $src.pattern }}{{ fail (printf "%s: adapterSource.pattern (production-stack's operator finds several adapters by a pattern) is not implemented: register each adapter as its own entry" $where) }}{{ end -}}
 {{- $base := "" -}}
 {{- range $m := $.Values.servingEngineSpec.modelSpec -}}
-{{- $served := include "vllm-stack.model.servedName" (dict "root" $ "model" $m) -}}
-{{- if or (eq $m.name (toString $a.baseModel)) (eq $served (toString $a.baseModel)) }}{{ $base = $served }}{{ end -}}
+{{- $ctx := dict "root" $ "model" $m -}}
+{{- $served := include "vllm-stack.model.servedName" $ctx -}}
+{{- if and (include "vllm-stack.model.enabled" $ctx) (or (eq $m.name (toString $a.baseModel)) (eq $served (toString $a.baseModel))) }}{{ $base = $served }}{{ end -}}
 {{- end -}}
-{{- if not $base }}{{ fail (printf "%s: baseModel %q is no modelSpec's name or served model name" $where (toString $a.baseModel)) }}{{ end -}}
+{{- if not $base }}{{ fail (printf "%s: baseModel %q is no deployed modelSpec's name or served model name" $where (toString $a.baseModel)) }}{{ end -}}
 {{- $source := "" -}}
 {{- if eq (toString $src.type) "huggingface" -}}
 {{- $source = printf "hf:%s" (required (printf "%s: adapterSource.repository is required with type huggingface" $where) $src.repository) -}}
@@ -78,6 +80,9 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 {{- fail (printf "%s: adapterSource.type must be local or huggingface (got %q)" $where (toString $src.type)) -}}
 {{- end -}}
 {{- $name := $src.adapterName | default $a.name | required (printf "%s: a name or adapterSource.adapterName is required" $where) -}}
+{{- if has $name $names }}{{ fail (printf "%s: the adapter name %q is registered twice" $where $name) }}{{ end -}}
+{{- if eq $name $base }}{{ fail (printf "%s: the adapter name %q is its base model's name" $where $name) }}{{ end -}}
+{{- $names = append $names $name -}}
 {{- $out = append $out (dict "name" $name "source" $source "base_model" $base "tier" ($a.tier | default "warm")) -}}
 {{- end -}}
 {{- end -}}
@@ -88,7 +93,7 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 {{- define "vllm-stack.router.config" -}}
 {{- $r := .Values.routerSpec -}}
 {{- $config := deepCopy ($r.config | default dict) -}}
-{{- with (include "vllm-stack.router.loraAdapters" .) }}{{ $_ := set $config "lora_adapters" (fromYamlArray .) }}{{ end -}}
+{{- with (include "vllm-stack.router.loraAdapters" .) }}{{ $_ := set $config "lora_adapters" (concat ($config.lora_adapters | default list) (fromYamlArray .)) }}{{ end -}}
 {{- with $r.weightedModels }}{{ $_ := set $config "weighted_models" . }}{{ end -}}
 {{- with $config }}{{ toYaml . }}{{ end -}}
 {{- end -}}
@@ -99,6 +104,6 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 {{- $m := .model -}}
 {{- $served := include "vllm-stack.model.servedName" . -}}
 {{- range $a := $root.Values.loraAdapters -}}
-{{- if and (ne (toString $a.enabled) "false") (or (eq (toString $a.baseModel) $m.name) (eq (toString $a.baseModel) $served)) }}true{{ end -}}
+{{- if and (include "vllm-stack.model.enabled" $) (ne (toString $a.enabled) "false") (or (eq (toString $a.baseModel) $m.name) (eq (toString $a.baseModel) $served)) }}true{{ end -}}
 {{- end -}}
 {{- end -}}

@@ -201,10 +201,9 @@ class Router:
             if getattr(old, name) != getattr(config, name):
                 log.warning("config: %s changed; it takes effect after a restart", name)
         self._apply_runtime(config, setup)
-        self.adapters.catalog = catalog
         self.adapters.load_timeout = config.lora_load_timeout
+        self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
-        self.adapters.reconcile_all()
         self.registry.static_models = _static_models(config)
         if isinstance(self.discovery, StaticDiscovery) and config.service_discovery == "static":
             self.discovery.update(config.static_backends)

@@ -66,10 +66,12 @@ class StubEngine:
         behaviour: StubBehaviour | None = None,
         max_model_len: int = 2048,
         max_loras: int | None = None,
+        strict_models: bool = False,
     ) -> None:
         self.name = name
         self.behaviour = behaviour or StubBehaviour()
         self.max_model_len = max_model_len
+        self.strict_models = strict_models  # answer 404 for a model it does not serve, as vLLM does
         self.max_loras = max_loras  # publish vllm:lora_requests_info with this max_lora (None: no LoRA)
         self.lora_loads: list[str] = []  # every load asked for, in order
         self.running_by_model: collections.Counter[str] = collections.Counter()
@@ -189,8 +191,21 @@ class StubEngine:
                     400,
                     {"error": {"message": "bad json", "type": "BadRequestError", "param": None, "code": 400}},
                 )
-        self.running += 1
         model = str(doc.get("model", ""))
+        if self.strict_models and model not in self.cards:
+            return await self._json(
+                send,
+                404,
+                {
+                    "error": {
+                        "message": f"The model `{model}` does not exist.",
+                        "type": "NotFoundError",
+                        "param": "model",
+                        "code": 404,
+                    }
+                },
+            )
+        self.running += 1
         self.running_by_model[model] += 1
         try:
             if b.delay_s:

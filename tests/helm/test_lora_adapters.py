@@ -95,4 +95,4 @@ def test_an_adapter_whose_base_model_is_not_deployed_is_refused(tmp_path) -> Non
             {"name": "a1", "baseModel": "other", "adapterSource": {"type": "local", "adapterPath": "/a"}}
         ],
     }
-    assert 'baseModel "other" is no modelSpec' in render_error([values_file(tmp_path, values)])
+    assert 'baseModel "other" is no deployed modelSpec' in render_error([values_file(tmp_path, values)])

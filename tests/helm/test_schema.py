@@ -78,8 +78,12 @@ def test_types_enums_and_ranges(tmp_path, values, where):
         (model(lmcacheConfig={"enabled": True, "controllerPort": 9000}), "controllerPullUrl"),
         ({"routerSpec": {"rootPath": "/api"}}, "rootPath is not implemented"),
         (
-            {"loraAdapters": [{"baseModel": "nope", "adapterSource": {"type": "local", "adapterPath": "/a"}}]},
-            'baseModel "nope" is no modelSpec',
+            {
+                "loraAdapters": [
+                    {"baseModel": "nope", "adapterSource": {"type": "local", "adapterPath": "/a"}}
+                ]
+            },
+            'baseModel "nope" is no deployed modelSpec',
         ),
         ({"servingEngineSpec": {"configs": {"a": "b"}}}, "servingEngineSpec.configs"),
         ({"servingEngineSpec": {"modelSpec": [{"name": "a"}, {"name": "a"}]}}, 'duplicate model name "a"'),

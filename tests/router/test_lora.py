@@ -178,6 +178,94 @@ async def test_weighted_model_name_splits_exactly_and_a_session_keeps_its_target
             assert len(models) == 1
 
 
+async def test_an_engine_that_lost_its_adapter_gets_it_loaded_again_instead_of_a_404() -> None:
+    """The router's view lags the engine by up to a probe (a restart, another replica's unload)."""
+    e = StubEngine("a", [BASE], max_loras=2, strict_models=True)
+    async with (
+        stubs(e) as urls,
+        running_router(urls, lora_adapters=[adapter("ad1")], health_check_interval=30) as (
+            url,
+            router,
+        ),
+    ):
+        async with http(url) as h:
+            assert (await complete(h, "ad1")).status_code == 200
+            del e.cards["ad1"]  # gone on the engine; the router has not probed since
+            r = await complete(h, "ad1")
+        assert r.status_code == 200, r.text
+        assert e.lora_loads == ["ad1", "ad1"]
+        assert (
+            metric_value(router, "vllm_stack_router_retries_total", model="ad1", reason="adapter_missing")
+            == 1
+        )
+
+
+async def test_a_held_adapter_behind_an_open_breaker_is_loaded_on_another_engine() -> None:
+    a, b = StubEngine("a", [BASE], max_loras=2), StubEngine("b", [BASE], max_loras=2)
+    async with stubs(a, b) as urls, running_router(urls, lora_adapters=[adapter("ad1")]) as (url, router):
+        async with http(url) as h:
+            first = await complete(h, "ad1")
+            holder = router.registry.get(next(e.name for e in router.registry.engines() if "ad1" in e.models))
+            holder.breaker.trip()
+            r = await complete(h, "ad1")
+        assert r.status_code == 200, r.text
+        assert engine_of(r) != engine_of(first)
+        assert "ad1" in a.cards and "ad1" in b.cards
+
+
+async def test_an_engine_that_never_served_a_request_takes_a_new_adapter_before_an_eviction() -> None:
+    """vLLM publishes its slot count from its first request on: a scaled-out engine must get work."""
+    full, fresh = StubEngine("full", [BASE], max_loras=1), StubEngine("fresh", [BASE])
+    async with (
+        stubs(full) as urls,
+        running_router(urls, lora_adapters=[adapter("ad1"), adapter("ad2")]) as (
+            url,
+            router,
+        ),
+    ):
+        async with http(url) as h:
+            assert (await complete(h, "ad1")).status_code == 200
+            await wait_for(lambda: router.registry.engines()[0].max_loras == 1, what="slots scraped")
+            async with stubs(fresh) as more:
+                router.discovery.update([*urls, *more])
+                await wait_for(lambda: router.registry.healthy_count == 2, what="the new engine")
+                r = await complete(h, "ad2")
+        assert engine_of(r) == "fresh"
+        assert "ad1" in full.cards  # nothing was unloaded
+
+
+async def test_waiters_of_a_load_on_an_engine_that_leaves_get_a_clear_error() -> None:
+    a = StubEngine("a", [BASE], max_loras=2)
+    a.behaviour.lora_load_delay_s = 3.0
+    async with (
+        stubs(a) as urls,
+        running_router(urls, lora_adapters=[adapter("ad1")]) as (url, router),
+        http(url) as h,
+    ):
+        waiting = asyncio.ensure_future(complete(h, "ad1"))
+        await wait_for(lambda: bool(a.lora_loads), what="the load under way")
+        router.discovery.update([])  # the engine leaves
+        r = await asyncio.wait_for(waiting, 2.0)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "adapter_load_failed" and "left" in r.json()["error"]["message"]
+
+
+async def test_weighted_name_rewrite_keeps_the_rest_of_the_body_as_sent() -> None:
+    """Deep nesting and integers past 64 bits: re-encoding the whole body would refuse them (a 500)."""
+    a = StubEngine("a", ["v1"])
+    weighted = {"chat": [{"model": "v1", "weight": 1}]}
+    rest = b'"x":' + b"[" * 300 + b"]" * 300 + b',"n":123456789012345678901234567890,"f":1.50'
+    async with stubs(a) as urls, running_router(urls, weighted_models=weighted) as (url, _), http(url) as h:
+        r = await h.post(
+            "/v1/completions",
+            content=b'{"model":"chat","prompt":"x","max_tokens":1,' + rest + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 200, r.text
+    body = [s for s in a.seen if s.path == "/v1/completions"][-1].body
+    assert body.startswith(b'{"model":"v1",') and rest in body
+
+
 @pytest.mark.parametrize(
     ("adapters", "weighted", "message"),
     [

@@ -162,6 +162,9 @@ async def test_lora_adapter_fanout_and_routing(two_stubs) -> None:
             assert "ad1" in e.cards
         # routable at once (the registry learned it from the answers, and re-probes the engines)
         assert len(router.registry.candidates("ad1")) == 2
+        # loading it again is no failure: the engines have it (vLLM answers 400 "already been loaded")
+        r = await h.post("/v1/load_lora_adapter", json={"lora_name": "ad1"}, headers=admin)
+        assert r.status_code == 200, r.text
         models = (await h.get("/v1/models")).json()["data"]
         assert {m["id"]: m["parent"] for m in models}["ad1"] == "stub-model"
         r = await h.post("/v1/completions", json={"model": "ad1", "prompt": "x"})

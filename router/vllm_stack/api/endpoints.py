@@ -9,6 +9,7 @@ import orjson
 
 from vllm_stack.api.http import Receive, Send, read_body, send_bytes, send_json
 from vllm_stack.api.state import RouterState
+from vllm_stack.engines.adapter_placement import ALREADY_LOADED
 from vllm_stack.errors import RouterError, model_not_found, no_healthy_engine
 from vllm_stack.version import router_version
 
@@ -153,6 +154,11 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
             return engine, 502, f"{type(exc).__name__}: {exc}".encode(), "text/plain"
 
     results = await asyncio.gather(*(call(e) for e in targets))
+    # an engine that has it already (a hot adapter, an earlier load) counts as loaded
+    results = [
+        (e, 200, b, t) if not unload and st == 400 and ALREADY_LOADED in b else (e, st, b, t)
+        for e, st, b, t in results
+    ]
     for engine, status, _, _ in results:
         if status != 200:
             continue

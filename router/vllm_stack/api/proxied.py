@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-import orjson
+import msgspec
 
 from vllm_stack.api.parsing import multipart_field
 from vllm_stack.api.state import RouterState
@@ -101,9 +101,17 @@ def _retarget(
             f"'{model}' is a weighted model name; this endpoint needs a model by its own name.",
             param="model",
         )
-    doc = orjson.loads(body)  # parsed once already: valid JSON with a string model
-    doc["model"] = target
-    return target, orjson.dumps(doc)
+    try:
+        # the top level only: every other value is re-emitted as the client sent it, unparsed
+        doc = _TOP_LEVEL.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    doc["model"] = msgspec.Raw(_ENCODER.encode(target))
+    return target, _ENCODER.encode(doc)
+
+
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ENCODER = msgspec.json.Encoder()
 
 
 def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:

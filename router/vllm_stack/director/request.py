@@ -259,11 +259,26 @@ class ProxiedRequest:
 
     # ---- what the leg reports ----------------------------------------------------------------------------
     def retry_on_status(self, leg: Leg, status: int) -> bool:
-        """A 429/5xx before anything was forwarded: retry on another engine when one is left."""
+        """A 429/5xx before anything was forwarded: retry on another engine when one is left. A 404
+        for a registered adapter the router believed loaded there: the engine lost it (a restart,
+        another router replica's unload), so it is forgotten there and the request scheduled again,
+        which loads it; any other 404 is the answer."""
         if self.attempts_left <= 0:
             return False
         engine = self.engine
         assert engine is not None
+        if status == 404:
+            adapter = self.ctx.adapter
+            if adapter is None or adapter.name not in engine.models:
+                return False
+            self.director.registry.forget_adapter(engine, adapter.name)
+            engine.breaker.release()
+            leg.abort()
+            self.leg = None
+            self._end_attempt()
+            self.director.metrics.retry(self.ctx.model, "adapter_missing")
+            self._attempt()
+            return True
         self.ctx.exclude(engine.name)
         if not self._other_candidate():
             return False

@@ -40,7 +40,7 @@ EngineCall = Callable[[Engine, str, dict[str, Any]], Awaitable[tuple[int, bytes]
 
 #: A hot adapter whose load failed on an engine is tried there again after this many seconds.
 HOT_RETRY_SECONDS = 30.0
-_ALREADY_LOADED = b"has already been loaded"
+ALREADY_LOADED = b"has already been loaded"  # in vLLM's 400 for a load of an adapter it has
 
 
 class AdapterLoadError(Exception):
@@ -68,6 +68,7 @@ class AdapterPlacement:
         self._in_use: dict[tuple[str, str], int] = {}  # requests of this router per (engine, adapter)
         self._last_used: dict[tuple[str, str], float] = {}  # LRU clock per (engine, adapter)
         self._hot_failed: dict[tuple[str, str], float] = {}  # when a hot load last failed there
+        self._loaded_here: set[tuple[str, str]] = set()  # (engine, adapter) this router loaded
         self._background: set[asyncio.Task[None]] = set()
         registry.on_models_learned.append(self.reconcile)
         registry.on_engine_left.append(lambda engine: self.forget_engine(engine.name))
@@ -92,7 +93,7 @@ class AdapterPlacement:
         return None if ranked is None else ranked[2]
 
     def _victim(self, engine: Engine) -> tuple[int, float, str] | None:
-        """(cold 0 / warm 1, last used, name) of the adapter to unload there, or None."""
+        """(unregistered -1 / cold 0 / warm 1, last used, name) of the adapter to unload there, or None."""
         telemetry = engine.fresh_telemetry()
         if telemetry is None or telemetry.running_adapters is None or telemetry.waiting_adapters is None:
             return None
@@ -101,9 +102,18 @@ class AdapterPlacement:
         for name in engine.adapters():
             spec = self.catalog.get(name)
             key = (engine.name, name)
-            if spec is None or spec.pinned or name in busy or self._in_use.get(key) or key in self._loads:
+            if spec is None and key not in self._loaded_here:
+                continue  # not the router's: loaded by --lora-modules or by someone else
+            if (
+                (spec is not None and spec.pinned)
+                or name in busy
+                or self._in_use.get(key)
+                or key in self._loads
+            ):
                 continue
-            rank = (0 if spec.tier == "cold" else 1, self._last_used.get(key, 0.0), name)
+            # one the router loaded and a reload unregistered goes first, then cold, then warm
+            tier = -1 if spec is None else 0 if spec.tier == "cold" else 1
+            rank = (tier, self._last_used.get(key, 0.0), name)
             if best is None or rank < best:
                 best = rank
         return best
@@ -121,17 +131,21 @@ class AdapterPlacement:
         if holding:
             loading = all(spec.name not in e.models for e in holding)
             return holding, "loading" if loading else "held"
-        capable = [e for e in engines if e.max_loras] or list(engines)  # unknown: let the load say
-        free = [e for e in capable if (slots := self.free_slots(e)) is None or slots > 0]
+        free = [e for e in engines if (slots := self.free_slots(e)) is not None and slots > 0]
         if free:
             return free, "free_slot"
-        victims = [(e, v) for e in capable if (v := self._victim(e)) is not None]
+        # vLLM publishes its slot count from its first request on: a new engine is tried as free
+        # (an engine without --enable-lora never publishes one; its load fails with vLLM's words)
+        unknown = [e for e in engines if e.max_loras is None]
+        if unknown:
+            return unknown, "free_slot"
+        victims = [(e, v) for e in engines if (v := self._victim(e)) is not None]
         if victims:
             # the least loaded; between equally loaded ones, the one whose victim is coldest and oldest
             loads = load.engine_loads([e for e, _ in victims])
             best = min(range(len(victims)), key=lambda i: (loads[i], victims[i][1][:2]))
             return [victims[best][0]], "evict"
-        return capable, "over_capacity"
+        return engines, "over_capacity"
 
     def acquire(self, engine: Engine, name: str) -> None:
         """A request for adapter ``name`` is going to ``engine``: it is in use there until released."""
@@ -153,9 +167,23 @@ class AdapterPlacement:
         :class:`AdapterLoadError`. Cancelling this waiter does not cancel the load."""
         if spec.name in engine.models:
             return
-        await asyncio.shield(self._start_load(engine, spec))
+        await self.wait(self.start_load(engine, spec))
 
-    def _start_load(self, engine: Engine, spec: AdapterSpec) -> asyncio.Task[None]:
+    @staticmethod
+    async def wait(task: asyncio.Task[None]) -> None:
+        """Wait for a load without owning it: cancelling the waiter leaves the load running. A load
+        cancelled because its engine left is an :class:`AdapterLoadError` for its waiters."""
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                raise AdapterLoadError("The engine left while the LoRA adapter was being loaded.") from None
+            raise
+
+    def start_load(self, engine: Engine, spec: AdapterSpec) -> asyncio.Task[None]:
+        """The load of ``spec`` on ``engine``: the one under way, or a new one. Started at once, so a
+        request scheduled next in the same loop turn sees the slot taken and the adapter coming."""
         key = (engine.name, spec.name)
         task = self._loads.get(key)
         if task is None:
@@ -170,6 +198,17 @@ class AdapterPlacement:
             task.exception()  # retrieved here: every waiter may have left
 
     async def _load(self, engine: Engine, spec: AdapterSpec) -> None:
+        try:
+            async with asyncio.timeout(self.load_timeout):  # the wait for the engine's lock included
+                await self._load_locked(engine, spec)
+        except TimeoutError:
+            self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
+            raise AdapterLoadError(
+                f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} took longer than "
+                f"{self.load_timeout:g}s."
+            ) from None
+
+    async def _load_locked(self, engine: Engine, spec: AdapterSpec) -> None:
         lock = self._locks.setdefault(engine.name, asyncio.Lock())
         async with lock:
             if spec.name in engine.models:
@@ -188,25 +227,18 @@ class AdapterPlacement:
                             slots,
                             spec.name,
                         )
-                status, body = await asyncio.wait_for(
-                    self._call(
-                        engine, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.lora_path}
-                    ),
-                    self.load_timeout,
+                status, body = await self._call(
+                    engine, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.lora_path}
                 )
             except TimeoutError:
-                self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
-                raise AdapterLoadError(
-                    f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} took longer than "
-                    f"{self.load_timeout:g}s."
-                ) from None
+                raise
             except Exception as exc:  # noqa: BLE001 - any transport failure fails the load, clearly
                 self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
                 raise AdapterLoadError(
                     f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} failed: "
                     f"{type(exc).__name__}: {exc}"
                 ) from None
-            if status != 200 and not (status == 400 and _ALREADY_LOADED in body):
+            if status != 200 and not (status == 400 and ALREADY_LOADED in body):
                 self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
                 raise AdapterLoadError(
                     f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} failed: {status} "
@@ -215,19 +247,21 @@ class AdapterPlacement:
             self._metrics.adapter_loads.labels(spec.tier, "ok").inc()
             self._metrics.adapter_load_seconds.observe(time.perf_counter() - started)
             self.registry.learn_adapter(engine, spec.card())
+            self._loaded_here.add((engine.name, spec.name))
             log.info("engine %s: loaded LoRA adapter %s (%s)", engine.name, spec.name, spec.tier)
 
     async def _unload(self, engine: Engine, name: str) -> None:
         spec = self.catalog.get(name)
-        status, body = await asyncio.wait_for(
-            self._call(engine, "/v1/unload_lora_adapter", {"lora_name": name}), self.load_timeout
-        )
+        # Not routable there from now on: a request arriving meanwhile loads it again rather than
+        # meeting an engine that has just dropped it (if the unload fails, the next probe says so).
+        self.registry.forget_adapter(engine, name)
+        status, body = await self._call(engine, "/v1/unload_lora_adapter", {"lora_name": name})
         if status not in (200, 404):
             log.warning("engine %s: unloading %s failed: %s %s", engine.name, name, status, body[:200])
             return
         self._metrics.adapter_unloads.labels(spec.tier if spec else "unregistered").inc()
         self._last_used.pop((engine.name, name), None)
-        self.registry.forget_adapter(engine, name)
+        self._loaded_here.discard((engine.name, name))
         log.info("engine %s: unloaded LoRA adapter %s to free a slot", engine.name, name)
 
     # ---- hot adapters ----------------------------------------------------------------------------------
@@ -248,7 +282,8 @@ class AdapterPlacement:
         try:
             await self.ensure(engine, spec)
         except AdapterLoadError as exc:
-            self._hot_failed[(engine.name, spec.name)] = time.monotonic()
+            if self.registry.get(engine.name) is engine:  # not for an engine that left meanwhile
+                self._hot_failed[(engine.name, spec.name)] = time.monotonic()
             log.warning("hot adapter: %s (tried again in %gs)", exc, HOT_RETRY_SECONDS)
         else:
             self._hot_failed.pop((engine.name, spec.name), None)
@@ -261,11 +296,24 @@ class AdapterPlacement:
 
     # ---- bookkeeping ---------------------------------------------------------------------------------
     def forget_engine(self, name: str) -> None:
-        """An engine left: its counters go (a load under way there fails on its own)."""
+        """An engine left: its loads under way are cancelled (their waiters get an error, not a hang
+        on a load for an engine object that is gone) and its counters go."""
+        for key in [k for k in self._loads if k[0] == name]:
+            self._loads.pop(key).cancel()
         for table in (self._in_use, self._last_used, self._hot_failed):
             for key in [k for k in table if k[0] == name]:
                 del table[key]
+        self._loaded_here = {k for k in self._loaded_here if k[0] != name}
         self._locks.pop(name, None)
+
+    def set_catalog(self, catalog: AdapterCatalog) -> None:
+        """A reload: the new registry. Use counts of adapters it no longer has are dropped (their
+        requests may end without a plugin to release them); the router's copies of them become the
+        first to unload. Hot adapters it adds are loaded where they are missing."""
+        self.catalog = catalog
+        for key in [k for k in self._in_use if catalog.get(k[1]) is None]:
+            del self._in_use[key]
+        self.reconcile_all()
 
     async def close(self) -> None:
         tasks = [*self._background, *self._loads.values()]

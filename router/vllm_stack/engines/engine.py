@@ -64,6 +64,7 @@ class Engine:
         "kv_events_endpoint",
         "kv_replay_endpoint",
         "max_loras",
+        "models_changed",
     )
 
     def __init__(
@@ -102,6 +103,9 @@ class Engine:
         self.kv_replay_endpoint: str | None = None
         # LoRA adapter slots (--max-loras), from its last scrape that had vllm:lora_requests_info.
         self.max_loras: int | None = None
+        # Bumped when the router itself loads or unloads an adapter there: a /v1/models answer to a
+        # probe sent before that is older than what the router knows, and is not learned.
+        self.models_changed = 0
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
         """Scraped figures under the stale rule of :mod:`vllm_stack.engines.load` (unknown is not zero)."""

@@ -150,12 +150,14 @@ class EngineRegistry:
     # ---- health ---------------------------------------------------------------------------------
     async def probe(self, engine: Engine) -> bool:
         """Active check: fetch ``/v1/models``; updates thresholds, models and the index."""
+        changed = engine.models_changed
         try:
             cards = await self._fetch_models(engine)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed check
             self.record_check(engine, ok=False, error=f"{type(exc).__name__}: {exc}"[:200])
             return False
-        self._learn_models(engine, cards)
+        if engine.models_changed == changed:  # else older than a load or unload the router made since
+            self._learn_models(engine, cards)
         self.record_check(engine, ok=True)
         if self._engines.get(engine.name) is engine:
             for hook in self.on_models_learned:
@@ -267,6 +269,7 @@ class EngineRegistry:
             return
         engine.model_cards = (*engine.model_cards, {k: card[k] for k in _CARD_FIELDS if k in card})
         engine.models = engine.models | {card["id"]}
+        engine.models_changed += 1
         self._rebuild()
 
     def forget_adapter(self, engine: Engine, name: str) -> None:
@@ -275,6 +278,7 @@ class EngineRegistry:
             return
         engine.model_cards = tuple(c for c in engine.model_cards if c["id"] != name)
         engine.models = engine.models - {name}
+        engine.models_changed += 1
         self._rebuild()
 
     def refresh_soon(self, engines: Iterable[Engine]) -> None:

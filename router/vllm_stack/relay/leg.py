@@ -37,6 +37,9 @@ from vllm_stack.server.http1 import HttpConnection, HttpRequest
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+#: Offered to the owner too: an engine that lost a LoRA adapter (restarted, or another router
+#: replica unloaded it) answers 404 for it, and the owner may load it again and retry.
+NOT_FOUND = 404
 BUFFER_LIMIT = 1 << 20  # bytes of a non-streamed answer held back (and still retryable)
 ANSWER_END_BYTES = 2048  # kept for a plugin that asked (vLLM's usage object fits, with room)
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -108,8 +111,8 @@ class LegOwner(Protocol):
         ...
 
     def retry_on_status(self, leg: Leg, status: int) -> bool:
-        """A retryable status arrived before anything was forwarded: True when the owner runs
-        another leg (this one aborts its exchange and reports nothing more)."""
+        """A retryable status (or a 404) arrived before anything was forwarded: True when the owner
+        runs another leg (this one aborts its exchange and reports nothing more)."""
         ...
 
     def leg_failed(self, leg: Leg, message: str, reason: str) -> None:
@@ -260,7 +263,7 @@ class Leg:
     # ---- upstream callbacks ------------------------------------------------------------------------------
     def on_head(self, status: int, head: bytes) -> None:
         """The engine answered: offer a retryable status to the owner, else prepare the client head."""
-        if status in RETRYABLE_STATUS and self.owner.retry_on_status(self, status):
+        if (status in RETRYABLE_STATUS or status == NOT_FOUND) and self.owner.retry_on_status(self, status):
             self.abort()
             return
         self.status = status

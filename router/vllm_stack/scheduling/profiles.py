@@ -67,8 +67,9 @@ LORA_AFFINITY = "lora-affinity-filter"
 
 
 def with_lora_affinity(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with the LoRA-affinity filter first in every profile, unless it lists one itself:
-    registered adapters are routed to where they are loaded whatever the strategy."""
+    """``raw`` with the LoRA-affinity filter in every profile, unless it lists one itself: registered
+    adapters are routed to where they are loaded whatever the strategy. It is the last filter, so it
+    chooses among engines the others kept (an open circuit breaker does not leave it none)."""
     plugins = raw.get("plugins")
     profiles = raw.get("schedulingProfiles", raw.get("scheduling_profiles"))
     if not isinstance(plugins, list) or not isinstance(profiles, list):
@@ -81,7 +82,7 @@ def with_lora_affinity(raw: dict[str, Any]) -> dict[str, Any]:
         **raw,
         "plugins": [{"type": LORA_AFFINITY}, *plugins],
         key: [
-            {**p, "plugins": [ref, *(p.get("plugins") or [])]} if isinstance(p, dict) else p for p in profiles
+            {**p, "plugins": [*(p.get("plugins") or []), ref]} if isinstance(p, dict) else p for p in profiles
         ],
     }
 

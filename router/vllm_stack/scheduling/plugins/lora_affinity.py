@@ -14,11 +14,11 @@ requests for anything else pass through it untouched.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Sequence
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.adapter_placement import AdapterLoadError, AdapterPlacement
-from vllm_stack.engines.adapters import AdapterSpec
 from vllm_stack.engines.engine import Engine
 from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
 from vllm_stack.scheduling.registry import Parameters, PluginContext
@@ -57,11 +57,12 @@ class LoraAffinity:
         placement.acquire(engine, spec.name)
         if spec.name in engine.models:
             return None
-        return self._load(engine, spec)
+        # started now, not when the awaitable first runs: the next request of this loop turn sees it
+        return self._wait(placement.start_load(engine, spec))
 
-    async def _load(self, engine: Engine, spec: AdapterSpec) -> Refusal | None:
+    async def _wait(self, load: asyncio.Task[None]) -> Refusal | None:
         try:
-            await self.placement.ensure(engine, spec)
+            await self.placement.wait(load)
         except AdapterLoadError as exc:
             return Refusal(Reason.ADAPTER_UNAVAILABLE, str(exc))
         return None

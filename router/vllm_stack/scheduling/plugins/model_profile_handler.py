@@ -38,7 +38,8 @@ class ModelProfileHandler:
 
     def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]:
         chosen = self._chosen
-        return chosen.get(ctx.model) or chosen[""]
+        # an adapter without a profile of its own runs its base model's (``pool``)
+        return chosen.get(ctx.model) or chosen.get(ctx.pool) or chosen[""]
 
     def combine(self, ctx: RequestContext, results: Mapping[str, SchedulingResult]) -> SchedulingResult:
         return next(iter(results.values()))
