@@ -52,15 +52,15 @@ def ttft(client: httpx.Client, model: str) -> float:
         "stream": True,
     }
     started = time.perf_counter()
+    first: float | None = None
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data:"):
+        for line in response.iter_lines():  # read to the end: the next request starts on an idle engine
+            if first is None and line.startswith("data:"):
                 first = time.perf_counter() - started
-                for _ in response.iter_lines():
-                    pass
-                return first
-    raise RuntimeError(f"no streamed event for {model}")
+    if first is None:
+        raise RuntimeError(f"no streamed event for {model}")
+    return first
 
 
 def stats(values: list[float]) -> dict[str, float]:
