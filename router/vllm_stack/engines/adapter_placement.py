@@ -120,8 +120,8 @@ class AdapterPlacement:
 
     def place(self, spec: AdapterSpec, engines: Sequence[Engine]) -> Sequence[Engine]:
         """The engines an adapter request may go to: those holding it (or loading it), else those
-        with a free slot, else the least loaded one with an adapter to unload, else all. The outcome
-        is counted (``adapter_placements_total``)."""
+        with a free slot, else those that never published a slot count, else the least loaded one
+        with an adapter to unload, else all. The outcome is counted (``adapter_placements_total``)."""
         chosen, outcome = self._place(spec, engines)
         self._metrics.adapter_placements.labels(outcome).inc()
         return chosen
