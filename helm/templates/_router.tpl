@@ -98,12 +98,13 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 {{- with $config }}{{ toYaml . }}{{ end -}}
 {{- end -}}
 
-{{/* "true" when a registered adapter names this model as its base: the engine loads adapters at run time. */}}
+{{/* "true" when a registered adapter has this model as its base: the engine loads adapters at run time.
+The registry's own resolution of baseModel (vllm-stack.router.loraAdapters), not a second matching. */}}
 {{- define "vllm-stack.model.hasAdapters" -}}
-{{- $root := .root -}}
-{{- $m := .model -}}
 {{- $served := include "vllm-stack.model.servedName" . -}}
-{{- range $a := $root.Values.loraAdapters -}}
-{{- if and (include "vllm-stack.model.enabled" $) (ne (toString $a.enabled) "false") (or (eq (toString $a.baseModel) $m.name) (eq (toString $a.baseModel) $served)) }}true{{ end -}}
+{{- if include "vllm-stack.model.enabled" . -}}
+{{- range (include "vllm-stack.router.loraAdapters" .root | fromYamlArray) -}}
+{{- if eq .base_model $served }}true{{ end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

@@ -127,49 +127,17 @@ class StubEngine:
         b = self.behaviour
         if b.fail_statuses:
             status = b.fail_statuses.pop(0)
-            return await self._json(
-                send,
-                status,
-                {
-                    "error": {
-                        "message": f"stub {self.name} fails with {status}",
-                        "type": "stub",
-                        "param": None,
-                        "code": status,
-                    }
-                },
-            )
+            return await self._error(send, status, f"stub {self.name} fails with {status}", "stub")
         if path == "/v1/load_lora_adapter":
             doc = orjson.loads(body)
             self.lora_loads.append(doc["lora_name"])
             if b.lora_load_delay_s:
                 await asyncio.sleep(b.lora_load_delay_s)
             if b.lora_load_status != 200:
-                return await self._json(
-                    send,
-                    b.lora_load_status,
-                    {
-                        "error": {
-                            "message": "No adapter found",
-                            "type": "NotFoundError",
-                            "param": None,
-                            "code": 404,
-                        }
-                    },
-                )
+                return await self._error(send, b.lora_load_status, "No adapter found", "NotFoundError")
             if doc["lora_name"] in self.cards:
-                return await self._json(
-                    send,
-                    400,
-                    {
-                        "error": {
-                            "message": f"The lora adapter '{doc['lora_name']}' has already been loaded.",
-                            "type": "InvalidUserInput",
-                            "param": None,
-                            "code": 400,
-                        }
-                    },
-                )
+                message = f"The lora adapter '{doc['lora_name']}' has already been loaded."
+                return await self._error(send, 400, message, "InvalidUserInput")
             self.add_model(doc["lora_name"], parent=next(iter(self.cards)))
             self.cards[doc["lora_name"]]["root"] = doc.get("lora_path")
             return await self._text(
@@ -186,24 +154,11 @@ class StubEngine:
             try:
                 doc = orjson.loads(body) if body else {}
             except orjson.JSONDecodeError:
-                return await self._json(
-                    send,
-                    400,
-                    {"error": {"message": "bad json", "type": "BadRequestError", "param": None, "code": 400}},
-                )
+                return await self._error(send, 400, "bad json", "BadRequestError")
         model = str(doc.get("model", ""))
         if self.strict_models and model not in self.cards:
-            return await self._json(
-                send,
-                404,
-                {
-                    "error": {
-                        "message": f"The model `{model}` does not exist.",
-                        "type": "NotFoundError",
-                        "param": "model",
-                        "code": 404,
-                    }
-                },
+            return await self._error(
+                send, 404, f"The model `{model}` does not exist.", "NotFoundError", "model"
             )
         self.running += 1
         self.running_by_model[model] += 1
@@ -334,6 +289,11 @@ class StubEngine:
                 f'waiting_lora_adapters=""}} {time.time():.3f}'
             )
         await self._raw(send, 200, ("\n".join(lines) + "\n").encode(), b"text/plain; version=0.0.4")
+
+    async def _error(self, send: Any, status: int, message: str, kind: str, param: str | None = None) -> None:
+        """An error in vLLM's shape (OpenAI's, with the status as its code)."""
+        payload = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        await self._json(send, status, payload)
 
     async def _json(self, send: Any, status: int, payload: Any) -> None:
         await self._raw(send, status, orjson.dumps(payload), b"application/json")

@@ -168,11 +168,11 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
             fields = router.parser.parse(request.body)
             model, user, prefix = fields.model, fields.user, fields.prefix
             prompt, cache_salt = fields.prompt, fields.cache_salt
+        session_key = session_value.decode("latin-1") if session_value is not None else user
         spec = None
         catalog = router.catalog
         if catalog is not None:
-            session = session_value.decode("latin-1") if session_value is not None else user
-            model, body = _retarget(catalog, model, session, request.body, path in MULTIPART_PATHS)
+            model, body = _retarget(catalog, model, session_key, request.body, path in MULTIPART_PATHS)
             spec = catalog.get(model) if model else None
         else:
             body = request.body
@@ -188,7 +188,6 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     if key:
         lines += (b"authorization: ", key, b"\r\n")
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
-    session_key = session_value.decode("latin-1") if session_value is not None else user
     ctx = RequestContext(
         model, session_key, prefix, path=path, body=body, prompt=prompt, cache_salt=cache_salt
     )

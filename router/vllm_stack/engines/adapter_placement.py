@@ -202,11 +202,12 @@ class AdapterPlacement:
             async with asyncio.timeout(self.load_timeout):  # the wait for the engine's lock included
                 await self._load_locked(engine, spec)
         except TimeoutError:
-            self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
-            raise AdapterLoadError(
-                f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} took longer than "
-                f"{self.load_timeout:g}s."
-            ) from None
+            raise self._failed(engine, spec, f"took longer than {self.load_timeout:g}s.") from None
+
+    def _failed(self, engine: Engine, spec: AdapterSpec, what: str) -> AdapterLoadError:
+        """Count a failed load; its error, for the waiters."""
+        self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
+        return AdapterLoadError(f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} {what}")
 
     async def _load_locked(self, engine: Engine, spec: AdapterSpec) -> None:
         lock = self._locks.setdefault(engine.name, asyncio.Lock())
@@ -233,17 +234,9 @@ class AdapterPlacement:
             except TimeoutError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any transport failure fails the load, clearly
-                self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
-                raise AdapterLoadError(
-                    f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from None
+                raise self._failed(engine, spec, f"failed: {type(exc).__name__}: {exc}") from None
             if status != 200 and not (status == 400 and ALREADY_LOADED in body):
-                self._metrics.adapter_loads.labels(spec.tier, "failed").inc()
-                raise AdapterLoadError(
-                    f"Loading the LoRA adapter '{spec.name}' on engine {engine.name} failed: {status} "
-                    f"{body[:300].decode('utf-8', 'replace')}"
-                )
+                raise self._failed(engine, spec, f"failed: {status} {body[:300].decode('utf-8', 'replace')}")
             self._metrics.adapter_loads.labels(spec.tier, "ok").inc()
             self._metrics.adapter_load_seconds.observe(time.perf_counter() - started)
             self.registry.learn_adapter(engine, spec.card())

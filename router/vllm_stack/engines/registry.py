@@ -33,6 +33,11 @@ MAX_MODELS_PER_ENGINE = 1024  # bound on what one engine can make us store
 _CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission")
 
 
+def _kept_fields(card: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``/v1/models`` card the registry keeps (and serves again)."""
+    return {k: card[k] for k in _CARD_FIELDS if k in card}
+
+
 class EngineRegistry:
     """All known engines and the per-model index of healthy ones."""
 
@@ -254,7 +259,7 @@ class EngineRegistry:
         kept: list[dict[str, Any]] = []
         for card in cards:
             if isinstance(card, dict) and isinstance(card.get("id"), str):
-                kept.append({k: card[k] for k in _CARD_FIELDS if k in card})
+                kept.append(_kept_fields(card))
                 if len(kept) >= MAX_MODELS_PER_ENGINE:
                     break
         models = frozenset(c["id"] for c in kept) | frozenset(engine.static_models)
@@ -267,7 +272,7 @@ class EngineRegistry:
         """The router loaded an adapter there: routable at once, not only after the next probe."""
         if card["id"] in engine.models:
             return
-        engine.model_cards = (*engine.model_cards, {k: card[k] for k in _CARD_FIELDS if k in card})
+        engine.model_cards = (*engine.model_cards, _kept_fields(card))
         engine.models = engine.models | {card["id"]}
         engine.models_changed += 1
         self._rebuild()
