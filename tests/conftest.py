@@ -41,6 +41,7 @@ class SessionEngines:
         self.chat: EngineGroup | None = None
         self.embed: EngineGroup | None = None
         self.spare: Engine | None = None  # the one tests may kill, stop or restart
+        self.priority: Engine | None = None  # two sequences at once, scheduled by priority
         self._spare_spec: EngineSpec | None = None
         self.used: list[Engine] = []
 
@@ -52,7 +53,7 @@ class SessionEngines:
         # KV events with replay, and the dev endpoints (POST /reset_prefix_cache) for the prefix tests.
         chat = EngineSpec(self.model_dir, CHAT_MODEL, kv_replay=True, env={"VLLM_SERVER_DEV_MODE": "1"})
         embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
-        cpus = default_cpus(3)  # one core each, round-robin over the cores this process may use
+        cpus = default_cpus(4)  # one core each, round-robin over the cores this process may use
         self.chat = EngineGroup(
             launch(chat, name=f"chat-{i}", cpu=cpus[i], log_dir=self.log_dir) for i in range(2)
         )
@@ -65,6 +66,16 @@ class SessionEngines:
             extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         )
         self.spare = launch(self._spare_spec, name="spare", cpu=cpus[1], log_dir=self.log_dir)
+        # Saturates at once (two sequences run, the rest wait) and orders its queue by vLLM priority.
+        priority = EngineSpec(
+            self.model_dir,
+            CHAT_MODEL,
+            kv_events=False,
+            enable_lora=False,
+            max_model_len=512,
+            extra_args=["--max-num-seqs", "2", "--scheduling-policy", "priority"],
+        )
+        self.priority = launch(priority, name="priority", cpu=cpus[3], log_dir=self.log_dir)
 
     def chat_engines(self) -> EngineGroup:
         self._launch_all()
@@ -79,6 +90,14 @@ class SessionEngines:
         self.used.extend(self.embed)
         wait_ready(self.embed.engines, READY_TIMEOUT)
         return self.embed[0]
+
+    def priority_engine(self) -> Engine:
+        """The engine with ``--max-num-seqs 2 --scheduling-policy priority``, ready."""
+        self._launch_all()
+        assert self.priority is not None
+        self.used.append(self.priority)
+        wait_ready([self.priority], READY_TIMEOUT)
+        return self.priority
 
     def spare_engine(self) -> Engine:
         """The spare engine, ready (unless a test killed it; see :meth:`restart_spare`)."""
@@ -103,8 +122,9 @@ class SessionEngines:
         for group in (self.chat, self.embed):
             if group is not None:
                 group.stop()
-        if self.spare is not None:
-            self.spare.stop()
+        for engine in (self.spare, self.priority):
+            if engine is not None:
+                engine.stop()
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +143,12 @@ def session_engines(tiny_model_dir: Path, engine_logs_dir: Path) -> Iterator[Ses
 def engines(session_engines: SessionEngines) -> EngineGroup:
     """Two real vLLM engines serving `tiny-llama` (prefix caching, LoRA runtime loading, KV events)."""
     return session_engines.chat_engines()
+
+
+@pytest.fixture(scope="session")
+def priority_engine(session_engines: SessionEngines) -> Engine:
+    """One real vLLM engine serving `tiny-llama` with two sequences at once and priority scheduling."""
+    return session_engines.priority_engine()
 
 
 @pytest.fixture(scope="session")

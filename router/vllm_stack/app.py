@@ -23,15 +23,19 @@ from vllm_stack.api import proxied, routes
 from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser, make_parser
+from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.director.director import Director, ProxySettings
+from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.discovery.static import StaticDiscovery
 from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
+from vllm_stack.priority import served_models
 from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.config import SchedulingSetup, build_scheduling
 from vllm_stack.scheduling.framework import Scheduler
@@ -98,7 +102,13 @@ class Router:
             self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
         )
         setup = self._build_scheduling(config)
-        self.director = Director(self.registry, self.pools, self.metrics, setup, self._proxy_settings(config))
+        self.queue = RequestQueue(self.metrics, config.queue_max_per_model)
+        self.director = Director(
+            self.registry, self.pools, self.metrics, setup, self._proxy_settings(config), self.queue
+        )
+        # Room may have appeared for requests waiting in the queue: new figures, a changed index.
+        self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
+        self.registry.on_rebuilt.append(self.queue.kick_all)
         self._apply_runtime(config, setup)
         # The hot path's check: None when no adapter or weighted name is configured.
         self.catalog: AdapterCatalog | None = self.adapters.catalog if self.adapters.catalog else None
@@ -110,7 +120,12 @@ class Router:
     def _build_scheduling(self, config: RouterConfig) -> SchedulingSetup:
         """Plugins, profiles and hooks for ``config`` (``ConfigError`` when they cannot be built)."""
         return build_scheduling(
-            scheduling_config(config), self.plugins, self.plugin_state, self.metrics, self.adapters
+            scheduling_config(config),
+            self.plugins,
+            self.plugin_state,
+            self.metrics,
+            self.adapters,
+            SaturationLimits(config.saturation_max_waiting, config.saturation_max_kv_cache_usage),
         )
 
     @staticmethod
@@ -123,6 +138,9 @@ class Router:
             config.request_timeout,
             b"Bearer " + self.engine_api_key.encode() if self.engine_api_key else None,
             config.access_log,
+            config.queue_timeout,
+            config.queue_max_per_model > 0,
+            frozenset(served_models(config.models)),
         )
 
     def _apply_runtime(self, config: RouterConfig, setup: SchedulingSetup) -> None:
@@ -134,6 +152,7 @@ class Router:
             p for p in setup.plugins.values() if getattr(p, "wants_kv_events", False)
         )
         self.parser: BodyParser = make_parser(config.json_parser, config.prefix_chars)
+        self.priority = PriorityPolicy(config)
         self.auth = ApiKeyAuth(config.api_keys)
         self.admin_auth = ApiKeyAuth(config.admin_api_keys)
         self.max_body_bytes = config.max_body_bytes
@@ -151,6 +170,8 @@ class Router:
             state["kv_event_streams"] = self.kv_feed.describe()
         if self.adapters.catalog:
             state["lora_adapters"] = self.adapters.describe()
+        if self.queue.length:
+            state["queue"] = self.queue.describe()
         return {**setup.description, "state": state} if state else setup.description
 
     # ---- what the server asks (vllm_stack.server.serve.ServedApp) --------------------------------------
@@ -202,6 +223,7 @@ class Router:
                 log.warning("config: %s changed; it takes effect after a restart", name)
         self._apply_runtime(config, setup)
         self.adapters.load_timeout = config.lora_load_timeout
+        self.queue.max_per_model = config.queue_max_per_model
         self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
         self.registry.static_models = _static_models(config)
@@ -305,6 +327,7 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        self.queue.close()
         await self.adapters.close()
         await self.registry.close()
         self.pools.close()

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from vllm_stack.priority import served_models
+
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
 SWITCH_VALUES = ("auto", "on", "off")
@@ -67,6 +69,23 @@ class RouterConfig:
     # weighted model names: {name: [{model, weight}, ...]} (canary / blue-green splits)
     weighted_models: Mapping[str, Any] | None = field(default=None, compare=False)
     lora_load_timeout: float = 120.0  # seconds one POST /v1/load_lora_adapter may take
+    # The models this router serves: [name | {name, criticality, engine_priority}] (vllm_stack.priority).
+    # A request for one with no ready engine waits in its queue (scale from zero) instead of a 404.
+    models: tuple[Any, ...] = field(default=(), compare=False)
+    # Request priority (README "Request priority"): the built-in strategies get the criticality chains
+    priority_scheduling: bool = True
+    priority_header: str = "x-request-priority"
+    # Keys that may raise a request's priority above its model's (others may only lower it)
+    priority_api_keys_file: str | None = None
+    priority_api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+    # The saturation rule (vllm_stack.engines.load): queue >= max_waiting or KV usage >= max_kv
+    saturation_max_waiting: float = 5.0
+    saturation_max_kv_cache_usage: float = 0.8
+    critical_max_waiting: float = 50.0  # critical requests keep engines whose queue is below this
+    # The router's per-model queue: requests wait there while every engine is saturated (or none is
+    # ready yet); 0 turns it off (such requests are answered at once)
+    queue_max_per_model: int = 1000
+    queue_timeout: float = 120.0  # seconds a request may wait there before its 503
     engine_scrape_interval: float = 1.0
     health_check_interval: float = 5.0
     health_failure_threshold: int = 3
@@ -116,6 +135,18 @@ class RouterConfig:
             raise ConfigError("session_balance_epsilon must be > 0")
         if self.lora_load_timeout <= 0:
             raise ConfigError("lora_load_timeout must be > 0")
+        try:
+            served_models(self.models)
+        except ValueError as exc:
+            raise ConfigError(f"models: {exc}") from None
+        if self.saturation_max_waiting < 0 or self.critical_max_waiting < 0:
+            raise ConfigError("saturation_max_waiting and critical_max_waiting must be >= 0")
+        if not 0 < self.saturation_max_kv_cache_usage <= 1:
+            raise ConfigError("saturation_max_kv_cache_usage must be in (0, 1]")
+        if self.queue_max_per_model < 0 or self.queue_timeout <= 0:
+            raise ConfigError("queue_max_per_model must be >= 0 and queue_timeout > 0")
+        if not self.priority_header or self.priority_header.lower() != self.priority_header.strip().lower():
+            raise ConfigError("priority_header must be a header name")
         return self
 
 
@@ -139,6 +170,12 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "lora_adapters":  # checked by vllm_stack.engines.adapters
         if not isinstance(value, list | tuple):
             raise ValueError("expected a list of {name, source, base_model, tier}")
+        return tuple(value)
+    if name == "models":  # checked by vllm_stack.priority.served_models
+        if isinstance(value, str):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        if not isinstance(value, list | tuple):
+            raise ValueError("expected a list of model names or {name, criticality, engine_priority}")
         return tuple(value)
     if name == "weighted_models":
         if not isinstance(value, Mapping):
@@ -175,9 +212,10 @@ def _normalise(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         if name in RETIRED:
             log.warning("%s: %r is ignored: %s", source, key, RETIRED[name])
             continue
-        if name in ("api_keys", "admin_api_keys", "config_file"):
+        if name in ("api_keys", "admin_api_keys", "priority_api_keys", "config_file"):
             raise ConfigError(
-                f"{source}: {key!r} cannot be set here (use api_keys_file / admin_api_keys_file / --config)"
+                f"{source}: {key!r} cannot be set here (use api_keys_file / admin_api_keys_file / "
+                "priority_api_keys_file / --config)"
             )
         if name not in _FIELD_TYPES:
             raise ConfigError(f"{source}: unknown setting {key!r}")
@@ -233,5 +271,8 @@ def load_config(
         config,
         api_keys=load_api_keys(config.api_keys_file, environ),
         admin_api_keys=load_api_keys(config.admin_api_keys_file, environ, "VLLM_STACK_ADMIN_API_KEYS"),
+        priority_api_keys=load_api_keys(
+            config.priority_api_keys_file, environ, "VLLM_STACK_PRIORITY_API_KEYS"
+        ),
     )
     return config.validate()

@@ -206,7 +206,32 @@ class RouterMetrics:
             "counter",
             ["mode"],
         )
+        # The router's per-model queue (vllm_stack.director.queue)
+        self.queue_length = _Family(
+            PREFIX + "queue_length",
+            "Requests waiting in the router's queue for an engine of the model (every engine saturated, "
+            "or none ready yet).",
+            "gauge",
+            ["model"],
+        )
+        self.queue_wait = _Family(
+            PREFIX + "queue_wait_seconds",
+            "Time requests spent in the router's queue, observed when they left it (any outcome).",
+            "histogram",
+            ["model", "class"],
+            LATENCY_BUCKETS,
+        )
+        self.queue_exits = _Family(
+            PREFIX + "queue_exits_total",
+            "Requests that left the router's queue, by class and outcome: dispatched, timeout, "
+            "client_closed, displaced (a full queue made room for a higher priority), failed.",
+            "counter",
+            ["model", "class", "outcome"],
+        )
         self._fast = [
+            self.queue_length,
+            self.queue_wait,
+            self.queue_exits,
             self.requests_total,
             self.request_duration,
             self.ttft,
@@ -306,6 +331,13 @@ class RouterMetrics:
                 "over" if predicted - cached >= block else "under" if cached - predicted >= block else "exact"
             )
         self.prefix_predictions.child(mode, outcome).inc()  # type: ignore[union-attr]
+
+    def queue_length_child(self, model: str) -> _Value:
+        return self.queue_length.child(model)  # type: ignore[return-value]
+
+    def queue_exit(self, model: str, cls: str, outcome: str, seconds: float) -> None:
+        self.queue_wait.child(model, cls).observe(seconds)  # type: ignore[union-attr]
+        self.queue_exits.child(model, cls, outcome).inc()
 
     def retry(self, model: str, reason: str) -> None:
         self.retries_total.child(model, reason).inc()

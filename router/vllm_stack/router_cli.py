@@ -51,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-load-timeout", type=float, help="seconds one LoRA adapter load may take (default 120)"
     )
+    p.add_argument(
+        "--priority-api-keys-file",
+        help="keys that may raise a request's priority above its model's, one per line "
+        "(or env VLLM_STACK_PRIORITY_API_KEYS)",
+    )
+    p.add_argument(
+        "--queue-timeout", type=float, help="seconds a request may wait in the router's queue (default 120)"
+    )
+    p.add_argument(
+        "--queue-max-per-model",
+        type=int,
+        help="requests the router's queue holds per model (default 1000; 0: off)",
+    )
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"))
     # Extras.
     p.add_argument("--retries", type=int, help="extra attempts on another engine (default 2)")

@@ -80,6 +80,7 @@ class StubEngine:
             self.add_model(m)
         self.running = 0
         self.waiting = 0
+        self.kv_cache_usage = 0.0  # published as vllm:kv_cache_usage_perc
         self.aborted = 0
         self.completed = 0
         self.seen: collections.deque[SeenRequest] = collections.deque(maxlen=256)
@@ -271,7 +272,7 @@ class StubEngine:
         for name, value in (
             ("vllm:num_requests_running", self.running),
             ("vllm:num_requests_waiting", self.waiting),
-            ("vllm:kv_cache_usage_perc", 0.0),
+            ("vllm:kv_cache_usage_perc", self.kv_cache_usage),
         ):
             lines.append(f"# TYPE {name} gauge")
             for model, card in self.cards.items():

@@ -230,7 +230,8 @@ async def test_plugin_state_survives_a_reload_and_goes_with_its_plugin_or_engine
 
 
 async def test_each_reason_for_no_engine_is_one_error() -> None:
-    """no candidate -> 503; all filtered (breakers open) -> 503; all saturated -> 429; all with the marker."""
+    """no candidate -> 503; all filtered (breakers open) -> 503; all saturated -> 429 for a sheddable
+    request, a wait in the queue and 503 queue_timeout for a standard one; all with the marker."""
     a = StubEngine("a", ["stub-model"])
     async with stubs(a) as urls:
         sched = scheduling(
@@ -239,16 +240,22 @@ async def test_each_reason_for_no_engine_is_one_error() -> None:
             {"type": "round-robin-picker"},
             profile=["circuit-breaker-filter", "saturation-filter", "round-robin-picker"],
         )
-        async with running_router(urls, scheduling=sched, retries=0) as (url, router), http(url) as h:
+        async with (
+            running_router(urls, scheduling=sched, retries=0, queue_timeout=1) as (url, router),
+            http(url) as h,
+        ):
             assert (await h.post("/v1/chat/completions", json=BODY)).status_code == 200
             a.waiting = 9  # the engine's own queue, scraped every 0.2 s
             engine = router.registry.engines()[0]
             await wait_for(
                 lambda: (t := engine.fresh_telemetry()) is not None and t.waiting == 9, what="scrape"
             )
-            r = await h.post("/v1/chat/completions", json=BODY)
+            r = await h.post("/v1/chat/completions", json=BODY, headers={"x-request-priority": "sheddable"})
             assert r.status_code == 429 and r.json()["error"]["code"] == "engines_saturated"
             assert r.headers["retry-after"] == "1" and r.headers[ERROR_MARKER.decode()] == "engines_saturated"
+            r = await h.post("/v1/chat/completions", json=BODY)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            assert r.headers["retry-after"] == "1" and r.headers[ERROR_MARKER.decode()] == "queue_timeout"
             a.waiting = 0
             await wait_for(lambda: engine.fresh_telemetry().waiting == 0, what="scrape")
             for _ in range(10):

@@ -29,6 +29,7 @@ LAYERS = {
     "config": 1,
     "metrics": 1,
     "errors": 1,
+    "priority": 0,
     "request_id": 0,
     "version": 0,
 }

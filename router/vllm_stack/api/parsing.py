@@ -1,5 +1,5 @@
-"""Reads only what routing needs from a request body: ``model``, ``user``, ``cache_salt`` and the
-prompt as raw JSON (its first bytes for hashing affinity, all of it for block keys).
+"""Reads only what routing needs from a request body: ``model``, ``user``, ``cache_salt``,
+``priority`` and the prompt as raw JSON (its first bytes for hashing affinity, all of it for block keys).
 
 Two interchangeable parsers are kept so the benchmark can compare them: msgspec decodes into a
 struct that names only these fields (everything else is skipped, prompts are kept as raw JSON
@@ -25,6 +25,7 @@ class RoutingFields:
     prefix: bytes | None  # first ``prefix_bytes`` of the raw prompt / messages / input JSON
     prompt: bytes | memoryview | None = None  # all of it, as sent (a view into the body: no copy)
     cache_salt: str | None = None
+    priority: object = None  # vLLM's ``priority`` field as sent (checked by api.priority)
 
 
 class BodyParser(Protocol):
@@ -40,6 +41,7 @@ class _Fields(msgspec.Struct):
     prompt: msgspec.Raw = msgspec.Raw()
     input: msgspec.Raw = msgspec.Raw()
     cache_salt: Any = None
+    priority: Any = None
 
 
 def _bad_json(exc: Exception) -> RouterError:
@@ -77,7 +79,7 @@ class MsgspecParser:
         salt = f.cache_salt
         if salt is not None and not isinstance(salt, str):
             salt = None
-        return RoutingFields(_check_model(f.model), user, prefix, view, salt)
+        return RoutingFields(_check_model(f.model), user, prefix, view, salt, f.priority)
 
 
 class OrjsonParser:
@@ -109,6 +111,7 @@ class OrjsonParser:
             prefix,
             prompt,
             salt if isinstance(salt, str) else None,
+            doc.get("priority"),
         )
 
 

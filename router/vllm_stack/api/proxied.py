@@ -1,7 +1,7 @@
 """The hot path's entry: one proxied OpenAI/vLLM request, from the parsed request to the director.
 
-authenticate -> parse only the routing fields -> resolve the model (400 / 404) -> build the upstream
-request once -> hand over to the director (:mod:`vllm_stack.director`), which admits, schedules,
+authenticate -> parse only the routing fields -> resolve the model (400 / 404) and the priority
+(:mod:`.priority`: 400 / 403) -> build the upstream request once -> hand over to the director (:mod:`vllm_stack.director`), which admits, schedules,
 relays, retries and accounts (a model that exists but has no engine now is its 503). The server
 already bounded the body (413) before this is called.
 """
@@ -65,11 +65,18 @@ def _resolve_model(
     router: RouterState, path: str, model: str | None, spec: AdapterSpec | None = None
 ) -> tuple[str, str]:
     """The model to route and its metric label; 400 when none is named, 404 when no engine has it
-    (a registered adapter exists when its base model does, loaded anywhere or not)."""
+    and it is not configured (a registered adapter exists when its base model does, loaded anywhere
+    or not; a configured model with no engine waits for one: scale from zero)."""
     registry = router.registry
+    configured = router.priority.models
     if spec is not None:
         base = spec.base_model
-        if registry.candidates(base) or registry.is_known(base) or registry.healthy_count == 0:
+        if (
+            registry.candidates(base)
+            or registry.is_known(base)
+            or base in configured
+            or registry.healthy_count == 0
+        ):
             return spec.name, spec.name
         raise model_not_found(base, registry.available_models(), what="base model")
     if not model:
@@ -78,7 +85,7 @@ def _resolve_model(
             if len(bases) == 1:
                 return bases[0], bases[0]
         raise RouterError(400, "The request must name a 'model'.", param="model", code="missing_model")
-    if registry.candidates(model) or registry.is_known(model):
+    if registry.candidates(model) or registry.is_known(model) or model in configured:
         return model, model
     if registry.healthy_count == 0:  # nothing is healthy, so the name cannot be checked: the director's 503
         return model, UNKNOWN_MODEL_LABEL
@@ -130,6 +137,9 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     connection: bytes | None = None
     content_type = b""
     session_header = router.session_header
+    policy = router.priority
+    priority_header = policy.header
+    priority_value: bytes | None = None
     # One pass over the headers finds the routed ones and builds the upstream header lines.
     lines: list[bytes] = []
     for name, value in request.headers:
@@ -145,6 +155,8 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
             session_value = value
         elif name == b"content-type":
             content_type = value
+        elif name == priority_header:
+            priority_value = value
         lines += (name, b": ", value, b"\r\n")
     if connection is not None:  # rare: headers the client declared hop-by-hop stay on this hop
         listed = connection_listed(request.headers)
@@ -163,11 +175,11 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
                     400, "This endpoint takes multipart/form-data.", code="invalid_content_type"
                 )
             model = multipart_field(request.body, content_type, b"model")
-            user = prefix = prompt = cache_salt = None
+            user = prefix = prompt = cache_salt = body_priority = None
         else:
             fields = router.parser.parse(request.body)
             model, user, prefix = fields.model, fields.user, fields.prefix
-            prompt, cache_salt = fields.prompt, fields.cache_salt
+            prompt, cache_salt, body_priority = fields.prompt, fields.cache_salt, fields.priority
         session_key = session_value.decode("latin-1") if session_value is not None else user
         spec = None
         catalog = router.catalog
@@ -177,6 +189,11 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         else:
             body = request.body
         model, model_label = _resolve_model(router, path, model, spec)
+        priority = 0
+        if priority_value is not None or body_priority is not None or policy.defaults:
+            priority = policy.resolve(model, spec, priority_value, body_priority, request.headers)
+            if path not in MULTIPART_PATHS:
+                body = policy.engine_body(spec.base_model if spec else model, priority, body, body_priority)
     except RouterError as err:
         router.metrics.observe_request(
             UNKNOWN_MODEL_LABEL, "none", str(err.status), time.perf_counter() - started
@@ -194,6 +211,8 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     if spec is not None:
         ctx.adapter = spec
         ctx.pool = spec.base_model
+    if priority:
+        ctx.priority = priority
     # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
     ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label)  # starts it

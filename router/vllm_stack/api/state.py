@@ -10,6 +10,7 @@ import aiohttp
 
 from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.parsing import BodyParser
+from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.config import RouterConfig
 from vllm_stack.director.director import Director
 from vllm_stack.engines.adapter_placement import AdapterPlacement
@@ -28,6 +29,7 @@ class RouterState(Protocol):
     adapters: AdapterPlacement
     catalog: AdapterCatalog | None  # None when no adapter or weighted model name is configured
     parser: BodyParser
+    priority: PriorityPolicy
     session_header: bytes
     max_body_bytes: int
     engine_api_key: str | None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.errors import RouterError, no_healthy_engine
 from vllm_stack.metrics import RouterMetrics
@@ -22,6 +23,30 @@ log = logging.getLogger(__name__)
 
 _RETRY_AFTER = [(b"retry-after", b"1")]
 
+#: reason -> (status, code, default message, whether to send Retry-After)
+_ERRORS: dict[str, tuple[int, str, str, bool]] = {
+    Reason.ALL_SATURATED: (
+        429,
+        "engines_saturated",
+        "Every engine of model '{model}' is saturated; try again shortly.",
+        True,
+    ),
+    Reason.OVERLOADED: (429, "overloaded", "Model '{model}' is overloaded; try again shortly.", True),
+    Reason.ADAPTER_UNAVAILABLE: (
+        502,
+        "adapter_load_failed",
+        "The LoRA adapter '{model}' could not be loaded.",
+        False,
+    ),
+    Reason.QUEUE_FULL: (429, "queue_full", "The queue of model '{model}' is full; try again shortly.", True),
+    Reason.QUEUE_TIMEOUT: (
+        503,
+        "queue_timeout",
+        "No engine of model '{model}' had room in time; try again shortly.",
+        True,
+    ),
+}
+
 
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
@@ -31,13 +56,17 @@ class ProxySettings:
     request_timeout: float = 600.0
     engine_auth: bytes | None = None  # "Bearer <VLLM_API_KEY>" sent to engines
     access_log: bool = False
+    queue_timeout: float = 120.0  # seconds a request may wait in the model's queue
+    queue_enabled: bool = True  # requests wait for room (False: answered at once, as before)
+    # Configured models: one with no ready engine is waited for in its queue (scale from zero)
+    served_models: frozenset[str] = frozenset()
 
 
 class Director:
     """What every proxied request (:class:`~vllm_stack.director.request.ProxiedRequest`, started by
     the API layer with this director) reaches: engines, pools, metrics, scheduling, hooks, settings."""
 
-    __slots__ = ("registry", "pools", "metrics", "scheduler", "hooks", "settings")
+    __slots__ = ("registry", "pools", "metrics", "scheduler", "hooks", "settings", "queue")
 
     def __init__(
         self,
@@ -46,7 +75,9 @@ class Director:
         metrics: RouterMetrics,
         setup: SchedulingSetup,
         settings: ProxySettings,
+        queue: RequestQueue | None = None,
     ) -> None:
+        self.queue = queue if queue is not None else RequestQueue(metrics)
         self.registry = registry
         self.pools = pools
         self.metrics = metrics
@@ -65,23 +96,11 @@ class Director:
         """The client's error for a request that got no engine: every reason, one place."""
         if reason in (Reason.NO_CANDIDATE, Reason.ALL_FILTERED):
             return no_healthy_engine(model)
-        if reason == Reason.ALL_SATURATED:
-            return RouterError(
-                429,
-                message or f"Every engine of model '{model}' is saturated; try again shortly.",
-                code="engines_saturated",
-                headers=_RETRY_AFTER,
-            )
-        if reason == Reason.OVERLOADED:
-            return RouterError(
-                429,
-                message or f"Model '{model}' is overloaded; try again shortly.",
-                code="overloaded",
-                headers=_RETRY_AFTER,
-            )
-        if reason == Reason.ADAPTER_UNAVAILABLE:
-            return RouterError(
-                502, message or f"The LoRA adapter '{model}' could not be loaded.", code="adapter_load_failed"
-            )
-        log.error("no error is mapped for scheduling reason %r", reason)
-        return RouterError(500, "The router could not route the request.", code="internal_error")
+        mapped = _ERRORS.get(reason)
+        if mapped is None:
+            log.error("no error is mapped for scheduling reason %r", reason)
+            return RouterError(500, "The router could not route the request.", code="internal_error")
+        status, code, default, retry = mapped
+        return RouterError(
+            status, message or default.format(model=model), code=code, headers=_RETRY_AFTER if retry else ()
+        )

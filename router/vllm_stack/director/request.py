@@ -2,6 +2,9 @@
 
 admit -> prepare -> schedule -> pre-request -> relay leg; on a failure before anything reached the
 client, schedule again (the engines tried are excluded) and run another leg, up to ``retries`` more.
+When scheduling finds every engine saturated (or a configured model has none ready), the request
+waits in its model's queue (:mod:`.queue`) and is scheduled again from there; a sheddable one is
+answered 429 instead.
 
 A stage hook (a plugin's ``admit``, ``prepare``, ``pre_request``) is synchronous unless it returns an
 awaitable; only then does the request wait, on that awaitable, and resume in its done-callback. The
@@ -32,7 +35,7 @@ from vllm_stack.errors import RouterError
 from vllm_stack.metrics import _Value
 from vllm_stack.relay.leg import Leg
 from vllm_stack.scheduling.config import Hooks
-from vllm_stack.scheduling.framework import Completion, Refusal, RequestContext
+from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 if TYPE_CHECKING:
@@ -68,6 +71,8 @@ class ProxiedRequest:
         "ttft",
         "answer_end",
         "prefill_tokens",
+        "queue_seq",
+        "queued_at",
     )
 
     def __init__(
@@ -101,6 +106,8 @@ class ProxiedRequest:
         self.ttft: float | None = None
         self.answer_end: bytes | None = None
         self.prefill_tokens = 0  # booked on self.engine.prefill_tokens for the current attempt
+        self.queue_seq = 0  # its entry in the model's queue while it waits there (director.queue)
+        self.queued_at = 0.0
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         hooks = director.hooks
@@ -185,19 +192,72 @@ class ProxiedRequest:
         self._run_hooks(hooks, stage, index)
 
     def _attempt(self) -> None:
-        """Schedule (again, after a failure), then pre-request hooks, then a leg."""
+        """Schedule (again, after a failure), then pre-request hooks, then a leg; or wait in the
+        model's queue when every engine is saturated or none is ready yet."""
         if self.attempts_left <= 0:
             self._fail(self.last_error or RouterError(502, "No engine answered.", code="upstream_error"))
             return
-        self.attempts_left -= 1
         director = self.director
         ctx = self.ctx
+        queue = director.queue
+        if queue.length and not ctx.excluded and queue.ahead(ctx.pool or ctx.model, ctx.priority):
+            # requests of at least its priority wait already: it goes behind them (sheddable: shed)
+            self._wait_or_fail(Reason.ALL_SATURATED)
+            return
         ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
         result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
         engine = result.engine
         if engine is None:
-            self._fail(self.last_error or director.error_for(result.reason, ctx.model))
+            self._wait_or_fail(result.reason)
             return
+        self._start(engine)
+
+    def _may_wait(self, reason: str) -> bool:
+        """Whether the request waits in its model's queue for ``reason`` (not a sheddable one when
+        the engines are saturated; one for a configured model that has no ready engine)."""
+        settings = self.director.settings
+        if not settings.queue_enabled or self.director.queue.max_per_model <= 0:
+            return False
+        if reason == Reason.ALL_SATURATED:
+            return self.ctx.priority >= 0
+        return reason == Reason.NO_CANDIDATE and (self.ctx.pool or self.ctx.model) in settings.served_models
+
+    def _wait_or_fail(self, reason: str) -> None:
+        director = self.director
+        ctx = self.ctx
+        if not self._may_wait(reason):
+            self._fail(self.last_error or director.error_for(reason, ctx.model))
+        elif not director.queue.add(ctx.pool or ctx.model, self):
+            self._fail(director.error_for(Reason.QUEUE_FULL, ctx.model))
+
+    @property
+    def priority(self) -> int:
+        return self.ctx.priority
+
+    def try_dispatch(self) -> str | None:
+        """The queue's try (it is the head of its model's queue): an engine now, or None to stay."""
+        director = self.director
+        ctx = self.ctx
+        ctx.prefill_tokens = 0
+        result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        if result.engine is not None:
+            self.queue_seq = 0
+            self._start(result.engine)
+            return "dispatched"
+        if self._may_wait(result.reason):
+            return None
+        self.queue_seq = 0
+        self._fail(self.last_error or director.error_for(result.reason, ctx.model))
+        return "failed"
+
+    def displaced(self) -> None:
+        """A full queue made room for a request of higher priority: this one is answered 429."""
+        self._fail(self.director.error_for(Reason.QUEUE_FULL, self.ctx.model))
+
+    def _start(self, engine: Engine) -> None:
+        self.attempts_left -= 1
+        director = self.director
+        ctx = self.ctx
         self.engine = engine
         engine.breaker.acquire()
         engine.in_flight += 1
@@ -240,6 +300,9 @@ class ProxiedRequest:
             engine.in_flight -= 1
             self.gauge.dec()
             self.first_token()
+            queue = self.director.queue
+            if queue.length:
+                queue.kick(self.ctx.pool or self.ctx.model)
 
     def first_token(self) -> None:
         """Release the prefill booked on the engine (its first token is out, or the attempt ended)."""
@@ -333,6 +396,9 @@ class ProxiedRequest:
         self.gauge.dec()
         if self.prefill_tokens:
             self.first_token()
+        queue = self.director.queue
+        if queue.length:  # its engine has room for one waiting
+            queue.kick(self.ctx.pool or self.ctx.model)
         self.conn.finish(leg.keep_alive)
         self._account()
 
@@ -354,6 +420,8 @@ class ProxiedRequest:
             return
         self.done = True
         self.status = "client_closed"
+        if self.queue_seq:
+            self.director.queue.remove(self.ctx.pool or self.ctx.model, self, "client_closed")
         waiting = self.waiting
         if waiting is not None:
             self.waiting = None
@@ -385,8 +453,21 @@ class ProxiedRequest:
         """
         if self.done:
             return
-        timeout = self.director.settings.request_timeout
+        settings = self.director.settings
+        timeout = settings.request_timeout
         leg = self.leg
+        if self.queue_seq:
+            if now - self.queued_at >= settings.queue_timeout:
+                self.director.queue.remove(self.ctx.pool or self.ctx.model, self, "timeout")
+                self._fail(
+                    self.director.error_for(
+                        Reason.QUEUE_TIMEOUT,
+                        self.ctx.model,
+                        f"No engine of model '{self.ctx.model}' had room within {settings.queue_timeout:g}s; "
+                        "try again shortly.",
+                    )
+                )
+            return
         if leg is None:
             if self.waiting is not None and now - self.started >= timeout:
                 waiting, self.waiting = self.waiting, None

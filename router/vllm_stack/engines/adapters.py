@@ -25,6 +25,7 @@ from typing import Any
 import xxhash
 
 from vllm_stack.config import ConfigError
+from vllm_stack.priority import parse_priority
 
 TIERS = ("hot", "warm", "cold")
 HUB_PREFIX = "hf:"
@@ -40,6 +41,7 @@ class AdapterSpec:
     source: str  # a path on the engines, or hf:ORG/NAME
     base_model: str
     tier: str = "warm"
+    priority: int | None = None  # its requests' default priority (``criticality``); None: its base model's
 
     @property
     def lora_path(self) -> str:
@@ -101,7 +103,7 @@ def _adapter(raw: Any, index: int) -> AdapterSpec:  # noqa: ANN401 - YAML
     where = f"lora_adapters[{index}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} must be a mapping with name, source and base_model")
-    unknown = set(raw) - {"name", "source", "base_model", "baseModel", "tier"}
+    unknown = set(raw) - {"name", "source", "base_model", "baseModel", "tier", "criticality"}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     name, source = raw.get("name"), raw.get("source")
@@ -114,7 +116,13 @@ def _adapter(raw: Any, index: int) -> AdapterSpec:  # noqa: ANN401 - YAML
         raise ConfigError(f"{where} ({name}): tier must be one of {TIERS} (got {tier!r})")
     if name == base:
         raise ConfigError(f"{where}: the adapter {name!r} has the name of its base model")
-    return AdapterSpec(name, source, base, tier)
+    priority = None
+    if raw.get("criticality") is not None:
+        try:
+            priority = parse_priority(raw["criticality"])
+        except ValueError as exc:
+            raise ConfigError(f"{where} ({name}): criticality: {exc}") from None
+    return AdapterSpec(name, source, base, tier, priority)
 
 
 def _weighted(name: Any, raw: Any) -> WeightedName:  # noqa: ANN401 - YAML

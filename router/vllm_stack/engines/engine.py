@@ -26,6 +26,9 @@ class EngineTelemetry:
     max_loras: int | None = None
     running_adapters: frozenset[str] | None = None
     waiting_adapters: frozenset[str] | None = None
+    # The router's own in-flight count there when the figures arrived: what it sent or finished
+    # since moves the queue estimate between scrapes (vllm_stack.engines.load.queue_estimate).
+    in_flight: int = 0
 
 
 class Engine:

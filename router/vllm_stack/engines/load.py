@@ -12,13 +12,25 @@ The stale rule: scraped figures older than ``stale_after`` are not zero, they ar
 (:func:`fresh_telemetry` answers None). A comparison across engines uses a scraped term only when
 every engine compared has it fresh; otherwise the term is dropped for all of them, never zeroed for
 one, so traffic is not pushed to the engine the router knows least about.
+
+Saturation (:func:`saturated`), the one rule every plugin and the router's queue use: an engine is
+saturated when its estimated waiting queue is at least ``max_waiting`` (5) or its KV cache usage at
+least ``max_kv_cache_usage`` (0.8). The queue estimate (:func:`queue_estimate`) is the scraped
+``num_requests_waiting`` moved by the router's own in-flight count since that scrape, while the engine
+was queuing: there a request sent adds one and a finished one takes one away, so a request held in
+the router's queue is dispatched the moment one ends there, not a scrape later. An engine that was
+not queuing at the scrape stays at 0 until the next one (the router does not know how many more it
+runs at once: a burst on an idle engine is not held back by a guess). An engine whose figures are stale or missing is **not** saturated: unknown
+is not full, and a metrics outage must not hold all traffic in the router's queue until it times
+out (the circuit breaker and the health checks deal with engines that really fail).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -54,14 +66,22 @@ def in_flight(engines: Sequence[Engine]) -> list[int]:
 
 def engine_loads(engines: Sequence[Engine]) -> list[float]:
     """In-flight requests plus ``vllm:num_requests_waiting`` (the queue term under the stale rule)."""
+    return _scraped_or_in_flight(engines, lambda t, e: e.in_flight + t.waiting)
+
+
+def _scraped_or_in_flight(
+    engines: Sequence[Engine], term: Callable[[EngineTelemetry, Engine], float]
+) -> list[float]:
+    """``term`` of every engine, under the stale rule: when any engine's figures are unknown, the
+    router's own in-flight counts for all of them (the only term they all have)."""
     now = time.monotonic()
-    waiting: list[float] = []
+    values: list[float] = []
     for e in engines:
         t = fresh_telemetry(e, now)
         if t is None:
             return [float(e.in_flight) for e in engines]
-        waiting.append(t.waiting)
-    return [e.in_flight + w for e, w in zip(engines, waiting, strict=True)]
+        values.append(term(t, e))
+    return values
 
 
 def bounded_capacity(counts: Sequence[float], epsilon: float) -> int:
@@ -75,6 +95,46 @@ def queue_length(engine: Engine, now: float | None = None) -> float | None:
     """The engine's own waiting queue, or None when unknown (stale or never scraped)."""
     t = fresh_telemetry(engine, now)
     return None if t is None else t.waiting
+
+
+def queue_estimate(engine: Engine, now: float | None = None) -> float | None:
+    """The engine's waiting queue now (the module docstring's estimate); None when unknown (stale or
+    never scraped)."""
+    t = fresh_telemetry(engine, now)
+    return None if t is None else _estimate(t, engine)
+
+
+def _estimate(t: EngineTelemetry, engine: Engine) -> float:
+    if t.waiting <= 0.0:
+        return 0.0
+    estimate = t.waiting + engine.in_flight - t.in_flight
+    return estimate if estimate > 0.0 else 0.0
+
+
+def queue_estimates(engines: Sequence[Engine]) -> list[float]:
+    """:func:`queue_estimate` of every engine, under the stale rule."""
+    return _scraped_or_in_flight(engines, _estimate)
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationLimits:
+    """When an engine counts as saturated (router settings ``saturation_max_waiting`` and
+    ``saturation_max_kv_cache_usage``)."""
+
+    max_waiting: float = 5.0
+    max_kv_cache_usage: float = 0.8
+
+
+def saturated(engine: Engine, limits: SaturationLimits, now: float | None = None) -> bool:
+    """The saturation rule (module docstring): estimated queue >= ``max_waiting`` or KV usage >=
+    ``max_kv_cache_usage``; never for an engine whose figures are unknown."""
+    t = fresh_telemetry(engine, now)
+    if t is None:
+        return False
+    if _estimate(t, engine) >= limits.max_waiting:
+        return True
+    kv = t.kv_cache_usage
+    return kv is not None and kv >= limits.max_kv_cache_usage
 
 
 class CompletionStats:

@@ -72,6 +72,8 @@ class EngineRegistry:
         self.on_engine_left: list[Callable[[Engine], None]] = []  # e.g. close its pooled connections
         # Told after every answered /v1/models (e.g. load the hot adapters an engine lacks)
         self.on_models_learned: list[Callable[[Engine], None]] = []
+        # Told after every index rebuild (e.g. dispatch requests queued for a model that had no engine)
+        self.on_rebuilt: list[Callable[[], None]] = []
 
     # ---- read side (hot path) -------------------------------------------------------------------
     def candidates(self, model: str) -> tuple[Engine, ...]:
@@ -316,6 +318,8 @@ class EngineRegistry:
         self._healthy_count = healthy
         self.changed.set()
         self.changed = asyncio.Event()
+        for fn in self.on_rebuilt:
+            fn()
 
     async def wait_probes(self) -> None:
         """Wait for the probes already started (new engines, refreshes)."""

@@ -35,6 +35,7 @@ from typing import Any
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.adapter_placement import AdapterPlacement
+from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.framework import Filter, Picker, Profile, ProfileHandler, Scheduler, Scorer
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
@@ -136,6 +137,7 @@ def build_scheduling(
     state: PluginState,
     metrics: RouterMetrics,
     adapters: AdapterPlacement | None = None,
+    saturation: SaturationLimits | None = None,
 ) -> SchedulingSetup:
     """Build plugins, profiles and hooks from a ``scheduling`` mapping (``ConfigError`` when invalid)."""
     if not isinstance(raw, Mapping):
@@ -146,7 +148,7 @@ def build_scheduling(
     state.begin_build()
     applied = False
     try:
-        context = PluginContext(state, metrics, adapters)
+        context = PluginContext(state, metrics, adapters, saturation or SaturationLimits())
         instances, types = _plugins(raw.get("plugins"), registry, context)
         entries = _key(raw, "schedulingProfiles", "scheduling_profiles")
         if not isinstance(entries, Sequence) or isinstance(entries, str) or not entries:

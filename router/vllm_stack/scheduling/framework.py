@@ -27,6 +27,8 @@ class Reason(enum.StrEnum):
     ALL_SATURATED = "all_saturated"  # candidates existed; every one is saturated
     OVERLOADED = "overloaded"  # admission: the router will not take more for this model now
     ADAPTER_UNAVAILABLE = "adapter_unavailable"  # pre-request: the LoRA adapter could not be loaded
+    QUEUE_FULL = "queue_full"  # the model's queue is full of requests of at least this priority
+    QUEUE_TIMEOUT = "queue_timeout"  # it waited the queue's timeout and no engine had room
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,8 @@ class RequestContext:
     # lora-affinity filter narrows them to where it is loaded or can be.
     adapter: AdapterSpec | None = None
     pool: str = ""  # the model whose engines are candidates, when it is not ``model``
+    # The request's priority (vllm_stack.priority): > 0 critical, 0 standard, < 0 sheddable
+    priority: int = 0
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:
@@ -249,7 +253,7 @@ class ProfileHandler(Protocol):
 class Scheduler:
     """Runs the handler's profile(s) over the registry's candidates (each profile records its decision)."""
 
-    __slots__ = ("profiles", "handler", "schedule")
+    __slots__ = ("profiles", "handler", "schedule", "_choose")
 
     def __init__(self, profiles: Mapping[str, Profile], handler: ProfileHandler) -> None:
         if not profiles:
@@ -259,8 +263,12 @@ class Scheduler:
         # The common case, one profile and the single-profile handler: scheduling is running that
         # profile, so ``schedule`` is its bound ``run`` (no call of the handler's, none of ours).
         only = next(iter(self.profiles.values())) if len(self.profiles) == 1 else None
+        choose = getattr(handler, "choose", None)
         if only is not None and getattr(handler, "single", False):
             self.schedule = only.run
+        elif choose is not None:  # a handler that picks exactly one profile per request
+            self._choose = choose
+            self.schedule = self._schedule_one
         else:
             self.schedule = self._schedule
 
@@ -268,6 +276,9 @@ class Scheduler:
     def profile(self) -> Profile:
         """The first (for built-in strategies: the only) profile."""
         return next(iter(self.profiles.values()))
+
+    def _schedule_one(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
+        return self._choose(ctx).run(ctx, candidates)
 
     def _schedule(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
         chosen = self.handler.pick_profiles(ctx, self.profiles)

@@ -67,30 +67,92 @@ LORA_AFFINITY = "lora-affinity-filter"
 
 
 def with_lora_affinity(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with the LoRA-affinity filter in every profile, unless it lists one itself: registered
-    adapters are routed to where they are loaded whatever the strategy. It is the last filter, so it
-    chooses among engines the others kept (an open circuit breaker does not leave it none)."""
+    """``raw`` with the LoRA-affinity filter in every profile that does not reference it yet: registered
+    adapters are routed to where they are loaded whatever the strategy. Where it is added it is the
+    last filter, so it chooses among engines the others kept (an open circuit breaker does not leave
+    it none); a profile that places it itself keeps that place."""
     plugins = raw.get("plugins")
     profiles = raw.get("schedulingProfiles", raw.get("scheduling_profiles"))
     if not isinstance(plugins, list) or not isinstance(profiles, list):
         return raw  # malformed: build_scheduling reports it
-    if any(isinstance(p, dict) and p.get("type") == LORA_AFFINITY for p in plugins):
-        return raw
+    listed = next((p for p in plugins if isinstance(p, dict) and p.get("type") == LORA_AFFINITY), None)
+    name = LORA_AFFINITY if listed is None else listed.get("name", LORA_AFFINITY)
     key = "schedulingProfiles" if "schedulingProfiles" in raw else "scheduling_profiles"
-    ref = {"pluginRef": LORA_AFFINITY}
+
+    def placed(profile: Any) -> Any:  # noqa: ANN401 - a profile as written (checked later)
+        if not isinstance(profile, dict):
+            return profile
+        refs = profile.get("plugins") or []
+        if any(isinstance(r, dict) and r.get("pluginRef") == name for r in refs):
+            return profile
+        return {**profile, "plugins": [*refs, {"pluginRef": name}]}
+
     return {
         **raw,
-        "plugins": [{"type": LORA_AFFINITY}, *plugins],
-        key: [
-            {**p, "plugins": [*(p.get("plugins") or []), ref]} if isinstance(p, dict) else p for p in profiles
+        "plugins": plugins if listed is not None else [{"type": LORA_AFFINITY}, *plugins],
+        key: [placed(p) for p in profiles],
+    }
+
+
+CRITICAL_PROFILE = "critical"
+
+
+def with_priority(raw: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
+    """A built-in configuration made priority-aware (the user's description's filter chains):
+
+    - standard and sheddable requests run the strategy's own profile behind the saturation filter
+      (queue >= 5 or KV >= 0.8 is saturated); when every engine is, the director holds a standard
+      request in the model's queue and answers a sheddable one 429;
+    - critical requests run the ``critical`` profile: engines with a queue below
+      ``critical_max_waiting`` (50), then LoRA affinity, then the least queue, then the least KV cache
+      use, then round-robin among what is left. Latency first: the critical chain trades the
+      strategy's cache or session affinity for the shortest queue.
+    """
+    (profile,) = raw["schedulingProfiles"]
+    refs = profile["plugins"]
+    critical_refs: list[dict[str, Any]] = [
+        {"pluginRef": "circuit-breaker-filter"},
+        {"pluginRef": "low-queue-filter"},
+    ]
+    plugins: list[dict[str, Any]] = [
+        *raw["plugins"],
+        {"type": "saturation-filter"},
+        {"type": "low-queue-filter", "parameters": {"max_waiting": config.critical_max_waiting}},
+        {"type": "least-queue-filter"},
+        {"type": "least-kv-cache-filter"},
+        {"type": "round-robin-picker", "name": "critical-round-robin"},
+        {
+            "type": "criticality-profile-handler",
+            "parameters": {"critical": CRITICAL_PROFILE, "default": profile["name"]},
+        },
+    ]
+    if config.lora_adapters:
+        plugins.insert(0, {"type": LORA_AFFINITY})
+        critical_refs.append({"pluginRef": LORA_AFFINITY})
+    critical_refs += [
+        {"pluginRef": "least-queue-filter"},
+        {"pluginRef": "least-kv-cache-filter"},
+        {"pluginRef": "critical-round-robin"},
+    ]
+    return {
+        "plugins": plugins,
+        "schedulingProfiles": [
+            {"name": profile["name"], "plugins": [refs[0], {"pluginRef": "saturation-filter"}, *refs[1:]]},
+            {"name": CRITICAL_PROFILE, "plugins": critical_refs},
         ],
     }
 
 
 def scheduling_config(config: RouterConfig) -> dict[str, Any]:
     """The router's scheduling configuration: its YAML ``scheduling`` section, else the built-in one
-    (with the LoRA-affinity filter when adapters are registered)."""
-    raw = dict(config.scheduling) if config.scheduling is not None else builtin_config(config)
+    (priority-aware unless ``priority_scheduling`` is off; with the LoRA-affinity filter when
+    adapters are registered)."""
+    if config.scheduling is not None:
+        raw = dict(config.scheduling)
+    else:
+        raw = builtin_config(config)
+        if config.priority_scheduling:
+            raw = with_priority(raw, config)
     return with_lora_affinity(raw) if config.lora_adapters else raw
 
 

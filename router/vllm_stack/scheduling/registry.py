@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from vllm_stack.config import SWITCH_VALUES, ConfigError, switch_value
 from vllm_stack.engines.adapter_placement import AdapterPlacement
+from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.metrics import RouterMetrics
 
 T = TypeVar("T")
@@ -73,6 +74,7 @@ class PluginContext:
     state: PluginState
     metrics: RouterMetrics
     adapters: AdapterPlacement | None = None  # the router's LoRA adapter placement
+    saturation: SaturationLimits = SaturationLimits()  # the router's saturation rule (engines.load)
 
 
 class Parameters:

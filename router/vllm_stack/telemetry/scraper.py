@@ -128,6 +128,8 @@ class EngineScraper:
         self._fetch = fetch
         self._metrics = metrics
         self._liveness = liveness
+        # Told after every scrape that gave figures (e.g. dispatch requests queued for saturated engines)
+        self.on_scraped: list[Callable[[Engine], None]] = []
 
     async def scrape(self, engine: Engine) -> None:
         liveness = self._liveness
@@ -148,12 +150,15 @@ class EngineScraper:
         except ValueError as exc:
             self._failed(engine, exc)
             return
+        telemetry.in_flight = engine.in_flight
         if telemetry.block_size:
             engine.kv_block_size = telemetry.block_size
         if telemetry.num_blocks:
             engine.kv_blocks = telemetry.num_blocks
         if telemetry.max_loras is not None:
             engine.max_loras = telemetry.max_loras
+        for fn in self.on_scraped:
+            fn(engine)
 
     def _failed(self, engine: Engine, exc: Exception) -> None:
         engine.telemetry = None

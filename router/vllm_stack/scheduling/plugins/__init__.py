@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vllm_stack.scheduling.plugins.circuit_breaker_filter import CircuitBreakerFilter
 from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker
+from vllm_stack.scheduling.plugins.criticality_profile_handler import CriticalityProfileHandler
 from vllm_stack.scheduling.plugins.least_loaded_scorer import LeastLoadedScorer
 from vllm_stack.scheduling.plugins.lora_affinity import LoraAffinity
 from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdmission
@@ -16,6 +17,7 @@ from vllm_stack.scheduling.plugins.model_profile_handler import ModelProfileHand
 from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
 from vllm_stack.scheduling.plugins.prefix_cache_picker import PrefixCachePicker
 from vllm_stack.scheduling.plugins.prompt_length import PromptLength
+from vllm_stack.scheduling.plugins.queue_filters import LeastKvCacheFilter, LeastQueueFilter, LowQueueFilter
 from vllm_stack.scheduling.plugins.random_picker import RandomPicker
 from vllm_stack.scheduling.plugins.request_tracker import RequestTracker
 from vllm_stack.scheduling.plugins.round_robin_picker import RoundRobinPicker
@@ -41,6 +43,10 @@ BUILTIN_TYPES = (
     UpstreamHeaders,
     RequestTracker,
     LoraAffinity,
+    LowQueueFilter,
+    LeastQueueFilter,
+    LeastKvCacheFilter,
+    CriticalityProfileHandler,
 )
 
 

@@ -1,8 +1,12 @@
-"""Filter: drop engines whose own queue is at or above a limit; when none is left, say "saturated".
+"""Filter: drop saturated engines (the saturation rule of :mod:`vllm_stack.engines.load`); when none is
+left, say "saturated".
 
-An engine whose queue is unknown (metrics stale or never scraped) is kept: unknown is not full. When
-every candidate is saturated the scheduling result's reason is ``all_saturated``, which the director
-answers with a 429 and ``Retry-After`` (shed load rather than queue more where no engine has room).
+By default the rule's limits are the router's (``saturation_max_waiting``: 5 waiting,
+``saturation_max_kv_cache_usage``: 0.8); the parameters ``max_waiting`` and ``max_kv_cache_usage``
+override them for this filter. An engine whose figures are unknown (stale or never scraped) is kept:
+unknown is not full. When every candidate is saturated the scheduling result's reason is
+``all_saturated``: the director holds a standard or critical request in the model's queue until an
+engine has room, and answers a sheddable one 429 with ``Retry-After`` (shed rather than wait).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.engines.load import queue_length
+from vllm_stack.engines.load import SaturationLimits, saturated
 from vllm_stack.scheduling.framework import Reason, RequestContext
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
@@ -20,16 +24,21 @@ class SaturationFilter:
     type_name = "saturation-filter"
     empty_reason = Reason.ALL_SATURATED
 
-    def __init__(self, name: str = "saturation", max_waiting: float = 64) -> None:
+    def __init__(self, name: str = "saturation", limits: SaturationLimits | None = None) -> None:
         self.name = name
-        self.max_waiting = max_waiting
+        self.limits = limits or SaturationLimits()
 
     @classmethod
     def create(cls, name: str, parameters: Parameters, context: PluginContext) -> SaturationFilter:
-        return cls(name, parameters.number("max_waiting", 64, minimum=0))
+        default = context.saturation
+        limits = SaturationLimits(
+            parameters.number("max_waiting", default.max_waiting, minimum=0),
+            parameters.number("max_kv_cache_usage", default.max_kv_cache_usage, minimum=0),
+        )
+        return cls(name, limits)
 
     def filter(self, ctx: RequestContext, engines: Sequence[Engine]) -> Sequence[Engine]:
         now = time.monotonic()
-        limit = self.max_waiting
-        kept = [e for e in engines if (q := queue_length(e, now)) is None or q < limit]
+        limits = self.limits
+        kept = [e for e in engines if not saturated(e, limits, now)]
         return engines if len(kept) == len(engines) else kept

@@ -1,0 +1,48 @@
+"""Profile handler: a critical request runs the critical profile, every other request the default one.
+
+Parameters: ``critical`` (the profile of requests with priority > 0; default ``critical``) and
+``default`` (every other request's; empty: the first profile). Standard and sheddable requests share
+a profile: what differs for them is what the director does when every engine is saturated (a
+standard request waits in the model's queue, a sheddable one is answered 429).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from vllm_stack.config import ConfigError
+from vllm_stack.scheduling.framework import Profile, RequestContext, SchedulingResult
+from vllm_stack.scheduling.registry import Parameters, PluginContext
+
+
+class CriticalityProfileHandler:
+    type_name = "criticality-profile-handler"
+
+    def __init__(self, name: str, critical: str = "critical", default: str = "") -> None:
+        self.name = name
+        self.critical_name = critical
+        self.default_name = default
+        self._critical: tuple[Profile, ...] = ()
+        self._default: tuple[Profile, ...] = ()
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> CriticalityProfileHandler:
+        return cls(name, parameters.string("critical", "critical"), parameters.string("default", ""))
+
+    def check(self, profiles: Mapping[str, Profile]) -> None:
+        """Every profile it names exists (called once the profiles are built)."""
+        for profile in (self.critical_name, self.default_name):
+            if profile and profile not in profiles:
+                raise ConfigError(f"{self.name}: no scheduling profile named {profile!r}")
+        self._critical = (profiles[self.critical_name],)
+        self._default = (profiles[self.default_name] if self.default_name else next(iter(profiles.values())),)
+
+    def choose(self, ctx: RequestContext) -> Profile:
+        """The one profile of ``ctx`` (the scheduler runs it directly: no per-request result mapping)."""
+        return self._critical[0] if ctx.priority > 0 else self._default[0]
+
+    def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]:
+        return self._critical if ctx.priority > 0 else self._default
+
+    def combine(self, ctx: RequestContext, results: Mapping[str, SchedulingResult]) -> SchedulingResult:
+        return next(iter(results.values()))
