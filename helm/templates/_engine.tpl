@@ -44,6 +44,11 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- with $m.lmcacheConfig.pd }}{{ if .role }}{{ $role = ternary "kv_producer" "kv_consumer" (eq .role "sender") }}{{ end }}{{ end -}}
 {{- $args = append (append $args "--kv-transfer-config") (toJson (dict "kv_connector" "LMCacheConnectorV1" "kv_role" $role)) -}}
 {{- end -}}
+{{- /* modelSpec.schedulingPolicy, unless extraArgs gives --scheduling-policy itself (then once, as written). */ -}}
+{{- $policy := include "vllm-stack.model.schedulingPolicy" . -}}
+{{- if and $policy (not (include "vllm-stack.model.extraArgsSchedulingPolicy" .)) -}}
+{{- $args = append (append $args "--scheduling-policy") $policy -}}
+{{- end -}}
 {{- range $vc.extraArgs }}{{ $args = append $args (include "vllm-stack.str" .) }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}

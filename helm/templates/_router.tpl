@@ -18,6 +18,7 @@
 {{- if (include "vllm-stack.router.config" .) }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
 {{- if $r.adminApiKeysSecret }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}
+{{- if ($r.priority | default dict).apiKeysSecret }}{{ $args = concat $args (list "--priority-api-keys-file" "/etc/vllm-stack/priority-keys/keys") }}{{ end -}}
 {{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
@@ -53,7 +54,8 @@ replaced by the default image and NOTES.txt says so (`vllmStackImage: false` rep
 Registered LoRA adapters for the router (its `lora_adapters`), from production-stack's `loraAdapters`
 layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `adapterSource`
 (`type: local` with `adapterPath`, or `type: huggingface` with `repository`), and our `tier`
-(hot / warm / cold, default warm). The adapter's client-visible name is `adapterSource.adapterName`
+(hot / warm / cold, default warm) and `criticality` (critical / standard / sheddable: its requests'
+default priority; none: its base model's). The adapter's client-visible name is `adapterSource.adapterName`
 (what production-stack loads it as), else `name`. Renders a YAML list, or nothing.
 */}}
 {{- define "vllm-stack.router.loraAdapters" -}}
@@ -83,16 +85,98 @@ layout: `name`, `baseModel` (a modelSpec's `name`, or a served model name), `ada
 {{- if has $name $names }}{{ fail (printf "%s: the adapter name %q is registered twice" $where $name) }}{{ end -}}
 {{- if eq $name $base }}{{ fail (printf "%s: the adapter name %q is its base model's name" $where $name) }}{{ end -}}
 {{- $names = append $names $name -}}
-{{- $out = append $out (dict "name" $name "source" $source "base_model" $base "tier" ($a.tier | default "warm")) -}}
+{{- $entry := dict "name" $name "source" $source "base_model" $base "tier" ($a.tier | default "warm") -}}
+{{- with $a.criticality }}{{ $_ := set $entry "criticality" (include "vllm-stack.criticality" (dict "value" . "where" $where)) }}{{ end -}}
+{{- $out = append $out $entry -}}
 {{- end -}}
 {{- end -}}
 {{- with $out }}{{ toYaml . }}{{ end -}}
 {{- end -}}
 
-{{/* The router's configuration file: routerSpec.config with the adapters and weighted names added. */}}
+{{/* A criticality (critical / standard / sheddable) as given, or a failure naming `where`.
+Call with (dict "value" V "where" "servingEngineSpec.modelSpec[0] (m)"). */}}
+{{- define "vllm-stack.criticality" -}}
+{{- $v := toString .value -}}
+{{- if not (has $v (list "critical" "standard" "sheddable")) }}{{ fail (printf "%s: criticality must be critical, standard or sheddable (got %q)" .where $v) }}{{ end -}}
+{{- $v -}}
+{{- end -}}
+
+{{/* The --scheduling-policy given in the model's vllmConfig.extraArgs (`--scheduling-policy X` or
+`--scheduling-policy=X`; the last one, as vLLM's parser reads them), or nothing. Call with (dict "root" $ "model" M). */}}
+{{- define "vllm-stack.model.extraArgsSchedulingPolicy" -}}
+{{- $words := list -}}
+{{- range (.model.vllmConfig | default dict).extraArgs }}{{ $words = append $words (include "vllm-stack.str" .) }}{{ end -}}
+{{- $policy := "" -}}
+{{- range $i, $w := $words -}}
+{{- $w = replace "_" "-" $w -}}
+{{- if and (eq $w "--scheduling-policy") (lt (add1 $i) (len $words)) }}{{ $policy = index $words (add1 $i) }}
+{{- else if hasPrefix "--scheduling-policy=" $w }}{{ $policy = trimPrefix "--scheduling-policy=" $w }}{{ end -}}
+{{- end -}}
+{{- $policy -}}
+{{- end -}}
+
+{{/* The vLLM scheduling policy of the model's engines: `priority`, `fcfs`, or nothing (vLLM's default,
+fcfs). From modelSpec.schedulingPolicy, or vllmConfig.extraArgs (production-stack files write it there);
+both given and different: a failure. Call with (dict "root" $ "model" M). */}}
+{{- define "vllm-stack.model.schedulingPolicy" -}}
+{{- $key := toString (.model.schedulingPolicy | default "") -}}
+{{- $given := include "vllm-stack.model.extraArgsSchedulingPolicy" . -}}
+{{- $where := printf "servingEngineSpec.modelSpec (%s)" (toString .model.name) -}}
+{{- if and $key (not (has $key (list "fcfs" "priority"))) }}{{ fail (printf "%s: schedulingPolicy must be fcfs or priority (got %q)" $where $key) }}{{ end -}}
+{{- if and $key $given (ne $key $given) }}{{ fail (printf "%s: schedulingPolicy %s and --scheduling-policy %s in vllmConfig.extraArgs disagree: give one of them" $where $key $given) }}{{ end -}}
+{{- $given | default $key -}}
+{{- end -}}
+
+{{/*
+The router's `models`: one entry per deployed modelSpec entry, by served name, with its `criticality`
+(the requests' default priority) and `engine_priority: true` when its engines run vLLM with
+`--scheduling-policy priority` (the router then writes each request's priority into the body). Entries that
+serve the same name become one, and must agree. Renders a YAML list, or nothing.
+*/}}
+{{- define "vllm-stack.router.models" -}}
+{{- $out := list -}}
+{{- $seen := dict -}}
+{{- range $i, $m := .Values.servingEngineSpec.modelSpec -}}
+{{- $ctx := dict "root" $ "model" $m -}}
+{{- if include "vllm-stack.model.enabled" $ctx -}}
+{{- $where := printf "servingEngineSpec.modelSpec[%d] (%s)" $i (toString $m.name) -}}
+{{- $served := include "vllm-stack.model.servedName" $ctx -}}
+{{- $entry := dict "name" $served -}}
+{{- with $m.criticality }}{{ $_ := set $entry "criticality" (include "vllm-stack.criticality" (dict "value" . "where" $where)) }}{{ end -}}
+{{- if eq (include "vllm-stack.model.schedulingPolicy" $ctx) "priority" }}{{ $_ := set $entry "engine_priority" true }}{{ end -}}
+{{- if hasKey $seen $served -}}
+{{- if ne (toJson (get $seen $served)) (toJson $entry) }}{{ fail (printf "%s: serves %q like another modelSpec entry, but with another criticality or scheduling policy: give them the same" $where $served) }}{{ end -}}
+{{- else -}}
+{{- $_ := set $seen $served $entry -}}
+{{- $out = append $out $entry -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with $out }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* routerSpec.priority as router settings: only those that differ from the router's defaults. */}}
+{{- define "vllm-stack.router.prioritySettings" -}}
+{{- $p := .Values.routerSpec.priority | default dict -}}
+{{- $sat := $p.saturation | default dict -}}
+{{- $queue := $p.queue | default dict -}}
+{{- $out := dict -}}
+{{- if eq (toString $p.enabled) "false" }}{{ $_ := set $out "priority_scheduling" false }}{{ end -}}
+{{- with $p.header }}{{ if ne (lower (toString .)) "x-request-priority" }}{{ $_ := set $out "priority_header" (toString .) }}{{ end }}{{ end -}}
+{{- range $key, $v := dict "saturation_max_waiting" (list $sat.maxWaiting 5.0) "saturation_max_kv_cache_usage" (list $sat.maxKvCacheUsage 0.8) "critical_max_waiting" (list $p.criticalMaxWaiting 50.0) "queue_max_per_model" (list $queue.maxPerModel 1000.0) "queue_timeout" (list $queue.timeoutSeconds 120.0) -}}
+{{- $given := index $v 0 -}}
+{{- if and (not (kindIs "invalid" $given)) (ne (float64 $given) (index $v 1)) }}{{ $_ := set $out $key $given }}{{ end -}}
+{{- end -}}
+{{- with $out }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* The router's configuration file: routerSpec.config with the models, the priority settings, the adapters
+and the weighted names added. A key routerSpec.config gives itself (`models`, a priority setting) is kept. */}}
 {{- define "vllm-stack.router.config" -}}
 {{- $r := .Values.routerSpec -}}
 {{- $config := deepCopy ($r.config | default dict) -}}
+{{- if not (hasKey $config "models") }}{{ with (include "vllm-stack.router.models" .) }}{{ $_ := set $config "models" (fromYamlArray .) }}{{ end }}{{ end -}}
+{{- range $key, $v := (include "vllm-stack.router.prioritySettings" . | fromYaml) }}{{ if not (hasKey $config $key) }}{{ $_ := set $config $key $v }}{{ end }}{{ end -}}
 {{- with (include "vllm-stack.router.loraAdapters" .) }}{{ $_ := set $config "lora_adapters" (concat ($config.lora_adapters | default list) (fromYamlArray .)) }}{{ end -}}
 {{- with $r.weightedModels }}{{ $_ := set $config "weighted_models" . }}{{ end -}}
 {{- with $config }}{{ toYaml . }}{{ end -}}

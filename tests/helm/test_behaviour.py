@@ -138,6 +138,8 @@ def test_router_args_follow_the_contract():
         "info",
         "--shutdown-grace",
         "50",
+        "--config",  # the router's `models` (its configured models: scale from zero, default criticality)
+        "/etc/vllm-stack/router/config.yaml",
     ]
 
 
@@ -181,7 +183,11 @@ def test_router_security_rbac_and_service():
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    # the one writable mount is /tmp; the router's configuration (its `models`) is mounted read-only
+    assert {m["mountPath"]: m.get("readOnly", False) for m in c["volumeMounts"]} == {
+        "/tmp": False,
+        "/etc/vllm-stack/router": True,
+    }
     assert pod["serviceAccountName"] == f"{RELEASE}-router" and pod["automountServiceAccountToken"] is True
     role = one(objs, "Role", f"{RELEASE}-router")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
@@ -500,8 +506,10 @@ def test_keda_default_trigger_and_scale_from_zero():
         "threshold": "5",
         "serverAddress": "http://prometheus-operated.monitoring.svc:9090",
     }
-    assert wake["metadata"]["query"] == (
-        f'sum(rate(vllm_stack_router_requests_total{{model="meta-llama/Llama-3.1-8B-Instruct",namespace="{NAMESPACE}"}}[2m]))'
+    scope = f'{{model="meta-llama/Llama-3.1-8B-Instruct",namespace="{NAMESPACE}"}}'
+    assert wake["metadata"]["query"] == (  # ended requests, plus those waiting in the router's queue
+        f"(sum(rate(vllm_stack_router_requests_total{scope}[2m])) or vector(0))"
+        f" + (sum(vllm_stack_router_queue_length{scope}) or vector(0))"
     )
     assert wake["metadata"]["activationThreshold"] == "0"
     assert not find(objs, "ScaledObject", f"{RELEASE}-qwen")  # keda.enabled: false

@@ -18,20 +18,29 @@ import pytest
 from vllm_stack_dev.testbed.engines import free_port, stop_process
 
 from tests.helm.chart import RELEASE, container, env_of, one, render, values_file
-from tests.helm.test_rendered_commands_run import ROOT, ROUTER, _request, router_args_for_static
+from tests.helm.test_rendered_commands_run import (
+    ROOT,
+    ROUTER,
+    _request,
+    router_args_for_static,
+    router_config_file,
+)
 
 pytestmark = pytest.mark.helm
 
 
-def _start_router(
-    rendered_args: list[str], backends: str, log_path, wait_for: str
-) -> tuple[subprocess.Popen, int]:
-    """The router from its rendered arguments; waits until `wait_for` (/ready: an engine is up; /health:
-    the router itself is up) answers 200."""
+def _start_router(objs: list[dict], backends: str, log_path, wait_for: str) -> tuple[subprocess.Popen, int]:
+    """The router from its rendered arguments and configuration; waits until `wait_for` (/ready: an engine
+    is up; /health: the router itself is up) answers 200."""
+    rendered_args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
     port = free_port()
     log = log_path.open("wb")
     proc = subprocess.Popen(
-        [str(ROUTER), "router", *router_args_for_static(rendered_args, backends, port)],
+        [
+            str(ROUTER),
+            "router",
+            *router_args_for_static(rendered_args, backends, port, router_config_file(objs, log_path.parent)),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
@@ -72,9 +81,8 @@ def _two_models(tmp_path, chat: str, embed: str) -> list[dict]:
 
 def _fails_without_engines(objs: list[dict], tmp_path) -> None:
     pod = one(objs, "Pod", f"{RELEASE}-router-test")
-    router_args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: zero engines
-    router, port = _start_router(router_args, dead, tmp_path / "router-none.log", "/health")
+    router, port = _start_router(objs, dead, tmp_path / "router-none.log", "/health")
     try:
         proc = _run_pod_command(pod, port)
         assert proc.returncode != 0 and "not served by any engine" in proc.stdout + proc.stderr
@@ -91,10 +99,8 @@ def test_helm_test_pod_proves_every_model_and_fails_without_engines(engines, emb
     chat, embed = engines[0].served_model_name, embedding_engine.served_model_name
     objs = _two_models(tmp_path, chat, embed)
     pod = one(objs, "Pod", f"{RELEASE}-router-test")
-    router_args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
-
     backends = ",".join([*engines.urls, embedding_engine.url])
-    router, port = _start_router(router_args, backends, tmp_path / "router.log", "/ready")
+    router, port = _start_router(objs, backends, tmp_path / "router.log", "/ready")
     try:
         proc = _run_pod_command(pod, port)
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -21,6 +21,8 @@ What is changed from the rendered arguments, and why (everything else is passed 
   `--service-discovery static --static-backends <engine url>` because no Kubernetes API server can run
   here (the label selector itself is checked in test_behaviour.py); `--host/--port` become loopback and a
   free port. The router runs as `vllm-stack router ARGS`, which is the image's entrypoint.
+- router: `--config` names the pod's mount of the router's ConfigMap; it becomes a temporary file holding
+  that ConfigMap's rendered `config.yaml`, unchanged.
 """
 
 from __future__ import annotations
@@ -77,8 +79,23 @@ def engine_args_for_cpu(rendered: list[str], model_dir: Path, kv_port: int) -> l
     return _replace_value(args, "--kv-events-config", json.dumps(events))
 
 
-def router_args_for_static(rendered: list[str], engine_url: str, port: int) -> list[str]:
+def router_config_file(objs: list[dict], tmp_path: Path) -> Path | None:
+    """The router's rendered ConfigMap content (its `config.yaml`), written where a local router reads it."""
+    found = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == f"{RELEASE}-router"]
+    if not found:
+        return None
+    path = tmp_path / "router-config.yaml"
+    path.write_text(found[0]["data"]["config.yaml"])
+    return path
+
+
+def router_args_for_static(
+    rendered: list[str], engine_url: str, port: int, config: Path | None = None
+) -> list[str]:
     args = list(rendered)
+    if "--config" in args:
+        assert config is not None, "the rendered router arguments name a config file: pass its content"
+        args = _replace_value(args, "--config", str(config))
     for name in ("--k8s-namespace", "--k8s-label-selector", "--k8s-port"):
         args = _drop(args, name)
     args = _replace_value(args, "--service-discovery", "static")
@@ -141,7 +158,13 @@ def test_rendered_engine_and_router_commands_serve(tiny_model_dir, tmp_path):
         router_env = {**os.environ, "VLLM_API_KEY": api_key}
         log = (tmp_path / "router.log").open("wb")
         router = subprocess.Popen(
-            [str(ROUTER), "router", *router_args_for_static(router_c["args"], engine.url, port)],
+            [
+                str(ROUTER),
+                "router",
+                *router_args_for_static(
+                    router_c["args"], engine.url, port, router_config_file(objs, tmp_path)
+                ),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=router_env,
