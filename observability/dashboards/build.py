@@ -346,7 +346,9 @@ def router() -> gd.Dashboard:
     ).variables(
         variables(
             "vllm_stack_router_build_info",
-            'label_values(vllm_stack_router_engine_healthy{namespace="$namespace"}, model)',
+            # models with an engine, and configured models whose requests wait for one (scale from zero)
+            'label_values({__name__=~"vllm_stack_router_engine_healthy|vllm_stack_router_queue_length", '
+            'namespace="$namespace"}, model)',
             'label_values(vllm_stack_router_engine_healthy{namespace="$namespace", model=~"$model"}, engine)',
         )
     )
@@ -503,6 +505,65 @@ def router() -> gd.Dashboard:
                 )
             ],
             width=8,
+        )
+    )
+
+    d = d.with_row(gd.Row("Priority queue"))
+    d = d.with_panel(
+        timeseries(
+            "Queue length by model",
+            "Requests waiting in the router's per-model queue: every engine of the model is saturated, "
+            "or the model has no ready engine yet (scale from zero). Summed over router replicas.",
+            "short",
+            [(f"sum by (model) (vllm_stack_router_queue_length{{{RTR}}})", "{{model}}")],
+            width=6,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Queue wait by class (p50, p99)",
+            "Time requests spent in the router's queue, by criticality class (critical, standard, "
+            "sheddable), observed when they left it for any reason (dispatched, timed out, ...).",
+            "s",
+            [
+                (
+                    f"histogram_quantile({q}, sum by (class, le) (rate(vllm_stack_router_queue_wait_seconds_bucket{{{RTR}}}[{RATE}])))",
+                    f"p{int(q * 100)} {{{{class}}}}",
+                )
+                for q in (0.5, 0.99)
+            ],
+            width=6,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Queue exits by outcome",
+            "Requests per second leaving the router's queue, by model and outcome: dispatched to an "
+            "engine, timeout (503 queue_timeout), client_closed, displaced (429: a full queue made room "
+            "for a higher priority), failed.",
+            "reqps",
+            [
+                (
+                    f"sum by (model, outcome) (rate(vllm_stack_router_queue_exits_total{{{RTR}}}[{RATE}]))",
+                    "{{model}} {{outcome}}",
+                )
+            ],
+            width=6,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Shed requests (429) by model",
+            "Requests per second answered 429 by model: sheddable requests refused while every engine "
+            "was saturated (or requests of higher priority were queued), and full queues.",
+            "reqps",
+            [
+                (
+                    f'sum by (model) (rate(vllm_stack_router_requests_total{{{RTR}, status="429"}}[{RATE}]))',
+                    "{{model}}",
+                )
+            ],
+            width=6,
         )
     )
     return d

@@ -2,7 +2,8 @@
 
 The queries are taken from what is committed, not re-typed: dashboard panel targets from the
 generated JSON, recording and alert rules from the rule file, the KEDA trigger from its example
-ScaledObject and the prometheus-adapter rule from its config.
+ScaledObject and from the chart's rendered ScaledObject (queue trigger and scale-from-zero activation
+trigger), and the prometheus-adapter rule from its config.
 """
 
 from __future__ import annotations
@@ -32,16 +33,19 @@ KEDA_EXAMPLE = OBS / "keda" / "scaledobject.yaml"
 ADAPTER_RULES = OBS / "prometheus-adapter" / "rules.yaml"
 CRDS = REPO.parent / "shared" / "crds"
 
+CHART = REPO / "helm"
+
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+HELM = str(REPO / ".tools" / "helm4" / "helm")  # `make install` unpacks it (as for tests/helm)
 
 
-def require(binary: str) -> str:
+def require(binary: str, how: str = "apt-get install -y prometheus") -> str:
     """The binary's path; fails the test with the fix when it is missing (``make install`` installs it)."""
     import pytest
 
     if not Path(binary).exists():
-        pytest.fail(f"{binary} missing: run `make install` (apt-get install -y prometheus)")
+        pytest.fail(f"{binary} missing: run `make install` ({how})")
     return binary
 
 
@@ -152,6 +156,41 @@ def keda_query(model: str, namespace: str) -> str:
     return query.replace(f'model_name="{example_model}"', f'model_name="{model}"').replace(
         f'namespace="{example_ns}"', f'namespace="{namespace}"'
     )
+
+
+def chart_keda_queries(model: str, namespace: str) -> dict[str, str]:
+    """The Prometheus trigger queries of the ScaledObject the chart renders for ``model`` (its served
+    name) in ``namespace``, with scale from zero and the activation trigger on: trigger name -> query
+    (``queue`` for the unnamed default queue trigger, ``router-requests`` for the activation one)."""
+    values = {
+        "servingEngineSpec": {
+            "modelSpec": [
+                {
+                    "name": "m",
+                    "modelURL": model,
+                    "keda": {"minReplicaCount": 0, "maxReplicaCount": 1, "activation": {"enabled": True}},
+                }
+            ]
+        }
+    }
+    with tempfile.TemporaryDirectory(prefix="vllm-stack-keda-") as tmp:
+        path = Path(tmp) / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        cmd = [
+            require(HELM, "unpacks Helm into .tools"),
+            "template", "vllm-stack", str(CHART),
+            "--namespace", namespace,
+            "-f", str(path),
+            "--show-only", "templates/engine-scaledobject.yaml",
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
+    (doc,) = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return {
+        t.get("name", "queue"): t["metadata"]["query"]
+        for t in doc["spec"]["triggers"]
+        if t["type"] == "prometheus"
+    }
 
 
 def adapter_query(model: str, namespace: str) -> str:

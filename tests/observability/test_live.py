@@ -8,8 +8,12 @@ static discovery, as the pod name is under Kubernetes discovery) and `job` (`vll
 `vllm-stack-router`).
 
 Traffic through the router: non-streamed and streamed chat completions, a long prompt repeated (prefix
-cache hits on whole 128-token blocks), one request the engine rejects (HTTP 400), and requests that hit
-a failing backend.
+cache hits on whole 128-token blocks), one request the engine rejects (HTTP 400), requests that hit
+a failing backend, and requests for `cold-model`, a model the router is configured to serve (router
+setting `models`) that has no engine: they wait in the router's priority queue for `queue_timeout`
+(2 s here) and get 503 `queue_timeout`, and a sheddable one sent while they wait is shed (429). That is
+what the priority-queue panels, the queue-timeout alert and the KEDA activation trigger (scale from
+zero) have to show; it runs beside the other traffic, so it adds no time.
 
 The failing backend is the one stand-in here: a real engine cannot be made to answer 503 on demand, so a
 small HTTP server registered as a third static backend lists the models `tiny-llama` and
@@ -54,6 +58,7 @@ from .promql import (
     Target,
     adapter_query,
     alert_base,
+    chart_keda_queries,
     committed_dashboards,
     free_port,
     keda_query,
@@ -69,6 +74,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
 NAMESPACE = "vllm-test"
 MODEL = "tiny-llama"
 BROKEN_MODEL = "broken-model"
+# Configured in the router (setting `models`) with no engine: its requests wait in the router's queue.
+COLD_MODEL = "cold-model"
+QUEUE_TIMEOUT = 2  # seconds (router setting queue_timeout)
 ARTIFACTS = REPO / "artifacts"
 # Grafana picks $__rate_interval from the time range; any window covering the traffic will do here.
 RATE_INTERVAL = "3m"
@@ -133,10 +141,17 @@ class Router:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / "router.log"
+        # The served models (only YAML can give them): COLD_MODEL has no engine, so its requests wait in
+        # the router's queue (scale from zero) and, with nothing to wake it here, time out.
+        config = log_dir / "router.yaml"
+        config.write_text(
+            json.dumps({"models": [{"name": MODEL}, {"name": COLD_MODEL}], "queue_timeout": QUEUE_TIMEOUT})
+        )  # JSON is YAML
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         cmd = _router_command() + [
             "--host", "127.0.0.1",
             "--port", str(self.port),
+            "--config", str(config),
             "--service-discovery", "static",
             "--static-backends", ",".join(backends),
             "--engine-scrape-interval", "1",
@@ -171,15 +186,18 @@ def drive_traffic(router_url: str) -> dict[str, int]:
     statuses: dict[str, int] = {}
     lock = threading.Lock()
 
-    def chat(kind: str, body: dict) -> None:
-        with httpx.Client(base_url=router_url, timeout=120) as client:
+    def chat(kind: str, body: dict, headers: dict[str, str] | None = None) -> None:
+        with httpx.Client(base_url=router_url, timeout=120, headers=headers) as client:
             if body.get("stream"):
                 with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                     for _ in resp.iter_bytes():
                         pass
                     status = resp.status_code
             else:
-                status = client.post("/v1/chat/completions", json=body).status_code
+                resp = client.post("/v1/chat/completions", json=body)
+                status = resp.status_code
+                if kind == "cold" and status == 503:  # the router's queue timeout, not another 503
+                    status = f"503 {resp.json()['error'].get('code')}"
         key = f"{kind} {status}"
         with lock:
             statuses[key] = statuses.get(key, 0) + 1
@@ -193,22 +211,40 @@ def drive_traffic(router_url: str) -> dict[str, int]:
             "stream": stream,
         }
 
+    def cold_wave() -> None:
+        """Two requests for COLD_MODEL wait in the router's queue until they time out (503
+        queue_timeout); a sheddable one sent while they wait is shed at once (429)."""
+        with ThreadPoolExecutor(2) as waiting:
+            queued = [
+                waiting.submit(chat, "cold", body(f"Wake up {i}.", model=COLD_MODEL, max_tokens=8))
+                for i in range(2)
+            ]
+            time.sleep(QUEUE_TIMEOUT / 2)  # both are queued by now
+            chat(
+                "shed", body("Shed me.", model=COLD_MODEL, max_tokens=8), {"x-request-priority": "sheddable"}
+            )
+            for f in queued:
+                f.result()
+
     jobs = []
     for i in range(12):
         jobs.append(("plain", body(f"Say something about request {i}.")))
         jobs.append(("stream", body(f"Stream something about request {i}.", stream=True, max_tokens=48)))
     for i in range(6):
         jobs.append(("prefix", body(LONG_PROMPT + " Summarise.", stream=i % 2 == 0)))
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(8) as pool, ThreadPoolExecutor(1) as side:
         # Three waves a few seconds apart, so that rates and quantiles span several scrapes. The failures
         # repeat in every wave: a counter series is born at its first increment, which rate() cannot see.
         for _wave in range(3):
+            # Beside the wave (a wave takes far longer than QUEUE_TIMEOUT): no time added.
+            cold = side.submit(cold_wave)
             list(pool.map(lambda job: chat(*job), jobs))
             # Rejected by the engine: more tokens than the model's context (HTTP 400).
             chat("bad", body("too long", max_tokens=100_000))
             # Only the failing backend serves it: the router answers 503.
             list(pool.map(lambda _: chat("broken", body("hello", model=BROKEN_MODEL)), range(2)))
             time.sleep(4)
+            cold.result()
     return statuses
 
 
@@ -296,7 +332,9 @@ def _save(name: str, records: list[dict]) -> None:
 def _variable_values() -> dict[str, str]:
     return {
         "namespace": NAMESPACE,
-        "model": MODEL,
+        # Both models selected in the multi-value $model (Grafana renders that as a regex group):
+        # COLD_MODEL has only router series, among them the priority-queue ones.
+        "model": f"({MODEL}|{COLD_MODEL})",
         "engine": ".*",  # "All"
         "__rate_interval": RATE_INTERVAL,
         "datasource": "unused",
@@ -308,6 +346,8 @@ def test_traffic_went_through(stack) -> None:
     assert statuses.get("plain 200", 0) == 36 and statuses.get("stream 200", 0) == 36, statuses
     assert statuses.get("bad 400") == 3, statuses
     assert statuses.get("broken 503") == 6, statuses
+    assert statuses.get("cold 503 queue_timeout") == 6, statuses
+    assert statuses.get("shed 429") == 3, statuses
     prom = stack["prom"]
     up = prom.query("up", stack["at"])["data"]["result"]
     assert len(up) == len(stack["engines"]) + 1 and all(s["value"][1] == "1" for s in up), prom.diagnostics()
@@ -408,6 +448,22 @@ def test_keda_and_adapter_queries_return_one_element_per_model(stack) -> None:
             records.append({"kind": kind, "model": model, "expr": expr, "result": result})
             assert len(result) == 1, (kind, expr, result)
             assert not math.isnan(float(result[0]["value"][1]))
+    # The chart's ScaledObject triggers, as it renders them: the queue trigger (one element where the
+    # model has engines; nothing at zero replicas, which KEDA's ignoreNullValues, true by default,
+    # counts as 0) and the activation trigger that wakes a model from zero replicas (always one element,
+    # above 0 for COLD_MODEL: requests for it arrived and waited in the router's queue).
+    for model in (MODEL, COLD_MODEL):
+        for name, expr in chart_keda_queries(model, NAMESPACE).items():
+            answer = prom.query(expr, at)
+            assert answer["status"] == "success", answer
+            result = answer["data"]["result"]
+            records.append({"kind": f"chart {name}", "model": model, "expr": expr, "result": result})
+            if name == "router-requests":
+                assert len(result) == 1, (name, model, expr, result)
+                value = float(result[0]["value"][1])
+                assert value > 0 if model == COLD_MODEL else not math.isnan(value), (name, model, result)
+            else:
+                assert len(result) == (1 if model == MODEL else 0), (name, model, expr, result)
     _save("autoscaling", records)
 
 

@@ -20,6 +20,7 @@ from .promql import (
     Query,
     adapter_query,
     alert_base,
+    chart_keda_queries,
     committed_dashboards,
     keda_query,
     label_values_as_promql,
@@ -40,6 +41,7 @@ ALERTS = {
     "VllmStackTTFTHigh",
     "VllmStackKVCacheSaturated",
     "VllmStackHighErrorRate",
+    "VllmStackRouterQueueTimeouts",
 }
 
 
@@ -104,8 +106,9 @@ def test_promtool_unit_tests() -> None:
 
 @pytest.mark.prometheus
 def test_every_shipped_expression_parses(tmp_path) -> None:
-    """Dashboard panels and variables (variables substituted), rules, alert base queries, KEDA and
-    adapter queries, parsed by promtool without a server (the live test executes them all)."""
+    """Dashboard panels and variables (variables substituted), rules, alert base queries, KEDA (the
+    example's and the chart's triggers) and adapter queries, parsed by promtool without a server (the
+    live test executes them all)."""
     values = {"namespace": "ns", "model": ".*", "engine": ".*", "__rate_interval": "1m", "datasource": "x"}
     queries: list[Query] = []
     for name, dashboard in committed_dashboards().items():
@@ -118,5 +121,6 @@ def test_every_shipped_expression_parses(tmp_path) -> None:
         Query("keda", "keda", keda_query("m", "ns")),
         Query("adapter", "adapter", adapter_query("m", "ns")),
     ]
+    queries += [Query("keda", f"chart {name}", q) for name, q in chart_keda_queries("m", "ns").items()]
     result = promtool_check_expressions(queries, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
