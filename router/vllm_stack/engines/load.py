@@ -128,13 +128,36 @@ class SaturationLimits:
 def saturated(engine: Engine, limits: SaturationLimits, now: float | None = None) -> bool:
     """The saturation rule (module docstring): estimated queue >= ``max_waiting`` or KV usage >=
     ``max_kv_cache_usage``; never for an engine whose figures are unknown."""
-    t = fresh_telemetry(engine, now)
-    if t is None:
-        return False
-    if _estimate(t, engine) >= limits.max_waiting:
-        return True
-    kv = t.kv_cache_usage
-    return kv is not None and kv >= limits.max_kv_cache_usage
+    return not unsaturated((engine,), limits, now)
+
+
+def unsaturated(
+    engines: Sequence[Engine], limits: SaturationLimits, now: float | None = None
+) -> Sequence[Engine]:
+    """The engines the rule does not call saturated (``engines`` itself when that is all of them).
+
+    The rule itself, written out in one loop: this runs for every standard request."""
+    if now is None:
+        now = time.monotonic()
+    max_waiting = limits.max_waiting
+    max_kv = limits.max_kv_cache_usage
+    kept: list[Engine] | None = None
+    for i, e in enumerate(engines):
+        t = e.telemetry
+        full = False
+        if t is not None and now - t.scraped_at <= e.stale_after:  # the stale rule: unknown is not full
+            waiting = t.waiting
+            if waiting > 0.0 and waiting + e.in_flight - t.in_flight >= max_waiting:
+                full = True
+            else:
+                kv = t.kv_cache_usage
+                full = kv is not None and kv >= max_kv
+        if full:
+            if kept is None:
+                kept = list(engines[:i])
+        elif kept is not None:
+            kept.append(e)
+    return engines if kept is None else kept
 
 
 class CompletionStats:

@@ -253,7 +253,7 @@ class ProfileHandler(Protocol):
 class Scheduler:
     """Runs the handler's profile(s) over the registry's candidates (each profile records its decision)."""
 
-    __slots__ = ("profiles", "handler", "schedule", "_choose")
+    __slots__ = ("profiles", "handler", "schedule", "_critical", "_default")
 
     def __init__(self, profiles: Mapping[str, Profile], handler: ProfileHandler) -> None:
         if not profiles:
@@ -263,12 +263,12 @@ class Scheduler:
         # The common case, one profile and the single-profile handler: scheduling is running that
         # profile, so ``schedule`` is its bound ``run`` (no call of the handler's, none of ours).
         only = next(iter(self.profiles.values())) if len(self.profiles) == 1 else None
-        choose = getattr(handler, "choose", None)
+        by_priority = getattr(handler, "by_priority", None)
         if only is not None and getattr(handler, "single", False):
             self.schedule = only.run
-        elif choose is not None:  # a handler that picks exactly one profile per request
-            self._choose = choose
-            self.schedule = self._schedule_one
+        elif by_priority is not None:  # (critical profile, every other request's): one runs, chosen here
+            self._critical, self._default = by_priority()
+            self.schedule = self._schedule_by_priority
         else:
             self.schedule = self._schedule
 
@@ -277,8 +277,8 @@ class Scheduler:
         """The first (for built-in strategies: the only) profile."""
         return next(iter(self.profiles.values()))
 
-    def _schedule_one(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
-        return self._choose(ctx).run(ctx, candidates)
+    def _schedule_by_priority(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
+        return (self._critical if ctx.priority > 0 else self._default).run(ctx, candidates)
 
     def _schedule(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
         chosen = self.handler.pick_profiles(ctx, self.profiles)

@@ -37,9 +37,10 @@ class CriticalityProfileHandler:
         self._critical = (profiles[self.critical_name],)
         self._default = (profiles[self.default_name] if self.default_name else next(iter(profiles.values())),)
 
-    def choose(self, ctx: RequestContext) -> Profile:
-        """The one profile of ``ctx`` (the scheduler runs it directly: no per-request result mapping)."""
-        return self._critical[0] if ctx.priority > 0 else self._default[0]
+    def by_priority(self) -> tuple[Profile, Profile]:
+        """(the critical requests' profile, every other request's): the scheduler chooses between
+        them itself, one comparison per request, with no call of the handler's."""
+        return self._critical[0], self._default[0]
 
     def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]:
         return self._critical if ctx.priority > 0 else self._default

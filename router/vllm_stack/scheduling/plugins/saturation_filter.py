@@ -11,11 +11,10 @@ engine has room, and answers a sheddable one 429 with ``Retry-After`` (shed rath
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.engines.load import SaturationLimits, saturated
+from vllm_stack.engines.load import SaturationLimits, unsaturated
 from vllm_stack.scheduling.framework import Reason, RequestContext
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
@@ -38,7 +37,4 @@ class SaturationFilter:
         return cls(name, limits)
 
     def filter(self, ctx: RequestContext, engines: Sequence[Engine]) -> Sequence[Engine]:
-        now = time.monotonic()
-        limits = self.limits
-        kept = [e for e in engines if not saturated(e, limits, now)]
-        return engines if len(kept) == len(engines) else kept
+        return unsaturated(engines, self.limits)

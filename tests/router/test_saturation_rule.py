@@ -1,0 +1,59 @@
+"""The one saturation rule (vllm_stack.engines.load): thresholds, the queue estimate between scrapes,
+and stale figures, on the router's own Engine objects (no HTTP: the figures are set as a scrape would)."""
+
+from __future__ import annotations
+
+import time
+
+from vllm_stack.engines.circuit import CircuitBreaker
+from vllm_stack.engines.engine import Engine, EngineTelemetry
+from vllm_stack.engines.load import SaturationLimits, queue_estimate, saturated, unsaturated
+
+LIMITS = SaturationLimits()  # 5 waiting, KV 0.8
+
+
+def engine(
+    name: str, waiting: float, kv: float | None, in_flight_at_scrape: int = 0, age: float = 0.0
+) -> Engine:
+    e = Engine(name, f"http://{name}", CircuitBreaker(), stale_after=3.0)
+    e.in_flight = in_flight_at_scrape
+    e.telemetry = EngineTelemetry(
+        running=4, waiting=waiting, kv_cache_usage=kv, prefix_cache_queries=None, prefix_cache_hits=None,
+        scraped_at=time.monotonic() - age, in_flight=in_flight_at_scrape,
+    )  # fmt: skip
+    return e
+
+
+def test_the_thresholds() -> None:
+    assert not saturated(engine("a", 4, 0.79), LIMITS)
+    assert saturated(engine("a", 5, 0.1), LIMITS)
+    assert saturated(engine("a", 0, 0.8), LIMITS)
+    assert not saturated(engine("a", 0, None), LIMITS)  # no KV figure: the queue alone decides
+    assert saturated(engine("a", 2, 0.1), SaturationLimits(max_waiting=2))
+
+
+def test_the_queue_estimate_moves_with_the_routers_own_requests_while_the_engine_queues() -> None:
+    e = engine("a", 5, 0.1, in_flight_at_scrape=3)
+    assert saturated(e, LIMITS)
+    e.in_flight = 2  # one of the router's requests there ended since the scrape: one waiting one runs
+    assert queue_estimate(e) == 4 and not saturated(e, LIMITS)
+    e.in_flight = 3  # and the router sent one more
+    assert saturated(e, LIMITS)
+    idle = engine("b", 0, 0.1, in_flight_at_scrape=0)
+    idle.in_flight = 40  # a burst on an engine that was not queuing is not held back by a guess
+    assert queue_estimate(idle) == 0 and not saturated(idle, LIMITS)
+
+
+def test_stale_figures_are_not_saturated_so_an_outage_holds_nothing_back() -> None:
+    stale = engine("a", 50, 0.99, age=10.0)
+    assert not saturated(stale, LIMITS) and queue_estimate(stale) is None
+    never = Engine("n", "http://n", CircuitBreaker())
+    assert not saturated(never, LIMITS)
+
+
+def test_unsaturated_keeps_order_and_returns_the_same_sequence_when_none_is_full() -> None:
+    a, b, c = engine("a", 0, 0.1), engine("b", 9, 0.1), engine("c", 1, 0.2)
+    engines = (a, b, c)
+    assert list(unsaturated(engines, LIMITS)) == [a, c]
+    assert unsaturated((a, c), LIMITS) == (a, c)
+    assert list(unsaturated((b,), LIMITS)) == []
