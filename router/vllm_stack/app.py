@@ -125,7 +125,11 @@ class Router:
             self.plugin_state,
             self.metrics,
             self.adapters,
-            SaturationLimits(config.saturation_max_waiting, config.saturation_max_kv_cache_usage),
+            SaturationLimits(
+                config.saturation_max_waiting,
+                config.saturation_max_kv_cache_usage,
+                config.critical_reserve_slots,
+            ),
         )
 
     @staticmethod

@@ -82,6 +82,7 @@ class RouterConfig:
     saturation_max_waiting: float = 5.0
     saturation_max_kv_cache_usage: float = 0.8
     critical_max_waiting: float = 50.0  # critical requests keep engines whose queue is below this
+    critical_reserve_slots: int = 0  # running slots per engine kept free of non-critical work (0: none)
     # The router's per-model queue: requests wait there while every engine is saturated (or none is
     # ready yet); 0 turns it off (such requests are answered at once)
     queue_max_per_model: int = 1000
@@ -139,8 +140,14 @@ class RouterConfig:
             served_models(self.models)
         except ValueError as exc:
             raise ConfigError(f"models: {exc}") from None
-        if self.saturation_max_waiting < 0 or self.critical_max_waiting < 0:
-            raise ConfigError("saturation_max_waiting and critical_max_waiting must be >= 0")
+        if (
+            self.saturation_max_waiting < 0
+            or self.critical_max_waiting < 0
+            or self.critical_reserve_slots < 0
+        ):
+            raise ConfigError(
+                "saturation_max_waiting, critical_max_waiting and critical_reserve_slots must be >= 0"
+            )
         if not 0 < self.saturation_max_kv_cache_usage <= 1:
             raise ConfigError("saturation_max_kv_cache_usage must be in (0, 1]")
         if self.queue_max_per_model < 0 or self.queue_timeout <= 0:

@@ -296,3 +296,31 @@ def test_bad_priority_settings_are_refused_at_load() -> None:
             load_config({**base, **bad}, environ={})
     config = load_config({**base, "models": "a,b"}, environ={})
     assert config.models == ("a", "b")
+
+
+async def test_critical_headroom_learns_the_engines_slots_and_keeps_one_for_critical_requests() -> None:
+    a = StubEngine("a", [BASE])
+    a.running, a.waiting = 3, 2  # it runs 3 at once: others wait
+    async with (
+        stubs(a) as urls,
+        running_router(urls, critical_reserve_slots=1, queue_timeout=0.5) as (url, router),
+    ):
+        engine = router.registry.engines()[0]
+        await wait_for(lambda: engine.running_slots == 3, what="slots learned from a scrape")
+        a.running, a.waiting = 2, 0  # two there now: 3 slots less the reserve of 1 are taken
+        await figures(router, urls, [a])
+        assert (await router_describe(url))["running_slots"] == 3
+        async with http(url) as h:
+            r = await h.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            r = await h.post("/v1/chat/completions", json=CHAT, headers={PRIO: "sheddable"})
+            assert r.status_code == 429
+        a.running = 1
+        await figures(router, urls, [a])
+        async with http(url) as h:
+            assert (await h.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def router_describe(url: str) -> dict[str, object]:
+    async with http(url) as h:
+        return (await h.get("/engines")).json()["engines"][0]

@@ -57,3 +57,15 @@ def test_unsaturated_keeps_order_and_returns_the_same_sequence_when_none_is_full
     assert list(unsaturated(engines, LIMITS)) == [a, c]
     assert unsaturated((a, c), LIMITS) == (a, c)
     assert list(unsaturated((b,), LIMITS)) == []
+
+
+def test_critical_headroom_keeps_slots_free_once_the_engines_slot_count_is_known() -> None:
+    reserve = SaturationLimits(reserve_slots=1)
+    e = engine("a", 0, 0.1)  # running 4, nothing waiting
+    assert not saturated(e, reserve)  # slot count unknown: the plain rule
+    e.running_slots = 6
+    assert not saturated(e, reserve)  # 4 there, 5 allowed (6 slots less 1)
+    e.in_flight = 1  # the router sent one more since the scrape: 5 there
+    assert saturated(e, reserve)
+    e.in_flight = 0
+    assert not saturated(e, LIMITS)  # no reserve: no headroom rule

@@ -67,6 +67,7 @@ class Engine:
         "kv_events_endpoint",
         "kv_replay_endpoint",
         "max_loras",
+        "running_slots",
         "models_changed",
     )
 
@@ -106,6 +107,9 @@ class Engine:
         self.kv_replay_endpoint: str | None = None
         # LoRA adapter slots (--max-loras), from its last scrape that had vllm:lora_requests_info.
         self.max_loras: int | None = None
+        # Requests it runs at once (its --max-num-seqs, or what its KV cache allows): the most it ran at a
+        # scrape where others waited. None until it was seen queuing.
+        self.running_slots: int | None = None
         # Bumped when the router itself loads or unloads an adapter there: a /v1/models answer to a
         # probe sent before that is older than what the router knows, and is not learned.
         self.models_changed = 0
@@ -142,6 +146,7 @@ class Engine:
                 "kv_cache_usage_perc": t.kv_cache_usage,
                 "age_seconds": round(load.age(t), 3),
             },
+            "running_slots": self.running_slots,
             "completions": self.completions.describe(),
             "kv_cache": {"block_size": self.kv_block_size, "blocks": self.kv_blocks},
             "lora": {

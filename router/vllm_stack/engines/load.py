@@ -23,6 +23,13 @@ not queuing at the scrape stays at 0 until the next one (the router does not kno
 runs at once: a burst on an idle engine is not held back by a guess). An engine whose figures are stale or missing is **not** saturated: unknown
 is not full, and a metrics outage must not hold all traffic in the router's queue until it times
 out (the circuit breaker and the health checks deal with engines that really fail).
+
+Critical headroom (``critical_reserve_slots``, off by default): a critical request reaches an engine at
+once and, where the engine schedules by priority, goes to the head of its queue, but it still waits for a
+running slot to free (vLLM preempts for priority only when KV blocks run out). With a reserve of ``r``,
+an engine whose slot count is known (the most it ran at a scrape where others waited) is also
+saturated once what is there reaches its slots less ``r``, so standard and sheddable work leaves ``r``
+slots to critical requests.
 """
 
 from __future__ import annotations
@@ -123,6 +130,9 @@ class SaturationLimits:
 
     max_waiting: float = 5.0
     max_kv_cache_usage: float = 0.8
+    # Running slots kept free of the requests this rule admits (for critical ones, which do not use it);
+    # 0: none. Applies to an engine once its slot count is known (Engine.running_slots).
+    reserve_slots: int = 0
 
 
 def saturated(engine: Engine, limits: SaturationLimits, now: float | None = None) -> bool:
@@ -141,6 +151,7 @@ def unsaturated(
         now = time.monotonic()
     max_waiting = limits.max_waiting
     max_kv = limits.max_kv_cache_usage
+    reserve = limits.reserve_slots
     kept: list[Engine] | None = None
     for i, e in enumerate(engines):
         t = e.telemetry
@@ -149,7 +160,11 @@ def unsaturated(
             waiting = t.waiting
             if waiting > 0.0 and waiting + e.in_flight - t.in_flight >= max_waiting:
                 full = True
-            else:
+            elif reserve and e.running_slots is not None:
+                # the headroom: what is there now (running, waiting, and what the router sent or saw
+                # finish since the scrape) may not reach the slots less the reserve
+                full = t.running + waiting + e.in_flight - t.in_flight >= e.running_slots - reserve
+            if not full:
                 kv = t.kv_cache_usage
                 full = kv is not None and kv >= max_kv
         if full:

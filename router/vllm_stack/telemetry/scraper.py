@@ -157,6 +157,8 @@ class EngineScraper:
             engine.kv_blocks = telemetry.num_blocks
         if telemetry.max_loras is not None:
             engine.max_loras = telemetry.max_loras
+        if telemetry.waiting > 0 and telemetry.running > (engine.running_slots or 0):
+            engine.running_slots = int(telemetry.running)
         for fn in self.on_scraped:
             fn(engine)
 
