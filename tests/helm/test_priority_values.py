@@ -202,6 +202,7 @@ def test_priority_settings_reach_the_router(tmp_path) -> None:
                 "header": "x-tenant-priority",
                 "saturation": {"maxWaiting": 8, "maxKvCacheUsage": 0.9},
                 "criticalMaxWaiting": 64,
+                "criticalReserveSlots": 1,
                 "queue": {"maxPerModel": 200, "timeoutSeconds": 30},
             },
             "config": {"queue_timeout": 45},  # routerSpec.config's own setting is kept
@@ -215,6 +216,7 @@ def test_priority_settings_reach_the_router(tmp_path) -> None:
         "saturation_max_waiting": 8,
         "saturation_max_kv_cache_usage": 0.9,
         "critical_max_waiting": 64,
+        "critical_reserve_slots": 1,
         "queue_max_per_model": 200,
         "queue_timeout": 45,
     }
