@@ -115,6 +115,21 @@ class OrjsonParser:
         )
 
 
+_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ENCODER = msgspec.json.Encoder()
+
+
+def with_top_level(body: bytes, key: str, value: object) -> bytes:
+    """``body`` with its top-level ``key`` set to ``value``; every other value re-emitted as the client
+    sent it, unparsed (a weighted name's target, the engine's ``priority``)."""
+    try:
+        doc = _TOP_LEVEL.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    doc[key] = msgspec.Raw(_ENCODER.encode(value))
+    return _ENCODER.encode(doc)
+
+
 def make_parser(name: str, prefix_bytes: int = 256) -> BodyParser:
     return OrjsonParser(prefix_bytes) if name == "orjson" else MsgspecParser(prefix_bytes)
 

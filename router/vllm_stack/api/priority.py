@@ -17,16 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-import msgspec
-
 from vllm_stack.api.auth import ApiKeyAuth
+from vllm_stack.api.parsing import with_top_level
 from vllm_stack.config import RouterConfig
 from vllm_stack.engines.adapters import AdapterSpec
 from vllm_stack.errors import RouterError
 from vllm_stack.priority import MAX_PRIORITY, ServedModel, parse_priority, served_models
-
-_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_ENCODER = msgspec.json.Encoder()
 
 
 class PriorityPolicy:
@@ -96,9 +92,4 @@ class PriorityPolicy:
             return body
         if priority == 0 and body_priority is None:
             return body
-        try:
-            doc = _TOP_LEVEL.decode(body)
-        except msgspec.DecodeError as exc:
-            raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-        doc["priority"] = msgspec.Raw(_ENCODER.encode(-priority))
-        return _ENCODER.encode(doc)
+        return with_top_level(body, "priority", -priority)

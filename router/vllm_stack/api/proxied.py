@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import time
 
-import msgspec
-
-from vllm_stack.api.parsing import multipart_field
+from vllm_stack.api.parsing import multipart_field, with_top_level
 from vllm_stack.api.state import RouterState
 from vllm_stack.director.request import ProxiedRequest
 from vllm_stack.engines.adapters import AdapterCatalog, AdapterSpec
@@ -108,17 +106,7 @@ def _retarget(
             f"'{model}' is a weighted model name; this endpoint needs a model by its own name.",
             param="model",
         )
-    try:
-        # the top level only: every other value is re-emitted as the client sent it, unparsed
-        doc = _TOP_LEVEL.decode(body)
-    except msgspec.DecodeError as exc:
-        raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-    doc["model"] = msgspec.Raw(_ENCODER.encode(target))
-    return target, _ENCODER.encode(doc)
-
-
-_TOP_LEVEL = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_ENCODER = msgspec.json.Encoder()
+    return target, with_top_level(body, "model", target)
 
 
 def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:
