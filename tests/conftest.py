@@ -1,20 +1,32 @@
 """Shared fixtures: locally built models and real vLLM engines (CPU build), started once per session.
 
-Engines are expensive (about a minute to start on two cores), so the first test that needs any engine
-launches all of the session's engines at once (two chat engines and one embedding engine) and each
-fixture then waits only for the ones it returns. Every engine is stopped at the end of the session; a
-failed test that used engines gets their log tails attached to its report.
+Engines are expensive (about a minute each on one free core), so they start in two waves when the first
+test needs any: the two chat engines, which most tests use, then, once those answer (or as soon as a
+test asks for one of them), the embedding, spare and priority engines. Starting all five at once on two
+cores made every one of them slow: on a loaded CI machine a chat engine was still starting after 420 s.
+Each fixture waits only for the engines it returns. Every engine is stopped at the end of the session;
+a failed test that used engines gets their log tails attached to its report.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from vllm_stack_dev.paths import cache_dir, engine_python
-from vllm_stack_dev.testbed.engines import Engine, EngineGroup, EngineSpec, default_cpus, launch, wait_ready
+from vllm_stack_dev.testbed.engines import (
+    Engine,
+    EngineGroup,
+    EngineSpec,
+    EngineStartError,
+    default_cpus,
+    launch,
+    wait_ready,
+)
 from vllm_stack_dev.testbed.models import build_lora, build_model
 
 CHAT_MODEL = "tiny-llama"
@@ -33,7 +45,7 @@ def lora_adapter_dir(tiny_model_dir: Path) -> Path:
 
 
 class SessionEngines:
-    """Launches the session's engines together on first use; hands each fixture its own."""
+    """Launches the session's engines in two waves on first use; hands each fixture its own."""
 
     def __init__(self, model_dir: Path, log_dir: Path) -> None:
         self.model_dir = model_dir
@@ -44,6 +56,11 @@ class SessionEngines:
         self.priority: Engine | None = None  # two sequences at once, scheduled by priority
         self._spare_spec: EngineSpec | None = None
         self.used: list[Engine] = []
+        self._cpus = default_cpus(2)  # one core each, round-robin over the cores this process may use
+        self._hurry = threading.Event()  # a test wants a second-wave engine now
+        self._closing = threading.Event()
+        self._second_wave_started = threading.Event()
+        self._second_wave: threading.Thread | None = None
 
     def _launch_all(self) -> None:
         if self.chat is not None:
@@ -52,20 +69,34 @@ class SessionEngines:
             pytest.fail(f"engine environment missing ({engine_python()}); run `make install` first")
         # KV events with replay, and the dev endpoints (POST /reset_prefix_cache) for the prefix tests.
         chat = EngineSpec(self.model_dir, CHAT_MODEL, kv_replay=True, env={"VLLM_SERVER_DEV_MODE": "1"})
-        embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
-        cpus = default_cpus(4)  # one core each, round-robin over the cores this process may use
         self.chat = EngineGroup(
-            launch(chat, name=f"chat-{i}", cpu=cpus[i], log_dir=self.log_dir) for i in range(2)
+            launch(chat, name=f"chat-{i}", cpu=self._cpus[i], log_dir=self.log_dir) for i in range(2)
         )
-        self.embed = EngineGroup([launch(embed, name="embed-0", cpu=cpus[2], log_dir=self.log_dir)])
-        # Started with the others so its start-up overlaps theirs; it also parses tool calls.
+        self._second_wave = threading.Thread(target=self._launch_second_wave, name="second-wave", daemon=True)
+        self._second_wave.start()
+
+    def _launch_second_wave(self) -> None:
+        """Wait for the chat engines (or a test that wants the rest now), start the rest, then stay until
+        the session closes: an engine dies with the thread that started it (PR_SET_PDEATHSIG)."""
+        assert self.chat is not None
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not (self._hurry.is_set() or self._closing.is_set() or time.monotonic() > deadline):
+            if all(engine.is_ready() or not engine.is_running() for engine in self.chat):
+                break
+            self._hurry.wait(1.0)
+        if self._closing.is_set():
+            self._second_wave_started.set()
+            return
+        embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
+        self.embed = EngineGroup([launch(embed, name="embed-0", cpu=self._cpus[0], log_dir=self.log_dir)])
+        # It also parses tool calls.
         self._spare_spec = EngineSpec(
             self.model_dir,
             CHAT_MODEL,
             kv_events=False,
             extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         )
-        self.spare = launch(self._spare_spec, name="spare", cpu=cpus[1], log_dir=self.log_dir)
+        self.spare = launch(self._spare_spec, name="spare", cpu=self._cpus[1], log_dir=self.log_dir)
         # Saturates at once (two sequences run, the rest wait) and orders its queue by vLLM priority.
         priority = EngineSpec(
             self.model_dir,
@@ -75,7 +106,18 @@ class SessionEngines:
             max_model_len=512,
             extra_args=["--max-num-seqs", "2", "--scheduling-policy", "priority"],
         )
-        self.priority = launch(priority, name="priority", cpu=cpus[3], log_dir=self.log_dir)
+        self.priority = launch(priority, name="priority", cpu=self._cpus[0], log_dir=self.log_dir)
+        self._second_wave_started.set()
+        self._closing.wait()
+
+    def _second_wave_engine(self, pick: Callable[[], Engine | None]) -> Engine:
+        self._launch_all()
+        self._hurry.set()
+        self._second_wave_started.wait()
+        engine = pick()
+        if engine is None:
+            raise EngineStartError("the second wave of session engines was not started (session closing)")
+        return engine
 
     def chat_engines(self) -> EngineGroup:
         self._launch_all()
@@ -85,28 +127,25 @@ class SessionEngines:
         return self.chat
 
     def embedding_engine(self) -> Engine:
-        self._launch_all()
-        assert self.embed is not None
-        self.used.extend(self.embed)
-        wait_ready(self.embed.engines, READY_TIMEOUT)
-        return self.embed[0]
+        engine = self._second_wave_engine(lambda: self.embed[0] if self.embed is not None else None)
+        self.used.append(engine)
+        wait_ready([engine], READY_TIMEOUT)
+        return engine
 
     def priority_engine(self) -> Engine:
         """The engine with ``--max-num-seqs 2 --scheduling-policy priority``, ready."""
-        self._launch_all()
-        assert self.priority is not None
-        self.used.append(self.priority)
-        wait_ready([self.priority], READY_TIMEOUT)
-        return self.priority
+        engine = self._second_wave_engine(lambda: self.priority)
+        self.used.append(engine)
+        wait_ready([engine], READY_TIMEOUT)
+        return engine
 
     def spare_engine(self) -> Engine:
         """The spare engine, ready (unless a test killed it; see :meth:`restart_spare`)."""
-        self._launch_all()
-        assert self.spare is not None
-        self.used.append(self.spare)
-        if self.spare.is_running():
-            wait_ready([self.spare], READY_TIMEOUT)
-        return self.spare
+        engine = self._second_wave_engine(lambda: self.spare)
+        self.used.append(engine)
+        if engine.is_running():
+            wait_ready([engine], READY_TIMEOUT)
+        return engine
 
     def restart_spare(self) -> Engine:
         """Start the spare again at its port (its process must be gone); does not wait for it."""
@@ -125,6 +164,10 @@ class SessionEngines:
         for engine in (self.spare, self.priority):
             if engine is not None:
                 engine.stop()
+        # Only now may the second wave's thread end (its engines would die with it).
+        self._closing.set()
+        if self._second_wave is not None:
+            self._second_wave.join()
 
 
 @pytest.fixture(scope="session")

@@ -135,6 +135,10 @@ class Engine:
     def is_running(self) -> bool:
         return self.process.poll() is None
 
+    def is_ready(self) -> bool:
+        """Whether it answers ``/health`` now (it needs no API key)."""
+        return _probe(f"{self.url}/health")
+
     def metrics(self, timeout: float = 5.0) -> str:
         """The engine's Prometheus exposition text."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout) as response:
@@ -344,7 +348,7 @@ def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT
                     f"engine {engine.name} exited with code {engine.process.returncode} while starting; "
                     f"log {engine.log_path}:\n{engine.log_tail()}"
                 )
-            if _probe(f"{engine.url}/health"):
+            if engine.is_ready():
                 pending.remove(engine)
         if pending and time.monotonic() > deadline:
             engine = pending[0]
