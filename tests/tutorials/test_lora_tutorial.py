@@ -11,82 +11,34 @@ loaded are unloaded again.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from vllm_stack_dev.localstack import wait_http_ok
 from vllm_stack_dev.testbed.engines import free_port
 
-from tests.tutorials.markdown import Step, steps
+from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
 
 pytestmark = pytest.mark.engine
 
-ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = ROOT / "tutorials" / "03-lora-adapters.md"
-
-
-def substituted(step: Step, port: int, workdir: Path) -> str:
-    return step.code.replace("8090", str(port)).replace("/tmp/vllm-stack-lora", str(workdir))
-
-
-def run(step: Step, code: str, env: dict[str, str]) -> str:
-    command = (
-        ["bash", "-euo", "pipefail", "-c", code]
-        if step.language == "bash"
-        else [str(ROOT / ".venv/bin/python"), "-c", code]
-    )
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (
-        f"step {step.name} failed ({proc.returncode}):\n{code}\n{proc.stdout}\n{proc.stderr}"
-    )
-    return proc.stdout
 
 
 def test_lora_tutorial_runs_as_written(engines, tiny_model_dir, tmp_path) -> None:
     assert tiny_model_dir == ROOT / ".cache" / "models" / "tiny"  # the path the tutorial uses
     port = free_port()
     workdir = tmp_path / "lora"
-    env = {
-        **os.environ,
-        "PATH": f"{ROOT / '.tools' / 'helm4'}:{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
-        "ENGINES": ",".join(engines.urls),
-    }
-    found = steps(TUTORIAL)
-    assert [s.name for s in found][:4] == ["render", "adapters", "config", "router"]
-    outputs: dict[str, list[str]] = {}
-    router: subprocess.Popen[bytes] | None = None
+    tutorial = TutorialRun(
+        TUTORIAL,
+        replacements={"8090": str(port), "/tmp/vllm-stack-lora": str(workdir)},
+        env=tutorial_env(ENGINES=",".join(engines.urls)),
+        port=port,
+        log_dir=tmp_path,
+    )
+    assert tutorial.names[:4] == ["render", "adapters", "config", "router"]
     try:
-        for step in found:
-            code = substituted(step, port, workdir)
-            if step.name == "router":  # it keeps running: start it, wait until it is ready
-                log = (tmp_path / "router.log").open("wb")
-                router = subprocess.Popen(  # its own process group: stopped as a whole below
-                    ["bash", "-c", code],
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-                try:
-                    wait_http_ok(f"http://127.0.0.1:{port}/ready", 60, router)
-                except RuntimeError as exc:
-                    raise AssertionError(f"{exc}:\n{(tmp_path / 'router.log').read_text()[-2000:]}") from None
-                _wait_hot_loaded(f"http://127.0.0.1:{port}", len(engines))
-                continue
-            outputs.setdefault(step.name, []).append(run(step, code, env))
+        outputs = tutorial.run_all(after_server_start=lambda url: _wait_hot_loaded(url, len(engines)))
     finally:
-        if router is not None:
-            os.killpg(router.pid, signal.SIGTERM)
-            try:
-                router.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(router.pid, signal.SIGKILL)
-                router.wait(5)
         for engine in engines:
             for name in ("support", "sql", "legal"):
                 httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=10)
