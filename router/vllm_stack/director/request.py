@@ -205,7 +205,9 @@ class ProxiedRequest:
             self._wait_or_fail(Reason.ALL_SATURATED)
             return
         ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
-        result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        scheduler = director.scheduler
+        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
+        result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
         engine = result.engine
         if engine is None:
             self._wait_or_fail(result.reason)
@@ -239,7 +241,9 @@ class ProxiedRequest:
         director = self.director
         ctx = self.ctx
         ctx.prefill_tokens = 0
-        result = director.scheduler.schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        scheduler = director.scheduler
+        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
+        result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
         if result.engine is not None:
             self.queue_seq = 0
             self._start(result.engine)

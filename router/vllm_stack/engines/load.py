@@ -38,6 +38,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -144,11 +145,24 @@ def saturated(engine: Engine, limits: SaturationLimits, now: float | None = None
 def unsaturated(
     engines: Sequence[Engine], limits: SaturationLimits, now: float | None = None
 ) -> Sequence[Engine]:
-    """The engines the rule does not call saturated (``engines`` itself when that is all of them).
+    """The engines the rule does not call saturated (``engines`` itself when that is all of them)."""
+    return _unsaturated(limits, None, engines, now)
 
-    The rule itself, written out in one loop: this runs for every standard request."""
-    if now is None:
-        now = time.monotonic()
+
+def saturation_rule(limits: SaturationLimits) -> Callable[[object, Sequence[Engine]], Sequence[Engine]]:
+    """The rule as a scheduling filter's ``filter(ctx, engines)``: a partial of the rule itself, so
+    filtering makes no Python call besides the rule's."""
+    return partial(_unsaturated, limits)
+
+
+def _unsaturated(
+    limits: SaturationLimits, _ctx: object, engines: Sequence[Engine], now: float | None = None
+) -> Sequence[Engine]:
+    """The rule itself, written out in one loop: this runs for every standard request.
+
+    Figures that show no queue, KV usage below the limit and no headroom to keep say "not saturated"
+    whether fresh or stale, so the clock is read only for an engine whose figures could say
+    "saturated" (the stale rule then decides)."""
     max_waiting = limits.max_waiting
     max_kv = limits.max_kv_cache_usage
     reserve = limits.reserve_slots
@@ -156,17 +170,24 @@ def unsaturated(
     for i, e in enumerate(engines):
         t = e.telemetry
         full = False
-        if t is not None and now - t.scraped_at <= e.stale_after:  # the stale rule: unknown is not full
-            waiting = t.waiting
-            if waiting > 0.0 and waiting + e.in_flight - t.in_flight >= max_waiting:
-                full = True
-            elif reserve and e.running_slots is not None:
-                # the headroom: what is there now (running, waiting, and what the router sent or saw
-                # finish since the scrape) may not reach the slots less the reserve
-                full = t.running + waiting + e.in_flight - t.in_flight >= e.running_slots - reserve
-            if not full:
-                kv = t.kv_cache_usage
-                full = kv is not None and kv >= max_kv
+        if t is not None and (
+            t.waiting > 0.0
+            or (t.kv_cache_usage is not None and t.kv_cache_usage >= max_kv)
+            or (reserve and e.running_slots is not None)
+        ):
+            if now is None:
+                now = time.monotonic()
+            if now - t.scraped_at <= e.stale_after:  # the stale rule: unknown is not full
+                waiting = t.waiting
+                if waiting > 0.0 and waiting + e.in_flight - t.in_flight >= max_waiting:
+                    full = True
+                elif reserve and e.running_slots is not None:
+                    # the headroom: what is there now (running, waiting, and what the router sent or saw
+                    # finish since the scrape) may not reach the slots less the reserve
+                    full = t.running + waiting + e.in_flight - t.in_flight >= e.running_slots - reserve
+                if not full:
+                    kv = t.kv_cache_usage
+                    full = kv is not None and kv >= max_kv
         if full:
             if kept is None:
                 kept = list(engines[:i])

@@ -251,9 +251,13 @@ class ProfileHandler(Protocol):
 
 
 class Scheduler:
-    """Runs the handler's profile(s) over the registry's candidates (each profile records its decision)."""
+    """Runs the handler's profile(s) over the registry's candidates (each profile records its decision).
 
-    __slots__ = ("profiles", "handler", "schedule", "_critical", "_default")
+    ``schedule(ctx, candidates)`` is scheduling; ``critical`` and ``standard`` are the same for requests
+    of priority > 0 and of the rest, each already resolved to what runs (for the criticality handler:
+    the profile's own ``run``), so the director's hot path makes no call of the scheduler's own."""
+
+    __slots__ = ("profiles", "handler", "schedule", "critical", "standard", "_critical", "_default")
 
     def __init__(self, profiles: Mapping[str, Profile], handler: ProfileHandler) -> None:
         if not profiles:
@@ -265,12 +269,13 @@ class Scheduler:
         only = next(iter(self.profiles.values())) if len(self.profiles) == 1 else None
         by_priority = getattr(handler, "by_priority", None)
         if only is not None and getattr(handler, "single", False):
-            self.schedule = only.run
+            self.schedule = self.critical = self.standard = only.run
         elif by_priority is not None:  # (critical profile, every other request's): one runs, chosen here
             self._critical, self._default = by_priority()
             self.schedule = self._schedule_by_priority
+            self.critical, self.standard = self._critical.run, self._default.run
         else:
-            self.schedule = self._schedule
+            self.schedule = self.critical = self.standard = self._schedule
 
     @property
     def profile(self) -> Profile:

@@ -11,10 +11,10 @@ engine has room, and answers a sheddable one 429 with ``Retry-After`` (shed rath
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.engines.load import SaturationLimits, unsaturated
+from vllm_stack.engines.load import SaturationLimits, saturation_rule
 from vllm_stack.scheduling.framework import Reason, RequestContext
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
@@ -26,6 +26,10 @@ class SaturationFilter:
     def __init__(self, name: str = "saturation", limits: SaturationLimits | None = None) -> None:
         self.name = name
         self.limits = limits or SaturationLimits()
+        # filter(ctx, engines) is the rule itself (no call of this class's on the hot path)
+        self.filter: Callable[[RequestContext, Sequence[Engine]], Sequence[Engine]] = saturation_rule(
+            self.limits
+        )
 
     @classmethod
     def create(cls, name: str, parameters: Parameters, context: PluginContext) -> SaturationFilter:
@@ -36,6 +40,3 @@ class SaturationFilter:
             int(parameters.number("reserve_slots", default.reserve_slots, minimum=0)),
         )
         return cls(name, limits)
-
-    def filter(self, ctx: RequestContext, engines: Sequence[Engine]) -> Sequence[Engine]:
-        return unsaturated(engines, self.limits)
