@@ -1,11 +1,12 @@
 """Shared fixtures: locally built models and real vLLM engines (CPU build), started once per session.
 
 Engines are expensive (about a minute each on one free core), so they start in two waves when the first
-test needs any: the two chat engines, which most tests use, then, once those answer (or as soon as a
-test asks for one of them), the embedding, spare and priority engines. Starting all five at once on two
-cores made every one of them slow: on a loaded CI machine a chat engine was still starting after 420 s.
-Each fixture waits only for the engines it returns. Every engine is stopped at the end of the session;
-a failed test that used engines gets their log tails attached to its report.
+test needs any: the two chat engines and the embedding engine, which the first engine tests use, then,
+once those answer (or as soon as a test asks for one of them), the spare and priority engines.
+Starting all five at once on two cores made every one of them slow: on a loaded CI machine a chat
+engine was still starting after 420 s. Each fixture waits only for the engines it returns. Every
+engine is stopped at the end of the session; a failed test that used engines gets their log tails
+attached to its report.
 """
 
 from __future__ import annotations
@@ -69,26 +70,27 @@ class SessionEngines:
             pytest.fail(f"engine environment missing ({engine_python()}); run `make install` first")
         # KV events with replay, and the dev endpoints (POST /reset_prefix_cache) for the prefix tests.
         chat = EngineSpec(self.model_dir, CHAT_MODEL, kv_replay=True, env={"VLLM_SERVER_DEV_MODE": "1"})
+        embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
         self.chat = EngineGroup(
             launch(chat, name=f"chat-{i}", cpu=self._cpus[i], log_dir=self.log_dir) for i in range(2)
         )
+        self.embed = EngineGroup([launch(embed, name="embed-0", cpu=self._cpus[0], log_dir=self.log_dir)])
         self._second_wave = threading.Thread(target=self._launch_second_wave, name="second-wave", daemon=True)
         self._second_wave.start()
 
     def _launch_second_wave(self) -> None:
-        """Wait for the chat engines (or a test that wants the rest now), start the rest, then stay until
+        """Wait for the first wave (or a test that wants the rest now), start the rest, then stay until
         the session closes: an engine dies with the thread that started it (PR_SET_PDEATHSIG)."""
-        assert self.chat is not None
+        assert self.chat is not None and self.embed is not None
+        first = [*self.chat, *self.embed]
         deadline = time.monotonic() + READY_TIMEOUT
         while not (self._hurry.is_set() or self._closing.is_set() or time.monotonic() > deadline):
-            if all(engine.is_ready() or not engine.is_running() for engine in self.chat):
+            if all(engine.is_ready() or not engine.is_running() for engine in first):
                 break
             self._hurry.wait(1.0)
         if self._closing.is_set():
             self._second_wave_started.set()
             return
-        embed = EngineSpec(self.model_dir, EMBED_MODEL, runner="pooling", convert="embed", enable_lora=False)
-        self.embed = EngineGroup([launch(embed, name="embed-0", cpu=self._cpus[0], log_dir=self.log_dir)])
         # It also parses tool calls.
         self._spare_spec = EngineSpec(
             self.model_dir,
@@ -127,10 +129,11 @@ class SessionEngines:
         return self.chat
 
     def embedding_engine(self) -> Engine:
-        engine = self._second_wave_engine(lambda: self.embed[0] if self.embed is not None else None)
-        self.used.append(engine)
-        wait_ready([engine], READY_TIMEOUT)
-        return engine
+        self._launch_all()
+        assert self.embed is not None
+        self.used.extend(self.embed)
+        wait_ready(self.embed.engines, READY_TIMEOUT)
+        return self.embed[0]
 
     def priority_engine(self) -> Engine:
         """The engine with ``--max-num-seqs 2 --scheduling-policy priority``, ready."""
