@@ -19,8 +19,13 @@ least ``max_kv_cache_usage`` (0.8). The queue estimate (:func:`queue_estimate`) 
 ``num_requests_waiting`` moved by the router's own in-flight count since that scrape, while the engine
 was queuing: there a request sent adds one and a finished one takes one away, so a request held in
 the router's queue is dispatched the moment one ends there, not a scrape later. An engine that was
-not queuing at the scrape stays at 0 until the next one (the router does not know how many more it
-runs at once: a burst on an idle engine is not held back by a guess). An engine whose figures are stale or missing is **not** saturated: unknown
+not queuing at the scrape had free running slots: once its slot count is known (``running_slots``,
+the most it ran at a scrape where others waited), what the router sent since beyond those slots is
+waiting; before that it stays at 0 until the next scrape (a burst on an engine never seen full is not
+held back by a guess). Without the slot count, a scrape that caught a saturated engine with an empty
+queue for a moment let the router's whole queue go there at once, and critical requests then found
+every engine past their own limit for as long as that backlog took to drain.
+An engine whose figures are stale or missing is **not** saturated: unknown
 is not full, and a metrics outage must not hold all traffic in the router's queue until it times
 out (the circuit breaker and the health checks deal with engines that really fail).
 
@@ -113,9 +118,13 @@ def queue_estimate(engine: Engine, now: float | None = None) -> float | None:
 
 
 def _estimate(t: EngineTelemetry, engine: Engine) -> float:
-    if t.waiting <= 0.0:
+    sent_since = engine.in_flight - t.in_flight
+    if t.waiting > 0.0:
+        estimate = t.waiting + sent_since
+    elif engine.running_slots is not None:  # free slots at the scrape: what went past them waits
+        estimate = t.running + sent_since - engine.running_slots
+    else:
         return 0.0
-    estimate = t.waiting + engine.in_flight - t.in_flight
     return estimate if estimate > 0.0 else 0.0
 
 
@@ -160,9 +169,9 @@ def _unsaturated(
 ) -> Sequence[Engine]:
     """The rule itself, written out in one loop: this runs for every standard request.
 
-    Figures that show no queue, KV usage below the limit and no headroom to keep say "not saturated"
-    whether fresh or stale, so the clock is read only for an engine whose figures could say
-    "saturated" (the stale rule then decides)."""
+    Figures that show no queue and KV usage below the limit, for an engine whose slot count is not
+    known, say "not saturated" whether fresh or stale, so the clock is read only for an engine whose
+    figures could say "saturated" (the stale rule then decides)."""
     max_waiting = limits.max_waiting
     max_kv = limits.max_kv_cache_usage
     reserve = limits.reserve_slots
@@ -172,19 +181,23 @@ def _unsaturated(
         full = False
         if t is not None and (
             t.waiting > 0.0
+            or e.running_slots is not None
             or (t.kv_cache_usage is not None and t.kv_cache_usage >= max_kv)
-            or (reserve and e.running_slots is not None)
         ):
             if now is None:
                 now = time.monotonic()
             if now - t.scraped_at <= e.stale_after:  # the stale rule: unknown is not full
                 waiting = t.waiting
-                if waiting > 0.0 and waiting + e.in_flight - t.in_flight >= max_waiting:
-                    full = True
-                elif reserve and e.running_slots is not None:
+                slots = e.running_slots
+                sent_since = e.in_flight - t.in_flight
+                if waiting > 0.0:  # the queue estimate (_estimate), inline
+                    full = waiting + sent_since >= max_waiting
+                elif slots is not None:
+                    full = t.running + sent_since - slots >= max_waiting
+                if not full and reserve and slots is not None:
                     # the headroom: what is there now (running, waiting, and what the router sent or saw
                     # finish since the scrape) may not reach the slots less the reserve
-                    full = t.running + waiting + e.in_flight - t.in_flight >= e.running_slots - reserve
+                    full = t.running + waiting + sent_since >= slots - reserve
                 if not full:
                     kv = t.kv_cache_usage
                     full = kv is not None and kv >= max_kv
