@@ -10,8 +10,8 @@ standard / 30% sheddable (header ``x-request-priority``; critical sends a key fr
 - ``on-2x``: priority on (``priority_scheduling: true``, the model ``engine_priority: true``) at 2 x C;
 - ``off-2x``: priority off (no saturation rule, no engine priorities) at 2 x C;
 - ``on-0.5x``: priority on at half load, the baseline for critical latency;
-- ``on-2x-headroom``: as ``on-2x`` with ``critical_reserve_slots: 1`` (one running slot per engine kept
-  free of standard and sheddable work).
+- ``on-2x-headroom``: as ``on-2x`` with ``critical_reserve_slots`` (``--headroom-slots``, 1: running
+  slots per engine kept free of standard and sheddable work).
 
 Why: the claim is that with priority on, an overload lands on sheddable (429 at once) and standard
 (waits in the router's queue), while critical requests keep the latency of an unloaded system.
@@ -20,8 +20,9 @@ taken from each request's intended send time (no coordinated omission); after th
 waits up to 120 s for what is outstanding and counts the rest as unfinished. Before each run both
 engines must show nothing running or waiting.
 
-Usage: ``python benchmarks/priority/load.py [--duration 30] [--rounds 2]``; prints a table and writes
-``benchmarks/results/priority_load.{md,json}``.
+Usage: ``python benchmarks/priority/load.py [--duration 30] [--rounds 2] [--runs on-2x,on-0.5x]
+[--headroom-slots 1] [--out PATH]``; prints a table and writes ``benchmarks/results/priority_load.{md,json}``
+(or ``PATH.{md,json}``).
 """
 
 from __future__ import annotations
@@ -180,10 +181,10 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, max(0, round(q * len(v)) - 1))] * 1e3
 
 
-def summarize(rounds: list[dict]) -> dict:
+def summarize(rounds: list[dict], runs: list[str]) -> dict:
     """Per run and class, per figure: median and min-max over the rounds."""
     table: dict = {}
-    for run in RUNS:
+    for run in runs:
         table[run] = {}
         for cls in CLASSES:
             row = {}
@@ -196,14 +197,14 @@ def summarize(rounds: list[dict]) -> dict:
     return table
 
 
-def reading(summary: dict) -> str:
+def reading(summary: dict, headroom: int) -> str:
     """The short interpretation, filled in from the medians."""
 
     def m(run: str, cls: str, fig: str) -> str:
-        s = summary[run][cls][fig]
+        s = summary.get(run, {}).get(cls, {}).get(fig)
         return "-" if s is None else f"{s['median']:.0f}"
 
-    crit = summary["on-2x"]["critical"]["p99_ms"]
+    crit = summary.get("on-2x", {}).get("critical", {}).get("p99_ms")
     spread = ""
     if crit is not None and crit["max"] > 3 * crit["median"]:
         spread = (
@@ -222,10 +223,11 @@ def reading(summary: dict) -> str:
         f"(critical p99 {m('off-2x', 'critical', 'p99_ms')} ms, sheddable {m('off-2x', 'sheddable', 'p99_ms')} ms) "
         f"and the backlog is served long after the arrivals stop. Two cores run both engines, the router and "
         f"the load generator, so absolute figures are this machine's; the comparison between runs is the point. "
-        f"With one running slot per engine kept for critical requests (on-2x-headroom, "
-        f"`critical_reserve_slots: 1`), critical p99 is {m('on-2x-headroom', 'critical', 'p99_ms')} ms and "
-        f"standard p99 {m('on-2x-headroom', 'standard', 'p99_ms')} ms: a critical request no longer waits for a "
-        f"slot to free (vLLM preempts for priority only when KV blocks run out), at the cost of standard work."
+        f"With {headroom} running slot(s) per engine kept for critical requests (on-2x-headroom, "
+        f"`critical_reserve_slots: {headroom}`), critical p99 is {m('on-2x-headroom', 'critical', 'p99_ms')} ms "
+        f"(without it {m('on-2x', 'critical', 'p99_ms')} ms) and standard p99 "
+        f"{m('on-2x-headroom', 'standard', 'p99_ms')} ms (without it {m('on-2x', 'standard', 'p99_ms')} ms): the "
+        f"slots it keeps free cost standard work, and what they give critical requests is read from these two rows."
         + spread
     )
 
@@ -243,7 +245,7 @@ COLUMNS = ("run", "class", "sent", "200", "429", "other", "unfinished", "p50 ms"
 
 def rows(report: dict) -> list[list[str]]:
     out = []
-    for run in RUNS:
+    for run in report["runs"]:
         for cls in CLASSES:
             s = report["summary"][run][cls]
             figs = [cell(s[f]) for f in ("sent", "ok", "rejected", "other", "unfinished", "p50_ms", "p99_ms")]
@@ -260,8 +262,8 @@ def render(report: dict) -> str:
         "priority`) behind our router (`leastloaded`, `queue_timeout` 60); non-streamed chat, 32 tokens; "
         f"capacity C = {report['capacity_rps']['median']:.1f} requests/s (closed loop at 16, median of "
         f"{len(report['capacity_rps']['raw'])}); Poisson arrivals for {report['duration_s']:g} s, 20% critical / 50% "
-        "standard / 30% sheddable. Medians over the rounds, min-max in brackets; latency from the intended "
-        "send time, of 200s only.",
+        f"standard / 30% sheddable; on-2x-headroom keeps {report['headroom_slots']} slot(s) per engine. "
+        "Medians over the rounds, min-max in brackets; latency from the intended send time, of 200s only.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2),
@@ -293,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "priority_load"))
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"a comma-separated subset of {', '.join(RUNS)}")
+    ap.add_argument("--headroom-slots", type=int, default=1, help="critical_reserve_slots of on-2x-headroom")
     args = ap.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown:
+        ap.error(f"unknown runs: {', '.join(unknown)}")
 
     model_dir = build_model("tiny", cache_dir() / "models" / "tiny")
     log_dir = Path(tempfile.mkdtemp(prefix="priority-load-"))
@@ -318,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         cap = statistics.median(caps)
         for i in range(args.rounds):
             result: dict = {}
-            for run, (priority, load, reserve) in RUNS.items():
+            for run in runs:
+                priority, load, reserve = RUNS[run]
+                if run == "on-2x-headroom":
+                    reserve = args.headroom_slots
                 router, url = start_router(router_config(priority, backends, reserve), log_dir, f"{run}-{i}")
                 wait_idle(engines)
                 res = asyncio.run(open_loop(url, load * cap, args.duration, seed=1000 * i + int(load * 10)))
@@ -335,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             tb.stop_process(router)
         for e in engines:
             e.stop()
-    summary = summarize(rounds)
-    crit_base = summary["on-0.5x"]["critical"]["p99_ms"]
+    summary = summarize(rounds, runs)
+    crit_base = summary["on-0.5x"]["critical"]["p99_ms"] if "on-0.5x" in summary else None
     verdicts = []
-    for run in ("on-2x", "on-2x-headroom"):
+    for run in [r for r in ("on-2x", "on-2x-headroom") if r in summary]:
         crit_on = summary[run]["critical"]["p99_ms"]
         rejected = summary[run]["critical"]["rejected"]
         p99_ok = (
@@ -353,13 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "duration_s": args.duration,
         "rounds": args.rounds,
+        "runs": runs,
+        "headroom_slots": args.headroom_slots,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "capacity_rps": {"median": statistics.median(caps), "raw": caps},
         "summary": summary,
         "raw": rounds,
         "verdicts": verdicts,
     }
-    report["reading"] = reading(summary)
+    report["reading"] = reading(summary, args.headroom_slots)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
