@@ -117,15 +117,19 @@ def queue_estimate(engine: Engine, now: float | None = None) -> float | None:
     return None if t is None else _estimate(t, engine)
 
 
-def _estimate(t: EngineTelemetry, engine: Engine) -> float:
-    sent_since = engine.in_flight - t.in_flight
+def _unclamped_estimate(t: EngineTelemetry, engine: Engine) -> float | None:
+    """The queue estimate before it is clamped at 0; None for an engine that was not queuing at the
+    scrape and whose slot count is not known (the estimate is then 0 until the next scrape)."""
     if t.waiting > 0.0:
-        estimate = t.waiting + sent_since
-    elif engine.running_slots is not None:  # free slots at the scrape: what went past them waits
-        estimate = t.running + sent_since - engine.running_slots
-    else:
-        return 0.0
-    return estimate if estimate > 0.0 else 0.0
+        return t.waiting + engine.in_flight - t.in_flight
+    if engine.running_slots is not None:  # free slots at the scrape: what went past them waits
+        return t.running + engine.in_flight - t.in_flight - engine.running_slots
+    return None
+
+
+def _estimate(t: EngineTelemetry, engine: Engine) -> float:
+    estimate = _unclamped_estimate(t, engine)
+    return estimate if estimate is not None and estimate > 0.0 else 0.0
 
 
 def queue_estimates(engines: Sequence[Engine]) -> list[float]:
@@ -187,17 +191,13 @@ def _unsaturated(
             if now is None:
                 now = time.monotonic()
             if now - t.scraped_at <= e.stale_after:  # the stale rule: unknown is not full
-                waiting = t.waiting
+                estimate = _unclamped_estimate(t, e)
+                full = estimate is not None and estimate >= max_waiting
                 slots = e.running_slots
-                sent_since = e.in_flight - t.in_flight
-                if waiting > 0.0:  # the queue estimate (_estimate), inline
-                    full = waiting + sent_since >= max_waiting
-                elif slots is not None:
-                    full = t.running + sent_since - slots >= max_waiting
                 if not full and reserve and slots is not None:
                     # the headroom: what is there now (running, waiting, and what the router sent or saw
                     # finish since the scrape) may not reach the slots less the reserve
-                    full = t.running + waiting + sent_since >= slots - reserve
+                    full = t.running + t.waiting + e.in_flight - t.in_flight >= slots - reserve
                 if not full:
                     kv = t.kv_cache_usage
                     full = kv is not None and kv >= max_kv
