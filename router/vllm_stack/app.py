@@ -26,6 +26,7 @@ from vllm_stack.api.parsing import BodyParser, make_parser
 from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.director.director import Director, ProxySettings
+from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
@@ -145,6 +146,14 @@ class Router:
             config.queue_timeout,
             config.queue_max_per_model > 0,
             frozenset(served_models(config.models)),
+            DisaggSettings(
+                config.disagg_protocol,
+                config.disagg_min_uncached_tokens,
+                config.disagg_receiver_init_port,
+                config.disagg_receiver_alloc_port,
+            )
+            if config.disaggregated
+            else None,
         )
 
     def _apply_runtime(self, config: RouterConfig, setup: SchedulingSetup) -> None:
@@ -202,10 +211,15 @@ class Router:
                 KubernetesDiscovery,  # lazy: optional heavy import
             )
 
+            roles = {label: "prefill" for label in config.prefill_model_labels}
+            roles |= {label: "decode" for label in config.decode_model_labels}
             return KubernetesDiscovery(
-                namespace=config.k8s_namespace, label_selector=config.k8s_label_selector, port=config.k8s_port
+                namespace=config.k8s_namespace,
+                label_selector=config.k8s_label_selector,
+                port=config.k8s_port,
+                roles_by_model_label=roles,
             )
-        return StaticDiscovery(config.static_backends)
+        return StaticDiscovery(config.static_backends, config.static_roles)
 
     def reload(self, config: RouterConfig) -> None:
         """Apply a new configuration without dropping requests (in-flight ones keep the old objects).
@@ -232,7 +246,7 @@ class Router:
         self.catalog = catalog if catalog else None
         self.registry.static_models = _static_models(config)
         if isinstance(self.discovery, StaticDiscovery) and config.service_discovery == "static":
-            self.discovery.update(config.static_backends)
+            self.discovery.update(config.static_backends, config.static_roles)
         log.info("configuration reloaded (routing_logic=%s)", config.routing_logic)
 
     async def _watch_config(self, path: str, interval: float = 1.0) -> None:

@@ -22,6 +22,8 @@ from vllm_stack.priority import served_models
 
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
+ENGINE_ROLES = ("both", "prefill", "decode")  # vllm_stack.engines.engine.ROLES
+DISAGG_PROTOCOLS = ("vllm", "lmcache")  # vllm_stack.director.disagg
 SWITCH_VALUES = ("auto", "on", "off")
 KV_EVENT_MODES = SWITCH_VALUES
 
@@ -50,6 +52,11 @@ class RouterConfig:
     service_discovery: str = "static"
     static_backends: tuple[str, ...] = ()
     static_models: tuple[str, ...] = ()
+    static_roles: tuple[str, ...] = ()  # prefill / decode / both, one per static backend (optional)
+    # production-stack's names: engine pods whose ``model`` label is one of these are prefill / decode
+    # engines (k8s discovery; the chart's pods carry vllm-stack.io/role, which wins)
+    prefill_model_labels: tuple[str, ...] = ()
+    decode_model_labels: tuple[str, ...] = ()
     k8s_namespace: str = "default"
     k8s_label_selector: str = ""
     k8s_port: int = 8000
@@ -83,6 +90,14 @@ class RouterConfig:
     saturation_max_kv_cache_usage: float = 0.8
     critical_max_waiting: float = 50.0  # critical requests keep engines whose queue is below this
     critical_reserve_slots: int = 0  # running slots per engine kept free of non-critical work (0: none)
+    # Disaggregated prefill (vllm_stack.director.disagg): models with prefill-role engines send each
+    # request's prefill there first. On with routing_logic disaggregated_prefill or prefill roles.
+    disaggregation: bool = False
+    disagg_protocol: str = "vllm"  # vllm: vLLM's kv_transfer_params; lmcache: LMCache's disagg_spec
+    disagg_min_uncached_tokens: int = 256  # shorter uncached prompt parts are served decode-only
+    # lmcache protocol: where decode engines' LMCache receivers listen (engine host, these ports)
+    disagg_receiver_init_port: int = 7300
+    disagg_receiver_alloc_port: int = 7400
     # The router's per-model queue: requests wait there while every engine is saturated (or none is
     # ready yet); 0 turns it off (such requests are answered at once)
     queue_max_per_model: int = 1000
@@ -109,6 +124,16 @@ class RouterConfig:
     log_level: str = "info"
     access_log: bool = False
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prefill-role engines are used: asked for, or implied by the strategy or the roles."""
+        return (
+            self.disaggregation
+            or self.routing_logic == "disaggregated_prefill"
+            or "prefill" in self.static_roles
+            or bool(self.prefill_model_labels)
+        )
+
     def validate(self) -> RouterConfig:
         """Raise :class:`ConfigError` on settings that cannot work; return self for chaining."""
         if self.service_discovery not in DISCOVERY_KINDS:
@@ -123,6 +148,17 @@ class RouterConfig:
             raise ConfigError("static discovery needs static_backends")
         if self.static_models and len(self.static_models) != len(self.static_backends):
             raise ConfigError("static_models must have one entry per static backend")
+        if self.static_roles and len(self.static_roles) != len(self.static_backends):
+            raise ConfigError("static_roles must have one entry per static backend")
+        for role in self.static_roles:
+            if role not in ENGINE_ROLES:
+                raise ConfigError(f"static_roles: {role!r} is not one of {ENGINE_ROLES}")
+        if set(self.prefill_model_labels) & set(self.decode_model_labels):
+            raise ConfigError("a model label cannot be both in prefill_model_labels and decode_model_labels")
+        if self.disagg_protocol not in DISAGG_PROTOCOLS:
+            raise ConfigError(f"disagg_protocol must be one of {DISAGG_PROTOCOLS}")
+        if self.disagg_min_uncached_tokens < 0:
+            raise ConfigError("disagg_min_uncached_tokens must be >= 0")
         for backend in self.static_backends:
             if not backend.startswith(("http://", "https://")):
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
@@ -158,7 +194,13 @@ class RouterConfig:
 
 
 _FIELD_TYPES = {f.name: f.type for f in fields(RouterConfig)}
-_TUPLE_FIELDS = {"static_backends", "static_models"}
+_TUPLE_FIELDS = {
+    "static_backends",
+    "static_models",
+    "static_roles",
+    "prefill_model_labels",
+    "decode_model_labels",
+}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -228,7 +228,26 @@ class RouterMetrics:
             "counter",
             ["model", "class", "outcome"],
         )
+        # Disaggregated prefill (vllm_stack.director.disagg)
+        self.disagg_requests = _Family(
+            PREFIX + "disagg_requests_total",
+            "Requests of models with prefill engines, by outcome: disaggregated (prefill there, decode "
+            "elsewhere), short (the uncached part was below the threshold: decode only), no_prefill_engine, "
+            "prefill_failed (served decode-only after the prefill leg failed), client_params (the client "
+            "sent kv_transfer_params itself: passed through).",
+            "counter",
+            ["model", "outcome"],
+        )
+        self.prefill_seconds = _Family(
+            PREFIX + "disagg_prefill_seconds",
+            "Time of the prefill leg of disaggregated requests (its answer, or its failure).",
+            "histogram",
+            ["model"],
+            LATENCY_BUCKETS,
+        )
         self._fast = [
+            self.disagg_requests,
+            self.prefill_seconds,
             self.queue_length,
             self.queue_wait,
             self.queue_exits,
@@ -338,6 +357,12 @@ class RouterMetrics:
     def queue_exit(self, model: str, cls: str, outcome: str, seconds: float) -> None:
         self.queue_wait.child(model, cls).observe(seconds)  # type: ignore[union-attr]
         self.queue_exits.child(model, cls, outcome).inc()
+
+    def disagg(self, model: str, outcome: str) -> None:
+        self.disagg_requests.child(model, outcome).inc()
+
+    def observe_prefill(self, model: str, seconds: float) -> None:
+        self.prefill_seconds.child(model).observe(seconds)  # type: ignore[union-attr]
 
     def retry(self, model: str, reason: str) -> None:
         self.retries_total.child(model, reason).inc()

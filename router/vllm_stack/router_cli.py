@@ -22,6 +22,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service-discovery", choices=("static", "k8s"))
     p.add_argument("--static-backends", help="comma-separated engine URLs")
     p.add_argument("--static-models", help="comma-separated model names, one per static backend (optional)")
+    p.add_argument(
+        "--static-roles",
+        help="comma-separated roles (prefill, decode, both), one per static backend (optional)",
+    )
+    p.add_argument(
+        "--disaggregation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve models that have prefill-role engines disaggregated (default: on with such roles)",
+    )
+    p.add_argument(
+        "--prefill-model-labels",
+        help="production-stack's: comma-separated values of the pods' 'model' label that mark prefill engines",
+    )
+    p.add_argument(
+        "--decode-model-labels",
+        help="production-stack's: comma-separated values of the pods' 'model' label that mark decode engines",
+    )
+    p.add_argument(
+        "--disagg-protocol", choices=("vllm", "lmcache"), help="KV hand-over protocol (default vllm)"
+    )
+    p.add_argument(
+        "--disagg-min-uncached-tokens",
+        type=int,
+        help="uncached prompt tokens below which a request skips the prefill engine (default 256)",
+    )
     p.add_argument("--k8s-namespace")
     p.add_argument("--k8s-label-selector")
     p.add_argument("--k8s-port", type=int)

@@ -33,6 +33,9 @@ class StubBehaviour:
     tokens: int = 8  # streamed chunks when max_tokens is absent
     lora_load_delay_s: float = 0.0  # before a LoRA load answers
     lora_load_status: int = 200  # a load's answer (400 with vLLM's words when not 200)
+    # What a non-streamed answer to a request with kv_transfer_params carries as its own (a prefill
+    # engine's connector hand-over); None: the field is left out
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -213,6 +216,8 @@ class StubEngine:
         else:
             payload = {"stub": self.name, "path": path, "model": model}
         payload["engine"] = self.name
+        if "kv_transfer_params" in doc and self.behaviour.kv_transfer_params is not None:
+            payload["kv_transfer_params"] = self.behaviour.kv_transfer_params
         self.completed += 1
         await self._json(send, 200, payload)
 

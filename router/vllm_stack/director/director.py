@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.errors import RouterError, no_healthy_engine
@@ -60,6 +61,8 @@ class ProxySettings:
     queue_enabled: bool = True  # requests wait for room (False: answered at once, as before)
     # Configured models: one with no ready engine is waited for in its queue (scale from zero)
     served_models: frozenset[str] = frozenset()
+    # Disaggregated prefill for models with prefill-role engines (None: off, no request checks)
+    disagg: DisaggSettings | None = None
 
 
 class Director:

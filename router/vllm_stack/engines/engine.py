@@ -8,6 +8,11 @@ from typing import Any
 from vllm_stack.engines import load
 from vllm_stack.engines.circuit import CircuitBreaker
 
+#: An engine's part in disaggregated serving: ``both`` serves whole requests (the default); a
+#: ``prefill`` engine only computes prompts' KV for ``decode`` engines, which generate from it.
+ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = "both", "prefill", "decode"
+ROLES = (ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE)
+
 
 @dataclass(slots=True)
 class EngineTelemetry:
@@ -69,6 +74,7 @@ class Engine:
         "max_loras",
         "running_slots",
         "models_changed",
+        "role",
     )
 
     def __init__(
@@ -78,8 +84,10 @@ class Engine:
         breaker: CircuitBreaker,
         static_models: tuple[str, ...] = (),
         stale_after: float = 3.0,
+        role: str = ROLE_BOTH,
     ) -> None:
         self.name = name
+        self.role = role
         self.url = url
         self.ready = True
         self.healthy = False
@@ -131,6 +139,7 @@ class Engine:
         return {
             "name": self.name,
             "url": self.url,
+            "role": self.role,
             "ready": self.ready,
             "healthy": self.healthy,
             "ejected_reason": self.ejected_reason,

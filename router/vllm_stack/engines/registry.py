@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_stack.engines.circuit import BreakerState, CircuitBreaker
 from vllm_stack.engines.discovery.base import EndpointInfo
-from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.engine import ROLE_BOTH, ROLE_PREFILL, Engine
 from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class EngineRegistry:
         self.static_models = static_models or {}
         self._engines: dict[str, Engine] = {}
         self._by_model: dict[str, tuple[Engine, ...]] = {}
+        # Prefill-only engines apart: they take no whole request, only the prefill leg of one.
+        self._prefill_by_model: dict[str, tuple[Engine, ...]] = {}
         self._known_models: frozenset[str] = frozenset()
         self._healthy_count = 0
         self.snapshots_seen = 0
@@ -77,8 +79,13 @@ class EngineRegistry:
 
     # ---- read side (hot path) -------------------------------------------------------------------
     def candidates(self, model: str) -> tuple[Engine, ...]:
-        """Healthy, ready engines serving ``model`` (a base model or a LoRA adapter)."""
+        """Healthy, ready engines serving ``model`` (a base model or a LoRA adapter) whole or as the
+        decode side of disaggregated serving: every engine but the prefill-only ones."""
         return self._by_model.get(model, ())
+
+    def prefill_candidates(self, model: str) -> tuple[Engine, ...]:
+        """Healthy, ready prefill-only engines of ``model`` (empty: it is not served disaggregated)."""
+        return self._prefill_by_model.get(model, ())
 
     def is_known(self, model: str) -> bool:
         """Served by some engine, healthy or not (decides 503 versus 404)."""
@@ -138,6 +145,7 @@ class EngineRegistry:
                 self._spawn_probe(engine)
             engine.ready = info.ready
             engine.kv_events_endpoint, engine.kv_replay_endpoint = info.kv_events, info.kv_replay
+            engine.role = info.role or ROLE_BOTH
         self._rebuild()
 
     def _new_engine(self, info: EndpointInfo) -> Engine:
@@ -296,15 +304,17 @@ class EngineRegistry:
     # ---- index ----------------------------------------------------------------------------------
     def _rebuild(self) -> None:
         by_model: dict[str, list[Engine]] = {}
+        prefill_by_model: dict[str, list[Engine]] = {}
         known: set[str] = set()
         healthy = 0
         for engine in self._engines.values():
             known.update(engine.models)
             ok = engine.routable()
             healthy += ok
+            routed = prefill_by_model if engine.role == ROLE_PREFILL else by_model
             for model in engine.models:
                 if ok:
-                    by_model.setdefault(model, []).append(engine)
+                    routed.setdefault(model, []).append(engine)
                 self._metrics.engine_healthy.labels(engine.name, model).set(1 if ok else 0)
         series = {(e.name, m) for e in self._engines.values() for m in e.models}
         for stale in self._health_series - series:
@@ -314,6 +324,7 @@ class EngineRegistry:
                 pass
         self._health_series = series
         self._by_model = {m: tuple(es) for m, es in by_model.items()}
+        self._prefill_by_model = {m: tuple(es) for m, es in prefill_by_model.items()}
         self._known_models = frozenset(known)
         self._healthy_count = healthy
         self.changed.set()

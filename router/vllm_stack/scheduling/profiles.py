@@ -19,7 +19,18 @@ from vllm_stack.scheduling.framework import Scheduler
 from vllm_stack.scheduling.plugins import builtin_registry
 from vllm_stack.scheduling.registry import PluginState
 
-ROUTING_LOGICS = ("roundrobin", "random", "leastloaded", "p2c", "session", "prefixaware")
+ROUTING_LOGICS = (
+    "roundrobin",
+    "random",
+    "leastloaded",
+    "p2c",
+    "session",
+    "prefixaware",
+    "disaggregated_prefill",
+)
+#: The profile that picks a disaggregated request's prefill engine (vllm_stack.director.disagg).
+PREFILL_PROFILE = "prefill"
+_PREFIX_PICKER = "prefix-cache-picker"
 
 
 def _single(name: str, *plugins: dict[str, Any], scorers: dict[str, float] | None = None) -> dict[str, Any]:
@@ -34,6 +45,13 @@ def _single(name: str, *plugins: dict[str, Any], scorers: dict[str, float] | Non
     return {"plugins": listed, "schedulingProfiles": [{"name": name, "plugins": refs}]}
 
 
+def _prefix_picker(config: RouterConfig) -> dict[str, Any]:
+    parameters: dict[str, Any] = {"epsilon": config.session_balance_epsilon, "kv_events": config.kv_events}
+    if config.tokenizers:
+        parameters["tokenizers"] = dict(config.tokenizers)
+    return {"type": _PREFIX_PICKER, "parameters": parameters}
+
+
 def builtin_config(config: RouterConfig) -> dict[str, Any]:
     """The scheduling configuration of ``config.routing_logic``."""
     logic = config.routing_logic
@@ -42,7 +60,9 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
         return _single(logic, {"type": "round-robin-picker"})
     if logic == "random":
         return _single(logic, {"type": "random-picker"})
-    if logic == "leastloaded":
+    if logic in ("leastloaded", "disaggregated_prefill"):
+        # production-stack's disaggregated_prefill: whole and decode requests go by load, prefill
+        # legs by prefix (with_disaggregation adds that profile)
         return _single(
             logic,
             {"type": "least-loaded-scorer"},
@@ -56,10 +76,7 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
             logic, {"type": "consistent-hash-picker", "parameters": {"key": "session", "epsilon": epsilon}}
         )
     if logic == "prefixaware":
-        parameters: dict[str, Any] = {"epsilon": epsilon, "kv_events": config.kv_events}
-        if config.tokenizers:
-            parameters["tokenizers"] = dict(config.tokenizers)
-        return _single(logic, {"type": "prefix-cache-picker", "parameters": parameters})
+        return _single(logic, _prefix_picker(config))
     raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
 
 
@@ -143,6 +160,25 @@ def with_priority(raw: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
     }
 
 
+def with_disaggregation(raw: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
+    """A built-in configuration with the ``prefill`` profile: the circuit-breaker filter and the
+    prefix-cache picker (the strategy's own instance when it has one, so one index serves both), which
+    also estimates the prompt tokens the chosen engine lacks (the decider's input). Its plugins come
+    first: they run only for models that have prefill engines."""
+    plugins = list(raw["plugins"])
+    if not any(p.get("type") == _PREFIX_PICKER for p in plugins):
+        plugins.append(_prefix_picker(config))
+    name = next(p.get("name", p["type"]) for p in plugins if p.get("type") == _PREFIX_PICKER)
+    prefill = {
+        "name": PREFILL_PROFILE,
+        "plugins": [{"pluginRef": "circuit-breaker-filter"}, {"pluginRef": name}],
+    }
+    profiles = raw["schedulingProfiles"]
+    if not any(str(p.get("type", "")).endswith("-profile-handler") for p in plugins):  # one profile so far
+        plugins.append({"type": "single-profile-handler", "parameters": {"profile": profiles[0]["name"]}})
+    return {**raw, "plugins": plugins, "schedulingProfiles": [*profiles, prefill]}
+
+
 def scheduling_config(config: RouterConfig) -> dict[str, Any]:
     """The router's scheduling configuration: its YAML ``scheduling`` section, else the built-in one
     (priority-aware unless ``priority_scheduling`` is off; with the LoRA-affinity filter when
@@ -153,6 +189,8 @@ def scheduling_config(config: RouterConfig) -> dict[str, Any]:
         raw = builtin_config(config)
         if config.priority_scheduling:
             raw = with_priority(raw, config)
+        if config.disaggregated:
+            raw = with_disaggregation(raw, config)
     return with_lora_affinity(raw) if config.lora_adapters else raw
 
 

@@ -22,6 +22,7 @@ class EndpointInfo:
     ready: bool = True
     kv_events: str | None = None  # ZMQ endpoint of its KV events, when discovery knows it
     kv_replay: str | None = None  # ... and of their replay
+    role: str | None = None  # prefill / decode / both, when discovery knows it (a pod label)
 
 
 SnapshotSink = Callable[[list[EndpointInfo]], Awaitable[None]]

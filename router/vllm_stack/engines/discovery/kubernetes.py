@@ -39,6 +39,7 @@ from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, V1Pod
 
 from vllm_stack.engines.discovery.base import EndpointInfo, SnapshotSink
+from vllm_stack.engines.engine import ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ _LIST_TIMEOUT_S = 30.0  # a list of one namespace's engine pods is small; longer
 _CONNECT_TIMEOUT_S = 10.0
 KV_EVENTS_PORT = "kv-events"  # container port names of the engine's KV-event publisher and its replay
 KV_REPLAY_PORT = "kv-replay"
+#: The pod label that gives an engine's role in disaggregated serving (prefill, decode, both).
+ROLE_LABEL = "vllm-stack.io/role"
 _WATCH_GRACE_S = 30.0  # past timeoutSeconds + this, a silent watch connection is considered dead
 
 
@@ -68,7 +71,9 @@ async def default_api_client() -> ApiClient:
     return ApiClient(configuration=configuration)
 
 
-def pod_endpoint(pod: V1Pod, port: int) -> EndpointInfo | None:
+def pod_endpoint(
+    pod: V1Pod, port: int, roles_by_model_label: dict[str, str] | None = None
+) -> EndpointInfo | None:
     """The endpoint of a pod that may receive traffic now, or None (see the module docstring)."""
     meta, status = pod.metadata, pod.status
     if meta is None or not meta.name or meta.deletion_timestamp is not None:
@@ -86,7 +91,22 @@ def pod_endpoint(pod: V1Pod, port: int) -> EndpointInfo | None:
         ready=True,
         kv_events=f"tcp://{host}:{events}" if events else None,
         kv_replay=f"tcp://{host}:{replay}" if replay else None,
+        role=pod_role(pod, roles_by_model_label or {}),
     )
+
+
+def pod_role(pod: V1Pod, roles_by_model_label: dict[str, str]) -> str | None:
+    """The engine's role from its ``vllm-stack.io/role`` label, else from its ``model`` label by
+    production-stack's ``--prefill-model-labels`` / ``--decode-model-labels`` (None: neither; an
+    unknown role value is logged and treated the same: the engine serves whole requests)."""
+    labels = (pod.metadata.labels if pod.metadata is not None else None) or {}
+    role = labels.get(ROLE_LABEL)
+    if role is None:
+        return roles_by_model_label.get(labels.get("model", ""))
+    if role not in ROLES:
+        logger.warning("pod %s: unknown %s label %r (known: %s)", pod.metadata.name, ROLE_LABEL, role, ROLES)
+        return None
+    return role
 
 
 def named_ports(pod: V1Pod) -> dict[str, int]:
@@ -116,21 +136,24 @@ class _Attempt:
 class _EndpointSet:
     """The routable pods of one run, and the last snapshot given to the sink."""
 
-    def __init__(self, sink: SnapshotSink, port: int) -> None:
+    def __init__(self, sink: SnapshotSink, port: int, roles_by_model_label: dict[str, str]) -> None:
         self._sink = sink
         self._port = port
+        self._roles = roles_by_model_label
         self._endpoints: dict[str, EndpointInfo] = {}
         self._emitted: list[EndpointInfo] | None = None
 
     def replace(self, pods: list[V1Pod]) -> None:
         """A fresh list: whatever it does not contain is gone."""
-        self._endpoints = {ep.name: ep for pod in pods if (ep := pod_endpoint(pod, self._port)) is not None}
+        self._endpoints = {
+            ep.name: ep for pod in pods if (ep := pod_endpoint(pod, self._port, self._roles)) is not None
+        }
 
     def upsert(self, pod: V1Pod) -> None:
         name = pod.metadata.name if pod.metadata else None
         if not name:
             return
-        endpoint = pod_endpoint(pod, self._port)
+        endpoint = pod_endpoint(pod, self._port, self._roles)
         if endpoint is None:
             self._endpoints.pop(name, None)
         else:
@@ -174,6 +197,7 @@ class KubernetesDiscovery:
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
         watch_timeout_seconds: int = 300,
+        roles_by_model_label: dict[str, str] | None = None,
     ) -> None:
         if not namespace:
             raise ValueError("namespace is required")
@@ -186,6 +210,7 @@ class KubernetesDiscovery:
         self.namespace = namespace
         self.label_selector = label_selector
         self.port = port
+        self.roles_by_model_label = roles_by_model_label or {}  # production-stack's model labels -> role
         self._api_client_factory = api_client_factory or default_api_client
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -202,7 +227,7 @@ class KubernetesDiscovery:
         api_client = await self._api_client_factory()
         try:
             api = client.CoreV1Api(api_client)
-            endpoints = _EndpointSet(sink, self.port)
+            endpoints = _EndpointSet(sink, self.port, self.roles_by_model_label)
             failures = 0
             while True:
                 attempt = _Attempt()

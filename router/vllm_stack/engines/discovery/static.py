@@ -23,17 +23,22 @@ def endpoint_name(url: str) -> str:
 class StaticDiscovery:
     """Reports a fixed list of endpoints, and the new list whenever :meth:`update` is called."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
-        self._endpoints = self._build(urls)
+    def __init__(self, urls: Sequence[str], roles: Sequence[str] = ()) -> None:
+        self._endpoints = self._build(urls, roles)
         self._changed = asyncio.Event()
 
     @staticmethod
-    def _build(urls: Sequence[str]) -> list[EndpointInfo]:
-        return [EndpointInfo(name=endpoint_name(u), url=u.rstrip("/")) for u in urls]
+    def _build(urls: Sequence[str], roles: Sequence[str]) -> list[EndpointInfo]:
+        """One endpoint per URL; ``roles`` (prefill / decode / both) one per URL, or empty (all both)."""
+        given = list(roles) or [None] * len(urls)
+        return [
+            EndpointInfo(name=endpoint_name(u), url=u.rstrip("/"), role=r)
+            for u, r in zip(urls, given, strict=True)
+        ]
 
-    def update(self, urls: Sequence[str]) -> None:
+    def update(self, urls: Sequence[str], roles: Sequence[str] = ()) -> None:
         """Replace the list (hot reload); the running :meth:`run` pushes it to the sink."""
-        endpoints = self._build(urls)
+        endpoints = self._build(urls, roles)
         if endpoints != self._endpoints:
             self._endpoints = endpoints
             self._changed.set()

@@ -1,0 +1,274 @@
+"""Disaggregated prefill: a request's prompt is prefilled on a prefill engine, its answer generated
+on a decode engine that receives the prompt's KV from it (vLLM's KV-connector protocol).
+
+The director (:mod:`.request`) runs the stages; this module holds what is particular to them:
+
+- which requests qualify (:data:`DISAGG_PATHS`, a JSON body without ``kv_transfer_params`` of its
+  own, a model with prefill-role engines) and the decider (:meth:`DisaggSettings.worth_it`: the
+  uncached part of the prompt, the prefix-cache index's estimate for the chosen prefill engine, must
+  reach ``min_uncached_tokens``, else the request is served decode-only);
+- the two bodies, by protocol:
+
+  ``vllm`` (vLLM's NixlConnector and every connector that follows its proxy protocol): the prefill
+  request is the client's body with ``max_tokens`` 1, ``stream`` false and ``kv_transfer_params``
+  ``{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, ...}``; the
+  prefill answer's ``kv_transfer_params`` (the connector's hand-over: remote engine id, block ids,
+  host, port) go unchanged into the decode request, which is otherwise the client's body. A connector
+  that returns none (ExampleConnector: the KV goes through a shared folder keyed by the prompt)
+  leaves the decode request exactly the client's body.
+
+  ``lmcache`` (LMCache's own PD mode): see :func:`lmcache_prefill_params`.
+
+- :class:`PrefillExchange`: the prefill leg, one upstream exchange whose answer is read whole
+  (bounded) and never forwarded; it reports to its owner how it ended and what it returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from vllm_stack.relay.leg import Dechunker
+from vllm_stack.relay.pool import EnginePool, UpstreamConnectError, UpstreamConnection
+
+log = logging.getLogger(__name__)
+
+#: Endpoints whose requests can be disaggregated (generation with a prompt and max_tokens).
+DISAGG_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+PREFILL_ANSWER_LIMIT = 1 << 20  # bytes of a prefill answer read (one token and its envelope: far less)
+
+#: The prefill request's hand-over request in vLLM's protocol (its toy proxy's and NixlConnector's).
+_VLLM_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggSettings:
+    """What disaggregated serving reads of the configuration (swapped as a whole on reload)."""
+
+    protocol: str = "vllm"  # vllm | lmcache
+    min_uncached_tokens: int = 256
+    receiver_init_port: int = 7300  # lmcache: the decode engines' LMCache receiver ports
+    receiver_alloc_port: int = 7400
+
+    def worth_it(self, uncached_tokens: int) -> bool:
+        """The decider: a prefill engine is worth a second leg only for a long enough uncached part
+        (a short one is prefilled by the decode engine faster than the hand-over takes)."""
+        return uncached_tokens >= self.min_uncached_tokens
+
+
+def parse_body(body: bytes) -> dict[str, Any] | None:
+    """The request body as a JSON object, or None when it is not one (such a request is served
+    decode-only: the engine answers it as it would have)."""
+    try:
+        value = _decoder.decode(body)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def prefill_body(request: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The prefill leg's body: the client's request, one token, not streamed, with ``params``."""
+    out = dict(request)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)  # more than the one token asked for is a 400
+    out.pop("min_completion_tokens", None)
+    out["n"] = 1
+    out["kv_transfer_params"] = params
+    return _encoder.encode(out)
+
+
+def decode_body(request: dict[str, Any], body: bytes, params: dict[str, Any] | None) -> bytes:
+    """The decode leg's body: the client's own bytes when the prefill handed over nothing, else the
+    client's request with the prefill answer's ``kv_transfer_params`` as they came."""
+    if params is None:
+        return body
+    out = dict(request)
+    out["kv_transfer_params"] = params
+    return _encoder.encode(out)
+
+
+def with_body(tail: bytes, body: bytes, new_body: bytes) -> bytes:
+    """``tail`` (the upstream request's headers, its ``content-length`` line last, and ``body``, as
+    :mod:`vllm_stack.api.proxied` builds it) with ``new_body`` instead: same headers, new length."""
+    framing = b"content-length: %d\r\n\r\n" % len(body)
+    cut = len(tail) - len(body) - len(framing)
+    if cut < 0 or tail[cut : len(tail) - len(body)] != framing:
+        raise ValueError("the upstream request does not end in its content-length line and body")
+    return tail[:cut] + b"content-length: %d\r\n\r\n" % len(new_body) + new_body
+
+
+def vllm_prefill_params() -> dict[str, Any]:
+    return dict(_VLLM_PREFILL_PARAMS)
+
+
+def lmcache_prefill_params(
+    request_id: str, receiver_host: str, init_port: int, alloc_port: int
+) -> dict[str, Any]:
+    """LMCache's PD mode (0.5.x, ``enable_pd``): the prefiller's LMCache sends the KV straight to the
+    decode engine's receiver named in ``disagg_spec``; the decode request then finds it there by the
+    same request id. Unverified here (LMCache's PD path needs CUDA): written from LMCache's source."""
+    return {
+        "ret_first_tok": True,
+        "disagg_spec": {
+            "req_id": request_id,
+            "receiver_host": receiver_host,
+            "receiver_init_port": [init_port],
+            "receiver_alloc_port": [alloc_port],
+        },
+    }
+
+
+def answer_params(answer: bytes) -> tuple[bool, dict[str, Any] | None]:
+    """(whether ``answer`` is a JSON object, its ``kv_transfer_params`` when they are an object)."""
+    value = parse_body(answer)
+    if value is None:
+        return False, None
+    params = value.get("kv_transfer_params")
+    return True, params if isinstance(params, dict) else None
+
+
+class PrefillOwner(Protocol):
+    """What a prefill exchange reports to (the director's request): exactly one of these, or nothing
+    after the owner aborted it."""
+
+    def prefill_answered(self, exchange: PrefillExchange, status: int, answer: bytes) -> None: ...
+
+    def prefill_failed(self, exchange: PrefillExchange, message: str, reason: str) -> None: ...
+
+
+class PrefillExchange:
+    """The prefill leg: the request written on a pooled connection (or a new one), the answer read
+    whole up to :data:`PREFILL_ANSWER_LIMIT`, nothing forwarded to the client. An idle pooled
+    connection the engine closed as it was reused is retried once on a fresh one, as a relay leg does."""
+
+    __slots__ = (
+        "owner",
+        "pool",
+        "request",
+        "up",
+        "reused",
+        "resent",
+        "connecting",
+        "status",
+        "dechunker",
+        "parts",
+        "size",
+        "done",
+        "started",
+        "last_activity",
+    )
+
+    def __init__(self, owner: PrefillOwner, pool: EnginePool, request: bytes) -> None:
+        self.owner = owner
+        self.pool = pool
+        self.request = request
+        self.up: UpstreamConnection | None = None
+        self.reused = False
+        self.resent = False
+        self.connecting: asyncio.Task[UpstreamConnection] | None = None
+        self.status = 0
+        self.dechunker: Dechunker | None = None
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.done = False
+        self.started = self.last_activity = time.perf_counter()
+        up = pool.take()
+        if up is None:
+            self._connect()
+        else:
+            self._send(up, reused=True)
+
+    def _connect(self) -> None:
+        task = self.connecting = asyncio.get_running_loop().create_task(self.pool.connect())
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task[UpstreamConnection]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if self.connecting is not task or self.done:
+            if exc is None:
+                self.pool.put(task.result())
+            return
+        self.connecting = None
+        if exc is None:
+            self._send(task.result(), reused=False)
+            return
+        if not isinstance(exc, UpstreamConnectError):
+            log.error("connecting to a prefill engine failed unexpectedly", exc_info=exc)
+        self.done = True
+        self.owner.prefill_failed(self, f"Could not reach the prefill engine: {exc}", "connect_error")
+
+    def _send(self, up: UpstreamConnection, reused: bool) -> None:
+        self.up = up
+        self.reused = reused
+        up.send(self, self.request)
+
+    def abort(self) -> None:
+        """Abandon it (client gone, timeout): the engine sees the connection close and aborts."""
+        self.done = True
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        up, self.up = self.up, None
+        if up is not None:
+            up.abort()
+
+    def silent_for(self, now: float) -> float:
+        return now - self.last_activity
+
+    # ---- upstream callbacks ----------------------------------------------------------------------
+    def on_head(self, status: int, head: bytes) -> None:
+        self.status = status
+        lowered = head.lower()
+        if b"\r\ntransfer-encoding:" in lowered and b"chunked" in lowered:
+            self.dechunker = Dechunker()
+
+    def on_read(self, data: bytes, complete: bool) -> None:
+        self.last_activity = time.perf_counter()
+        if data:
+            if self.dechunker is not None:
+                data = self.dechunker.feed(data)
+            self.size += len(data)
+            if self.size > PREFILL_ANSWER_LIMIT:
+                self.abort()
+                self.owner.prefill_failed(self, "The prefill answer was too large.", "upstream_broken")
+                return
+            self.parts.append(data)
+        if complete and not self.done:
+            self.done = True
+            up, self.up = self.up, None
+            if up is not None:
+                up.release()
+            self.owner.prefill_answered(self, self.status, b"".join(self.parts))
+
+    def upstream_failed(self, up: UpstreamConnection, error: BaseException) -> None:
+        if self.done or up is not self.up:
+            return
+        self.up = None
+        if self.reused and not up.got_bytes and not self.resent:
+            self.resent = True  # the idle connection closed as it was reused: the engine never saw it
+            self._connect()
+            return
+        self.done = True
+        reason = "upstream_broken" if up.got_bytes else "upstream_closed"
+        self.owner.prefill_failed(self, f"The prefill engine failed: {error}", reason)

@@ -1,0 +1,223 @@
+"""Disaggregated prefill through the router, against stub engines that speak vLLM's HTTP API and
+return a connector's ``kv_transfer_params`` as a prefill engine does (no vLLM needed for what is
+tested here: the protocol on the wire, the decider, the fallbacks, the client leaving; the real
+engines' test is tests/engines/test_disagg_engines.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.fakes.stub_engine import StubBehaviour, StubEngine
+from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
+from vllm_stack.config import ConfigError, load_config
+
+LONG = "the quick brown fox jumps over the lazy dog " * 60  # ~650 tokens by the byte estimate
+HANDOVER = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-engine-7",
+    "remote_block_ids": [3, 4, 5],
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+}
+DISAGG = "vllm_stack_router_disagg_requests_total"
+
+
+def body(content: str = LONG, **extra: object) -> dict[str, object]:
+    return {
+        "model": "stub-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 5,
+        **extra,
+    }
+
+
+def pd_settings(**extra: object) -> dict[str, object]:
+    return {
+        "routing_logic": "disaggregated_prefill",
+        "static_roles": "prefill,decode",
+        "disagg_min_uncached_tokens": 64,
+        **extra,
+    }
+
+
+async def test_prefill_then_decode_with_the_handover_on_the_wire() -> None:
+    prefill = StubEngine("P", behaviour=StubBehaviour(kv_transfer_params=HANDOVER))
+    decode = StubEngine("D")
+    environ = {"VLLM_API_KEY": "engine-key"}
+    async with (
+        stubs(prefill, decode) as urls,
+        running_router(urls, environ, **pd_settings()) as (url, router),
+    ):
+        async with http(url) as c:
+            sent = body(stream=True, stream_options={"include_usage": True}, min_tokens=3)
+            headers = {
+                "authorization": "Bearer sk-client",
+                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+            }
+            async with c.stream("POST", "/v1/chat/completions", json=sent, headers=headers) as r:
+                text = (await r.aread()).decode()
+            assert r.status_code == 200, text
+            assert r.headers["x-stub-engine"] == "D" and "data: [DONE]" in text
+        (p,) = prefill.seen
+        (d,) = decode.seen
+        prefill_doc, decode_doc = json.loads(p.body), json.loads(d.body)
+        # the prefill leg: one token, not streamed, asking for a remote decode
+        assert prefill_doc["max_tokens"] == 1 and prefill_doc["stream"] is False
+        assert "stream_options" not in prefill_doc and "min_tokens" not in prefill_doc
+        assert prefill_doc["kv_transfer_params"]["do_remote_decode"] is True
+        assert prefill_doc["messages"] == sent["messages"]
+        # the decode leg: the client's request as sent, plus exactly what the prefill answer returned
+        assert decode_doc.pop("kv_transfer_params") == HANDOVER
+        assert decode_doc == sent
+        # the engines' key (never the client's), the client's headers and one request id reach both
+        for seen in (p, d):
+            assert seen.headers["authorization"] == "Bearer engine-key"
+            assert seen.headers["traceparent"] == headers["traceparent"]
+        assert p.headers["x-request-id"] == d.headers["x-request-id"] == r.headers["x-request-id"]
+        assert metric_value(router, DISAGG, model="stub-model", outcome="disaggregated") == 1
+        engines = {e.name: e for e in router.registry.engines()}
+        assert sorted(e.role for e in engines.values()) == ["decode", "prefill"]
+        assert all(e.in_flight == 0 and e.prefill_tokens == 0 for e in engines.values())
+
+
+async def test_a_connector_that_hands_over_nothing_leaves_the_decode_body_as_sent() -> None:
+    """ExampleConnector returns no kv_transfer_params (the KV goes through a shared folder)."""
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, _):
+        async with http(url) as c:
+            raw = json.dumps(body()).encode()
+            r = await c.post(
+                "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert len(prefill.seen) == 1
+        assert decode.seen[0].body == raw  # byte for byte
+
+
+async def test_the_decider_serves_a_short_uncached_part_decode_only() -> None:
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    async with (
+        stubs(prefill, decode) as urls,
+        running_router(urls, **pd_settings(disagg_min_uncached_tokens=4096)) as (
+            url,
+            router,
+        ),
+    ):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+            r = await c.post("/v1/chat/completions", json=body("hi"))  # shorter than one block
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert not prefill.seen and len(decode.seen) == 2
+        assert "kv_transfer_params" not in json.loads(decode.seen[0].body)
+        assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 2
+
+
+@pytest.mark.parametrize("status", [500, 503, 400])
+async def test_a_failed_prefill_falls_back_to_decode_only(status: int) -> None:
+    prefill = StubEngine("P", behaviour=StubBehaviour(fail_statuses=[status], kv_transfer_params=HANDOVER))
+    decode = StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, router):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert len(prefill.seen) == 1
+        assert "kv_transfer_params" not in json.loads(decode.seen[0].body)
+        assert metric_value(router, DISAGG, model="stub-model", outcome="prefill_failed") == 1
+
+
+async def test_an_unreachable_prefill_engine_falls_back_and_is_ejected() -> None:
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    async with stubs(decode) as (decode_url,):
+        async with stubs(prefill) as (prefill_url,):
+            pass  # its port is closed now
+        settings = pd_settings(health_check_interval=30.0)
+        async with running_router([prefill_url, decode_url], wait_healthy=1, **settings) as (url, router):
+            engine = next(e for e in router.registry.engines() if e.url == prefill_url)
+            engine.healthy = True  # as it was until it died, between two health checks
+            engine.models = frozenset({"stub-model"})
+            router.registry._rebuild()  # noqa: SLF001 - what a passed probe does
+            assert router.registry.prefill_candidates("stub-model")
+            async with http(url) as c:
+                r = await c.post("/v1/chat/completions", json=body())
+                assert r.status_code == 200 and r.json()["engine"] == "D"
+            assert not router.registry.prefill_candidates("stub-model")  # ejected
+            assert metric_value(router, DISAGG, model="stub-model", outcome="prefill_failed") == 1
+
+
+async def test_a_client_that_leaves_during_prefill_ends_it_there_and_reaches_no_decode_engine() -> None:
+    prefill = StubEngine("P", behaviour=StubBehaviour(delay_s=3.0))
+    decode = StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, router):
+        async with httpx.AsyncClient(base_url=url, timeout=0.5) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/chat/completions", json=body())
+        engine = next(e for e in router.registry.engines() if e.role == "prefill")
+        await wait_for(lambda: engine.in_flight == 0, within=2.0, what="the prefill leg's end")
+        assert engine.prefill_tokens == 0
+        await asyncio.sleep(3.0)  # past the prefill engine's answer
+        assert not decode.seen
+        assert router.pools.idle_connections(engine.url) == 0  # its connection was closed, not reused
+
+
+async def test_a_decode_retry_carries_the_same_handover() -> None:
+    prefill = StubEngine("P", behaviour=StubBehaviour(kv_transfer_params=HANDOVER))
+    shared = StubBehaviour(fail_statuses=[503])  # whichever decode engine is tried first fails
+    first, second = StubEngine("D1", behaviour=shared), StubEngine("D2", behaviour=shared)
+    settings = pd_settings(static_roles="prefill,decode,decode")
+    async with stubs(prefill, first, second) as urls, running_router(urls, **settings) as (url, _):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+            assert r.status_code == 200, r.text
+        decode_bodies = [json.loads(s.body) for s in (*first.seen, *second.seen)]
+        assert len(prefill.seen) == 1 and len(decode_bodies) == 2
+        assert all(d["kv_transfer_params"] == HANDOVER for d in decode_bodies)
+
+
+async def test_a_client_that_orchestrates_itself_is_passed_through() -> None:
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, router):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body(kv_transfer_params=HANDOVER))
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert not prefill.seen
+        assert json.loads(decode.seen[0].body)["kv_transfer_params"] == HANDOVER
+        assert metric_value(router, DISAGG, model="stub-model", outcome="client_params") == 1
+
+
+async def test_prefill_engines_take_no_whole_request_and_embeddings_are_not_disaggregated() -> None:
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, router):
+        async with http(url) as c:
+            for _ in range(4):
+                r = await c.post("/v1/embeddings", json={"model": "stub-model", "input": LONG})
+                assert r.status_code == 200
+            r = await c.get("/engines")
+        assert not prefill.seen and len(decode.seen) == 4
+        roles = {e["url"]: e["role"] for e in r.json()["engines"]}
+        assert roles == {urls[0]: "prefill", urls[1]: "decode"}
+
+
+async def test_without_decode_engines_a_request_is_not_served_by_a_prefill_engine() -> None:
+    prefill = StubEngine("P")
+    settings = pd_settings(static_roles="prefill", queue_timeout=0.5)
+    async with stubs(prefill) as urls, running_router(urls, **settings) as (url, _):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+        assert r.status_code in (503,), r.text
+        assert len(prefill.seen) <= 1  # at most its prefill leg
+
+
+def test_roles_are_checked() -> None:
+    with pytest.raises(ConfigError, match="static_roles"):
+        load_config({"static_backends": "http://a:1", "static_roles": "prefil"})
+    with pytest.raises(ConfigError, match="one entry per static backend"):
+        load_config({"static_backends": "http://a:1", "static_roles": "prefill,decode"})
+    config = load_config({"static_backends": "http://a:1,http://b:1", "static_roles": "prefill,decode"})
+    assert config.disaggregated
