@@ -95,9 +95,12 @@ class RouterConfig:
     disaggregation: bool = False
     disagg_protocol: str = "vllm"  # vllm: vLLM's kv_transfer_params; lmcache: LMCache's disagg_spec
     disagg_min_uncached_tokens: int = 256  # shorter uncached prompt parts are served decode-only
-    # lmcache protocol: where decode engines' LMCache receivers listen (engine host, these ports)
+    # lmcache protocol: where decode engines' LMCache receivers listen (engine host, these ports), where
+    # the router takes the prefill engines' "KV sent" notifications (ZMQ PULL), and how long it waits
     disagg_receiver_init_port: int = 7300
     disagg_receiver_alloc_port: int = 7400
+    disagg_notify_port: int = 7500
+    disagg_notify_timeout: float = 10.0
     # The router's per-model queue: requests wait there while every engine is saturated (or none is
     # ready yet); 0 turns it off (such requests are answered at once)
     queue_max_per_model: int = 1000
@@ -159,6 +162,9 @@ class RouterConfig:
             raise ConfigError(f"disagg_protocol must be one of {DISAGG_PROTOCOLS}")
         if self.disagg_min_uncached_tokens < 0:
             raise ConfigError("disagg_min_uncached_tokens must be >= 0")
+        ports = (self.disagg_receiver_init_port, self.disagg_receiver_alloc_port, self.disagg_notify_port)
+        if not all(0 < port < 65536 for port in ports) or self.disagg_notify_timeout <= 0:
+            raise ConfigError("the disagg_* ports must be in 1..65535 and disagg_notify_timeout > 0")
         for backend in self.static_backends:
             if not backend.startswith(("http://", "https://")):
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")

@@ -44,6 +44,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--disagg-protocol", choices=("vllm", "lmcache"), help="KV hand-over protocol (default vllm)"
     )
     p.add_argument(
+        "--disagg-receiver-init-port",
+        type=int,
+        help="lmcache protocol: decode engines' pd_peer_init_port (7300)",
+    )
+    p.add_argument(
+        "--disagg-receiver-alloc-port",
+        type=int,
+        help="lmcache protocol: decode engines' pd_peer_alloc_port (7400)",
+    )
+    p.add_argument(
+        "--disagg-notify-port",
+        type=int,
+        help="lmcache protocol: where the router takes prefill engines' notifications (their pd_proxy_port, 7500)",
+    )
+    p.add_argument(
+        "--disagg-notify-timeout",
+        type=float,
+        help="lmcache protocol: seconds to wait for a prefill engine's notification before decoding anyway (10)",
+    )
+    p.add_argument(
         "--disagg-min-uncached-tokens",
         type=int,
         help="uncached prompt tokens below which a request skips the prefill engine (default 256)",
