@@ -27,6 +27,7 @@ from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.director.director import Director, ProxySettings
 from vllm_stack.director.disagg import DisaggSettings
+from vllm_stack.director.pd_notify import PdNotifications
 from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
@@ -104,8 +105,20 @@ class Router:
         )
         setup = self._build_scheduling(config)
         self.queue = RequestQueue(self.metrics, config.queue_max_per_model)
+        # LMCache's PD hand-over: the prefill engines notify the router here (bound at start)
+        self.pd_notifications = (
+            PdNotifications(config.disagg_notify_port)
+            if config.disaggregated and config.disagg_protocol == "lmcache"
+            else None
+        )
         self.director = Director(
-            self.registry, self.pools, self.metrics, setup, self._proxy_settings(config), self.queue
+            self.registry,
+            self.pools,
+            self.metrics,
+            setup,
+            self._proxy_settings(config),
+            self.queue,
+            self.pd_notifications,
         )
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
@@ -151,6 +164,7 @@ class Router:
                 config.disagg_min_uncached_tokens,
                 config.disagg_receiver_init_port,
                 config.disagg_receiver_alloc_port,
+                config.disagg_notify_timeout,
             )
             if config.disaggregated
             else None,
@@ -234,6 +248,8 @@ class Router:
             "host",
             "port",
             "service_discovery",
+            "disagg_protocol",
+            "disagg_notify_port",
             "k8s_namespace",
             "k8s_label_selector",
         ):
@@ -330,6 +346,8 @@ class Router:
         ]
         if config.config_file:
             self._tasks.append(asyncio.ensure_future(self._watch_config(config.config_file)))
+        if self.pd_notifications is not None:
+            self._tasks.append(asyncio.ensure_future(self.pd_notifications.run()))
 
     async def _run_discovery(self) -> None:
         try:

@@ -7,14 +7,21 @@ engines' test is tests/engines/test_disagg_engines.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import time
+from collections.abc import Iterator
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
 from tests.fakes.stub_engine import StubBehaviour, StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 from vllm_stack.config import ConfigError, load_config
+from vllm_stack.director.pd_notify import MAX_EARLY, PdNotifications
 
 LONG = "the quick brown fox jumps over the lazy dog " * 60  # ~650 tokens by the byte estimate
 HANDOVER = {
@@ -221,3 +228,118 @@ def test_roles_are_checked() -> None:
         load_config({"static_backends": "http://a:1", "static_roles": "prefill,decode"})
     config = load_config({"static_backends": "http://a:1,http://b:1", "static_roles": "prefill,decode"})
     assert config.disaggregated
+
+
+# ---- LMCache's own PD mode (disagg_protocol: lmcache) ---------------------------------------------------
+class ProxyNotif(msgspec.Struct, tag=True):
+    """LMCache 0.5.x's notification to the proxy, as its source defines the wire format (a tagged
+    msgspec struct: the msgpack map {"type": "ProxyNotif", "req_id": ...}); LMCache's PD path needs
+    CUDA, so this test stands in for the prefill engine's LMCache."""
+
+    req_id: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def lmcache_sender(port: int) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield push
+    finally:
+        push.close()
+        ctx.term()
+
+
+def lmcache_settings(port: int, **extra: object) -> dict[str, object]:
+    return pd_settings(
+        disagg_protocol="lmcache",
+        disagg_notify_port=port,
+        disagg_receiver_init_port=55555,
+        disagg_receiver_alloc_port=55556,
+        **extra,
+    )
+
+
+async def test_lmcache_names_the_decode_receiver_and_decodes_once_notified() -> None:
+    prefill, decode = (
+        StubEngine("P", behaviour=StubBehaviour(kv_transfer_params={"first_tok": 42})),
+        StubEngine("D"),
+    )
+    port = free_port()
+    async with (
+        stubs(prefill, decode) as urls,
+        running_router(urls, **lmcache_settings(port)) as (url, router),
+    ):
+        async with http(url) as c:
+            sent = body(stream=True)
+            answer = asyncio.ensure_future(c.post("/v1/chat/completions", json=sent))
+            await wait_for(lambda: len(prefill.seen) == 1, what="the prefill leg")
+            spec = json.loads(prefill.seen[0].body)["kv_transfer_params"]
+            assert spec["ret_first_tok"] is True
+            disagg_spec = spec["disagg_spec"]
+            assert disagg_spec["receiver_host"] == "127.0.0.1"
+            assert disagg_spec["receiver_init_port"] == [55555] and disagg_spec["receiver_alloc_port"] == [
+                55556
+            ]
+            await wait_for(lambda: router.pd_notifications.waiting == 1, what="the wait for the notification")
+            assert not decode.seen  # the KV is not there yet
+            with lmcache_sender(port) as push:
+                push.send(msgspec.msgpack.encode(ProxyNotif(disagg_spec["req_id"])))
+                r = await answer
+        assert r.status_code == 200 and "data: [DONE]" in r.text
+        assert json.loads(decode.seen[0].body) == sent  # the client's own request, no hand-over params
+        assert metric_value(router, DISAGG, model="stub-model", outcome="notify_timeout") == 0
+        assert router.pd_notifications.waiting == 0
+
+
+async def test_lmcache_a_notification_before_the_prefill_answer_is_kept() -> None:
+    prefill, decode = StubEngine("P", behaviour=StubBehaviour(delay_s=0.5)), StubEngine("D")
+    port = free_port()
+    settings = lmcache_settings(port, disagg_notify_timeout=5.0)
+    async with stubs(prefill, decode) as urls, running_router(urls, **settings) as (url, router):
+        async with http(url) as c:
+            answer = asyncio.ensure_future(c.post("/v1/chat/completions", json=body()))
+            await wait_for(lambda: len(prefill.seen) == 1, what="the prefill leg")
+            req_id = json.loads(prefill.seen[0].body)["kv_transfer_params"]["disagg_spec"]["req_id"]
+            with lmcache_sender(port) as push:
+                push.send(msgspec.msgpack.encode(ProxyNotif(req_id)))
+            started = time.monotonic()
+            r = await answer
+        assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert time.monotonic() - started < 2.0  # not the notification timeout
+        assert metric_value(router, DISAGG, model="stub-model", outcome="notify_timeout") == 0
+
+
+async def test_lmcache_without_a_notification_decodes_after_the_timeout() -> None:
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    settings = lmcache_settings(free_port(), disagg_notify_timeout=0.3)
+    async with stubs(prefill, decode) as urls, running_router(urls, **settings) as (url, router):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+        assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert metric_value(router, DISAGG, model="stub-model", outcome="notify_timeout") == 1
+        assert router.pd_notifications.waiting == 0
+
+
+def test_pd_notifications_stay_bounded_and_skip_what_is_not_one() -> None:
+    notifications = PdNotifications(1)
+    for i in range(MAX_EARLY + 50):
+        notifications.deliver(msgspec.msgpack.encode(ProxyNotif(f"r{i}")))
+    for junk in (
+        b"",
+        b"\xc1",
+        msgspec.msgpack.encode([1, 2]),
+        msgspec.msgpack.encode({"req_id": 7}),
+        b"x" * 5000,
+    ):
+        notifications.deliver(junk)
+    assert len(notifications._early) == MAX_EARLY  # noqa: SLF001 - the bound under test
+    assert notifications.malformed == 5 and notifications.received == MAX_EARLY + 55

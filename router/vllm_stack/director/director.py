@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from vllm_stack.director.disagg import DisaggSettings
+from vllm_stack.director.pd_notify import PdNotifications
 from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.errors import RouterError, no_healthy_engine
@@ -69,7 +70,16 @@ class Director:
     """What every proxied request (:class:`~vllm_stack.director.request.ProxiedRequest`, started by
     the API layer with this director) reaches: engines, pools, metrics, scheduling, hooks, settings."""
 
-    __slots__ = ("registry", "pools", "metrics", "scheduler", "hooks", "settings", "queue")
+    __slots__ = (
+        "registry",
+        "pools",
+        "metrics",
+        "scheduler",
+        "hooks",
+        "settings",
+        "queue",
+        "pd_notifications",
+    )
 
     def __init__(
         self,
@@ -79,6 +89,7 @@ class Director:
         setup: SchedulingSetup,
         settings: ProxySettings,
         queue: RequestQueue | None = None,
+        pd_notifications: PdNotifications | None = None,
     ) -> None:
         self.queue = queue if queue is not None else RequestQueue(metrics)
         self.registry = registry
@@ -87,6 +98,8 @@ class Director:
         self.scheduler: Scheduler = setup.scheduler
         self.hooks: Hooks = setup.hooks
         self.settings = settings
+        # LMCache's PD notifications (the lmcache hand-over protocol only; None otherwise)
+        self.pd_notifications = pd_notifications
 
     def configure(self, setup: SchedulingSetup, settings: ProxySettings) -> None:
         """A reload: new scheduling and settings for the requests that start from now on."""

@@ -17,7 +17,13 @@ The director (:mod:`.request`) runs the stages; this module holds what is partic
   that returns none (ExampleConnector: the KV goes through a shared folder keyed by the prompt)
   leaves the decode request exactly the client's body.
 
-  ``lmcache`` (LMCache's own PD mode): see :func:`lmcache_prefill_params`.
+  ``lmcache`` (LMCache's own PD mode, 0.5.x): the prefill request's ``kv_transfer_params`` are
+  ``{"ret_first_tok": true, "disagg_spec": {"req_id", "receiver_host", "receiver_init_port": [p],
+  "receiver_alloc_port": [p]}}`` naming the decode engine chosen beforehand, whose LMCache receives
+  the KV; after the prefill answer and LMCache's notification (:mod:`.pd_notify`) the client's own
+  request goes to that engine, which finds the KV by the prompt's chunk hashes. The ports are
+  one-element lists: one receiver per TP rank, so TP 1 (what LMCache's own proxy also assumes when
+  given one port). Unverified here: LMCache's PD path needs CUDA; written from LMCache 0.5.6's source.
 
 - :class:`PrefillExchange`: the prefill leg, one upstream exchange whose answer is read whole
   (bounded) and never forwarded; it reports to its owner how it ended and what it returned.
@@ -64,6 +70,7 @@ class DisaggSettings:
     min_uncached_tokens: int = 256
     receiver_init_port: int = 7300  # lmcache: the decode engines' LMCache receiver ports
     receiver_alloc_port: int = 7400
+    notify_timeout: float = 10.0  # lmcache: seconds to wait for the prefill engine's notification
 
     def worth_it(self, uncached_tokens: int) -> bool:
         """The decider: a prefill engine is worth a second leg only for a long enough uncached part

@@ -30,14 +30,14 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from vllm_stack.director import disagg
+from vllm_stack.director.disagg import DISAGG_PATHS
+from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.metrics import _Value
 from vllm_stack.relay.leg import Leg
 from vllm_stack.scheduling.config import Hooks
 from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
-from vllm_stack.scheduling.profiles import PREFILL_PROFILE
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 if TYPE_CHECKING:
@@ -76,10 +76,7 @@ class ProxiedRequest:
         "queue_seq",
         "queued_at",
         "disagg_pending",
-        "prefill",
-        "prefill_engine",
-        "prefill_booked",
-        "prefill_request",
+        "pd",
     )
 
     def __init__(
@@ -116,11 +113,8 @@ class ProxiedRequest:
         self.queue_seq = 0  # its entry in the model's queue while it waits there (director.queue)
         self.queued_at = 0.0
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
-        self.disagg_pending = director.settings.disagg is not None and ctx.path in disagg.DISAGG_PATHS
-        self.prefill: disagg.PrefillExchange | None = None
-        self.prefill_engine: Engine | None = None
-        self.prefill_booked = 0  # prompt tokens booked on prefill_engine.prefill_tokens
-        self.prefill_request: dict[str, Any] | None = None  # the client's body, parsed for the two legs
+        self.disagg_pending = director.settings.disagg is not None and ctx.path in DISAGG_PATHS
+        self.pd: PrefillStage | None = None  # while its prefill stage runs
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         hooks = director.hooks
@@ -212,7 +206,8 @@ class ProxiedRequest:
             return
         if self.disagg_pending:
             self.disagg_pending = False
-            if self._start_prefill():
+            self.pd = PrefillStage.begin(self)
+            if self.pd is not None:
                 return
         director = self.director
         ctx = self.ctx
@@ -231,111 +226,15 @@ class ProxiedRequest:
             return
         self._start(engine)
 
-    # ---- disaggregated prefill (.disagg) ----------------------------------------------------------------
-    def _start_prefill(self) -> bool:
-        """Send the prompt to a prefill engine first, when the model has one and the decider says it
-        is worth it; False: the request is served whole by a decode (or whole-request) engine."""
-        director = self.director
-        ctx = self.ctx
-        settings = director.settings.disagg
-        candidates = director.registry.prefill_candidates(ctx.pool or ctx.model)
-        if settings is None or not candidates:
-            return False
-        metrics = director.metrics
-        profile = director.scheduler.profiles.get(PREFILL_PROFILE)
-        if profile is None:  # a scheduling configuration of the user's without one
-            metrics.disagg(self.model_label, "no_prefill_profile")
-            return False
-        request = disagg.parse_body(ctx.body)
-        if request is None or "kv_transfer_params" in request:
-            metrics.disagg(self.model_label, "client_params" if request is not None else "not_json")
-            return False
-        ctx.prefill_tokens = 0
-        result = profile.run(ctx, candidates)
-        tokens, ctx.prefill_tokens = ctx.prefill_tokens, 0
-        engine = result.engine
-        if engine is None:
-            metrics.disagg(self.model_label, "no_prefill_engine")
-            return False
-        if not settings.worth_it(tokens):
-            metrics.disagg(self.model_label, "short")
-            return False
-        self.prefill_request = request
-        params = disagg.vllm_prefill_params()
-        body = disagg.prefill_body(request, params)
-        pool = director.pools.get(engine.url)
-        line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (
-            self.request.method.encode(),
-            pool.path_prefix,
-            self.request.target,
-            pool.host_header,
-        )
-        self.prefill_engine = engine
-        self.prefill_booked = tokens
-        engine.breaker.acquire()
-        engine.in_flight += 1
-        engine.prefill_tokens += tokens
-        director.metrics.in_flight_child(engine.name).inc()
-        upstream = line + ctx.upstream_headers + disagg.with_body(self.tail, ctx.body, body)
-        self.prefill = disagg.PrefillExchange(self, pool, upstream)
-        return True
-
-    def _end_prefill(self) -> Engine:
-        """Settle the prefill engine's books (the breaker's outcome is the caller's)."""
-        self.prefill = None
-        engine = self.prefill_engine
-        assert engine is not None
-        engine.in_flight -= 1
-        engine.prefill_tokens -= self.prefill_booked
-        self.prefill_booked = 0
-        self.director.metrics.in_flight_child(engine.name).dec()
-        return engine
-
-    def prefill_answered(self, exchange: disagg.PrefillExchange, status: int, answer: bytes) -> None:
-        """The prefill engine answered: on to a decode engine with its hand-over (any other answer
-        than a 200 with a JSON object: decode-only, as if there had been no prefill)."""
-        if exchange is not self.prefill or self.done:
-            return
-        engine = self._end_prefill()
-        director = self.director
-        director.metrics.observe_prefill(self.model_label, time.perf_counter() - exchange.started)
-        if status >= 500:
-            engine.breaker.failure()
+    # ---- disaggregated prefill (.prefill_stage) -------------------------------------------------------
+    def resume_after_prefill(self, engine: Engine | None) -> None:
+        """The prefill stage is over (done, skipped or failed): decode on ``engine`` (the one the KV
+        was sent to, when it can still take the request), else schedule as for any request."""
+        self.pd = None
+        if engine is not None and engine.routable() and engine.breaker.available():
+            self._start(engine)
         else:
-            engine.breaker.success()
-        is_object, params = disagg.answer_params(answer) if status == 200 else (False, None)
-        if not is_object:
-            log.warning("prefill engine %s answered %d; serving decode-only", engine.name, status)
-            director.metrics.disagg(self.model_label, "prefill_failed")
-        else:
-            director.metrics.disagg(self.model_label, "disaggregated")
-            request = self.prefill_request
-            assert request is not None
-            ctx = self.ctx
-            body = disagg.decode_body(request, ctx.body, params)
-            if body is not ctx.body:
-                self.tail = disagg.with_body(self.tail, ctx.body, body)
-        self.prefill_request = None
-        self._attempt()
-
-    def prefill_failed(self, exchange: disagg.PrefillExchange, message: str, reason: str) -> None:
-        """The prefill leg failed (nothing reached the client): served decode-only."""
-        if exchange is not self.prefill or self.done:
-            return
-        engine = self._end_prefill()
-        director = self.director
-        director.metrics.observe_prefill(self.model_label, time.perf_counter() - exchange.started)
-        if reason == "connect_error":
-            engine.breaker.failure()
-            director.registry.eject(engine, reason)
-        elif reason == "upstream_closed":
-            engine.breaker.release()
-        else:
-            engine.breaker.failure()
-        log.warning("%s; serving decode-only", message)
-        director.metrics.disagg(self.model_label, "prefill_failed")
-        self.prefill_request = None
-        self._attempt()
+            self._attempt()
 
     def _may_wait(self, reason: str) -> bool:
         """Whether the request waits in its model's queue for ``reason`` (not a sheddable one when
@@ -553,10 +452,9 @@ class ProxiedRequest:
         if waiting is not None:
             self.waiting = None
             waiting.cancel()  # whatever the stage started ends with the request
-        prefill = self.prefill
-        if prefill is not None:
-            prefill.abort()  # the prefill engine sees the connection close and aborts the request
-            self._end_prefill().breaker.release()
+        if self.pd is not None:
+            self.pd.cancel()  # the prefill engine sees the connection close and aborts the request
+            self.pd = None
         leg = self.leg
         if leg is not None:
             self.leg = None
@@ -599,11 +497,8 @@ class ProxiedRequest:
                     )
                 )
             return
-        prefill = self.prefill
-        if prefill is not None:
-            if prefill.silent_for(now) >= timeout:
-                prefill.abort()
-                self.prefill_failed(prefill, f"The prefill engine was silent for {timeout:g}s", "timeout")
+        if self.pd is not None:
+            self.pd.check_timeout(now, timeout)
             return
         if leg is None:
             if self.waiting is not None and now - self.started >= timeout:

@@ -1,0 +1,238 @@
+"""One request's prefill stage in disaggregated serving: decide, run the prefill leg, hand over.
+
+:meth:`PrefillStage.begin` runs at a request's first scheduling. It returns None (the request is
+served whole, decode-only) unless the model has prefill engines, the ``prefill`` profile picked one,
+the body is a JSON object without ``kv_transfer_params`` of its own, and the decider finds the
+uncached part of the prompt long enough. Otherwise it books the prefill engine (in-flight count,
+prefill tokens, breaker) and sends the prefill leg (:class:`~.disagg.PrefillExchange`). How it ends:
+
+- ``vllm`` protocol: the prefill answer's ``kv_transfer_params`` go into the decode request, which
+  the strategy's own profile schedules (the decode engine pulls the KV from the prefill engine);
+- ``lmcache`` protocol: the decode engine is chosen first (the prefill request's ``disagg_spec``
+  names its LMCache receiver), and once the prefill engine answered and its LMCache notified the
+  router (:mod:`.pd_notify`; at most ``notify_timeout`` later) the client's own request goes there;
+- a prefill leg that fails (no answer, a non-200, not JSON, silent past the request timeout) is
+  settled on the prefill engine's breaker and the request is served decode-only; nothing reached
+  the client, so this is never visible to it but in the latency;
+- a client that leaves ends the prefill leg (its connection is closed: the engine aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from vllm_stack.director import disagg
+from vllm_stack.engines.engine import Engine
+from vllm_stack.request_id import new_request_id
+from vllm_stack.scheduling.profiles import PREFILL_PROFILE
+
+if TYPE_CHECKING:
+    from vllm_stack.director.request import ProxiedRequest
+
+log = logging.getLogger(__name__)
+
+
+class PrefillStage:
+    """The prefill leg of one request and what it booked (see the module docstring)."""
+
+    __slots__ = ("owner", "settings", "request", "engine", "booked", "exchange", "decode", "req_id", "timer")
+
+    def __init__(
+        self,
+        owner: ProxiedRequest,
+        settings: disagg.DisaggSettings,
+        request: dict[str, Any],
+        engine: Engine,
+        booked: int,
+        decode: Engine | None,
+    ) -> None:
+        self.owner = owner
+        self.settings = settings
+        self.request = request  # the client's body, parsed once for both legs
+        self.engine = engine  # the prefill engine
+        self.booked = booked  # prompt tokens booked on engine.prefill_tokens
+        self.exchange: disagg.PrefillExchange | None = None
+        self.decode = decode  # lmcache: the decode engine the KV is sent to
+        self.req_id = ""  # lmcache: the disagg_spec's id, which its notification carries
+        self.timer: asyncio.TimerHandle | None = None  # lmcache: the wait for the notification
+
+    @classmethod
+    def begin(cls, owner: ProxiedRequest) -> PrefillStage | None:
+        """The stage, its prefill leg sent; None when the request is served without one."""
+        director = owner.director
+        ctx = owner.ctx
+        settings = director.settings.disagg
+        candidates = director.registry.prefill_candidates(ctx.pool or ctx.model)
+        if settings is None or not candidates:
+            return None
+        metrics = director.metrics
+        label = owner.model_label
+        profile = director.scheduler.profiles.get(PREFILL_PROFILE)
+        if profile is None:  # a scheduling configuration of the user's without one
+            metrics.disagg(label, "no_prefill_profile")
+            return None
+        request = disagg.parse_body(ctx.body)
+        if request is None or "kv_transfer_params" in request:
+            metrics.disagg(label, "client_params" if request is not None else "not_json")
+            return None
+        ctx.prefill_tokens = 0
+        engine = profile.run(ctx, candidates).engine
+        tokens, ctx.prefill_tokens = ctx.prefill_tokens, 0
+        if engine is None:
+            metrics.disagg(label, "no_prefill_engine")
+            return None
+        if not settings.worth_it(tokens):
+            metrics.disagg(label, "short")
+            return None
+        decode = None
+        if settings.protocol == "lmcache":
+            if director.pd_notifications is None:
+                metrics.disagg(label, "no_notifications")
+                return None
+            scheduler = director.scheduler
+            schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
+            decode = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model)).engine
+            ctx.prefill_tokens = 0
+            if decode is None:  # none has room: the request waits for one as any request does
+                metrics.disagg(label, "no_decode_engine")
+                return None
+        stage = cls(owner, settings, request, engine, tokens, decode)
+        stage._send()
+        return stage
+
+    def _send(self) -> None:
+        owner = self.owner
+        director = owner.director
+        ctx = owner.ctx
+        engine = self.engine
+        if self.decode is not None:
+            self.req_id = new_request_id().decode()
+            receiver = urlsplit(self.decode.url).hostname or ""
+            params = disagg.lmcache_prefill_params(
+                self.req_id, receiver, self.settings.receiver_init_port, self.settings.receiver_alloc_port
+            )
+        else:
+            params = disagg.vllm_prefill_params()
+        pool = director.pools.get(engine.url)
+        request = owner.request
+        line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (
+            request.method.encode(),
+            pool.path_prefix,
+            request.target,
+            pool.host_header,
+        )
+        body = disagg.prefill_body(self.request, params)
+        engine.breaker.acquire()
+        engine.in_flight += 1
+        engine.prefill_tokens += self.booked
+        director.metrics.in_flight_child(engine.name).inc()
+        upstream = line + ctx.upstream_headers + disagg.with_body(owner.tail, ctx.body, body)
+        self.exchange = disagg.PrefillExchange(self, pool, upstream)
+
+    def _settle(self) -> disagg.PrefillExchange:
+        """Release the prefill engine's books (the breaker's outcome is the caller's)."""
+        exchange = self.exchange
+        assert exchange is not None
+        self.exchange = None
+        engine = self.engine
+        engine.in_flight -= 1
+        engine.prefill_tokens -= self.booked
+        self.booked = 0
+        metrics = self.owner.director.metrics
+        metrics.in_flight_child(engine.name).dec()
+        metrics.observe_prefill(self.owner.model_label, time.perf_counter() - exchange.started)
+        return exchange
+
+    # ---- what the prefill leg reports (disagg.PrefillOwner) ------------------------------------------
+    def prefill_answered(self, exchange: disagg.PrefillExchange, status: int, answer: bytes) -> None:
+        if exchange is not self.exchange:
+            return
+        self._settle()
+        engine = self.engine
+        if status >= 500:
+            engine.breaker.failure()
+        else:
+            engine.breaker.success()
+        is_object, params = disagg.answer_params(answer) if status == 200 else (False, None)
+        metrics = self.owner.director.metrics
+        if not is_object:
+            log.warning("prefill engine %s answered %d; serving decode-only", engine.name, status)
+            metrics.disagg(self.owner.model_label, "prefill_failed")
+            self.owner.resume_after_prefill(None)
+            return
+        metrics.disagg(self.owner.model_label, "disaggregated")
+        if self.decode is not None:  # lmcache: the KV goes to that engine; decode once it is there
+            notifications = self.owner.director.pd_notifications
+            assert notifications is not None
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(self.settings.notify_timeout, self._kv_late)
+            notifications.expect(self.req_id, 1, self._kv_ready)
+            return
+        owner = self.owner
+        body = disagg.decode_body(self.request, owner.ctx.body, params)
+        if body is not owner.ctx.body:
+            owner.tail = disagg.with_body(owner.tail, owner.ctx.body, body)
+        owner.resume_after_prefill(None)
+
+    def prefill_failed(self, exchange: disagg.PrefillExchange, message: str, reason: str) -> None:
+        if exchange is not self.exchange:
+            return
+        self._settle()
+        engine = self.engine
+        director = self.owner.director
+        if reason == "connect_error":
+            engine.breaker.failure()
+            director.registry.eject(engine, reason)
+        elif reason == "upstream_closed":
+            engine.breaker.release()
+        else:
+            engine.breaker.failure()
+        log.warning("%s; serving decode-only", message)
+        director.metrics.disagg(self.owner.model_label, "prefill_failed")
+        self.owner.resume_after_prefill(None)
+
+    # ---- lmcache: the notification ------------------------------------------------------------------
+    def _kv_ready(self) -> None:
+        if self.timer is None:  # it came after the wait ended (timed out, client gone)
+            return
+        self.timer.cancel()
+        self.timer = None
+        self.owner.resume_after_prefill(self.decode)
+
+    def _kv_late(self) -> None:
+        """No notification in time: decode anyway (LMCache recomputes what did not arrive)."""
+        self.timer = None
+        notifications = self.owner.director.pd_notifications
+        if notifications is not None:
+            notifications.forget(self.req_id)
+        log.warning(
+            "no PD notification for %s within %gs; decoding anyway", self.req_id, self.settings.notify_timeout
+        )
+        self.owner.director.metrics.disagg(self.owner.model_label, "notify_timeout")
+        self.owner.resume_after_prefill(self.decode)
+
+    # ---- the client side ------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """The client left: the prefill leg ends (its connection closes), the wait too."""
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.abort()
+            self._settle()
+            self.engine.breaker.release()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            notifications = self.owner.director.pd_notifications
+            if notifications is not None:
+                notifications.forget(self.req_id)
+
+    def check_timeout(self, now: float, timeout: float) -> None:
+        """The server's sweep: a prefill engine silent for the request timeout fails its leg."""
+        exchange = self.exchange
+        if exchange is not None and exchange.silent_for(now) >= timeout:
+            exchange.abort()
+            self.prefill_failed(exchange, f"The prefill engine was silent for {timeout:g}s", "timeout")
