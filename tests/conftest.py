@@ -2,7 +2,9 @@
 
 Engines are expensive (about a minute each on one free core), so they start in two waves when the first
 test needs any: the two chat engines and the embedding engine, which the first engine tests use, then,
-once those answer (or as soon as a test asks for one of them), the spare and priority engines.
+once those answer (or as soon as a test asks for one of them), the spare and priority engines. The
+disaggregated-prefill pair (two engines sharing a KV folder through vLLM's ExampleConnector) starts
+only when a test asks for it, once the second wave is up, and runs until the session ends.
 Starting all five at once on two cores made every one of them slow: on a loaded CI machine a chat
 engine was still starting after 420 s. Each fixture waits only for the engines it returns. Every
 engine is stopped at the end of the session; a failed test that used engines gets their log tails
@@ -11,6 +13,7 @@ attached to its report.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -171,6 +174,52 @@ class SessionEngines:
         self._closing.set()
         if self._second_wave is not None:
             self._second_wave.join()
+
+
+def pd_engine_spec(model_dir: Path, role: str, folder: Path) -> EngineSpec:
+    """A chat engine with ExampleConnector in ``role`` (kv_producer or kv_consumer) on ``folder``: what
+    ``vllm-stack engines -- --kv-transfer-config ...`` starts (tutorials/05-disaggregated-prefill.md)."""
+    config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(folder)},
+    }
+    return EngineSpec(model_dir, CHAT_MODEL, extra_args=["--kv-transfer-config", json.dumps(config)])
+
+
+@pytest.fixture(scope="session")
+def pd_engines(
+    session_engines: SessionEngines,
+    tiny_model_dir: Path,
+    engine_logs_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EngineGroup]:
+    """A prefill engine (kv_producer) and a decode engine (kv_consumer) sharing one KV folder; started
+    once the session's second wave is up (seven engines starting at once on two cores time out)."""
+    session_engines.priority_engine()  # the second wave is ready, so the first one too
+    folder = tmp_path_factory.mktemp("kv-shared")
+    cpus = default_cpus(2)
+    group = EngineGroup(
+        [
+            launch(
+                pd_engine_spec(tiny_model_dir, "kv_producer", folder),
+                name="pd-prefill",
+                cpu=cpus[0],
+                log_dir=engine_logs_dir,
+            ),
+            launch(
+                pd_engine_spec(tiny_model_dir, "kv_consumer", folder),
+                name="pd-decode",
+                cpu=cpus[1],
+                log_dir=engine_logs_dir,
+            ),
+        ]
+    )
+    try:
+        wait_ready(group.engines, READY_TIMEOUT)
+        yield group
+    finally:
+        group.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Disaggregated prefill on real CPU vLLM engines: a prefill engine (ExampleConnector, kv_producer)
+"""Disaggregated prefill on real CPU vLLM engines (the session's ``pd_engines``): a prefill engine (ExampleConnector, kv_producer)
 and a decode engine (ExampleConnector, kv_consumer) that share a KV folder, with the router between
 them, and a TCP tap in front of each engine so the test reads both legs as they were on the wire.
 
@@ -12,69 +12,19 @@ of the wire here, and with a connector's non-empty hand-over in tests/router/tes
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from vllm_stack_dev.testbed.engines import EngineGroup, EngineSpec, default_cpus, launch, wait_ready
+from vllm_stack_dev.testbed.engines import EngineGroup
 
-from tests.conftest import CHAT_MODEL, SessionEngines
+from tests.conftest import CHAT_MODEL
 from tests.fakes.wire_tap import tapped
 from tests.router.helpers import http, metric_value, running_router
+
+pytestmark = pytest.mark.engine
 
 HITS = "vllm:external_prefix_cache_hits_total"
 # About 600 prompt tokens with the chat template: four of the CPU backend's 128-token KV blocks
 LONG = " ".join(f"word{i} of the long document that the decode engine should not prefill" for i in range(60))
-
-
-def _spec(model_dir: Path, role: str, folder: Path) -> EngineSpec:
-    config = {
-        "kv_connector": "ExampleConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": str(folder)},
-    }
-    return EngineSpec(
-        model_dir,
-        CHAT_MODEL,
-        enable_lora=False,
-        kv_events=False,
-        extra_args=["--kv-transfer-config", json.dumps(config)],
-    )
-
-
-@pytest.fixture(scope="module")
-def pd_engines(
-    session_engines: SessionEngines,
-    tiny_model_dir: Path,
-    engine_logs_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[EngineGroup]:
-    """The prefill and the decode engine; started once the session's engines are up (not alongside
-    them: seven engines starting at once on two cores is what made start-ups time out before)."""
-    session_engines.priority_engine()  # the second wave is ready, so the first one too
-    folder = tmp_path_factory.mktemp("kv-shared")
-    cpus = default_cpus(2)
-    group = EngineGroup(
-        [
-            launch(
-                _spec(tiny_model_dir, "kv_producer", folder),
-                name="pd-prefill",
-                cpu=cpus[0],
-                log_dir=engine_logs_dir,
-            ),
-            launch(
-                _spec(tiny_model_dir, "kv_consumer", folder),
-                name="pd-decode",
-                cpu=cpus[1],
-                log_dir=engine_logs_dir,
-            ),
-        ]
-    )
-    try:
-        wait_ready(group.engines)
-        yield group
-    finally:
-        group.stop()
 
 
 async def test_the_decode_engine_takes_the_prefilled_kv_and_the_handover_as_returned(
