@@ -2,6 +2,8 @@
 
 admit -> prepare -> schedule -> pre-request -> relay leg; on a failure before anything reached the
 client, schedule again (the engines tried are excluded) and run another leg, up to ``retries`` more.
+For a model with prefill engines, the first scheduling is preceded by the prefill stage
+(:mod:`.prefill_stage`): a prefill leg elsewhere, whose hand-over the decode leg carries.
 When scheduling finds every engine saturated (or a configured model has none ready), the request
 waits in its model's queue (:mod:`.queue`) and is scheduled again from there; a sheddable one is
 answered 429 instead.
