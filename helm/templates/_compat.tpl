@@ -11,6 +11,8 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- if and $r.enableRouter (include "vllm-stack.router.foreignImage" .) -}}
 {{- $n = append $n (printf "routerSpec.repository, routerSpec.tag: %s%s is not this project's router (its command line differs; these args would crash or be misread); %s is deployed instead. Set routerSpec.vllmStackImage: true if it is your build of engine-image/router.Dockerfile" $r.repository (ternary (printf ":%s" (toString $r.tag)) "" (not (empty $r.tag))) (include "vllm-stack.router.image" .)) -}}
 {{- end -}}
+{{- if eq (toString $r.routingLogic) "disaggregated_prefill_orchestrated" }}{{ $n = append $n "routerSpec.routingLogic: disaggregated_prefill_orchestrated rendered as disaggregated_prefill: this router orchestrates every disaggregated request itself (the prefill leg on a prefill engine, then the decode leg on a decode engine)" }}{{ end -}}
+{{- if and $r.enableRouter (eq (toString $r.enablePD) "true") }}{{ $n = append $n (printf "routerSpec.enablePD: the router runs with --disaggregation%s" (ternary " (the prefill-role models would turn it on anyway)" "" (eq (include "vllm-stack.disagg.prefill" .) "true"))) }}{{ end -}}
 {{- if hasKey $r "requestStatsWindow" }}{{ $n = append $n "routerSpec.requestStatsWindow: ignored: the vllm-stack router takes its load signals from the engines' /metrics every engineScrapeInterval, not from a window of its own requests" }}{{ end -}}
 {{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
 {{- with $r.otel }}{{ $n = append $n (printf "routerSpec.otel: the vllm-stack router has no tracing yet: no spans are sent%s (the engines' own OTEL_* env, if any, is passed through)" (ternary (printf " to %s" .endpoint) "" (not (empty .endpoint)))) }}{{ end -}}
@@ -54,6 +56,7 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- if and (hasKey $vc "v1") (not (has (toString $vc.v1) (list "0" "false"))) }}{{ $n = append $n (printf "%s.vllmConfig.v1: nothing to set: vLLM 0.32 has only the V1 engine" $p) }}{{ end -}}
 {{- if and $vc.maxLoras (not (or $vc.enableLoRA $m.enableLoRA)) }}{{ $n = append $n (printf "%s.vllmConfig.maxLoras: --enable-lora added (vLLM ignores --max-loras without it; production-stack passes --max_loras alone)" $p) }}{{ end -}}
 {{- if and $m.enableLoRA $m.pvcStorage }}{{ $n = append $n (printf "%s.enableLoRA: --enable-lora; production-stack would also add its LoRA sidecar here (enableLoRA with pvcStorage), which is not shipped: register adapters in loraAdapters (the router loads them) or use vllmConfig.loraModules" $p) }}{{ end -}}
+{{- with ($m.lmcacheConfig | default dict).cudaVisibleDevices }}{{ $n = append $n (printf "%s.lmcacheConfig.cudaVisibleDevices: not set as CUDA_VISIBLE_DEVICES (%q): each pod gets its own GPUs from the device plugin (requestGPU), numbered from 0 inside the pod, so a node-wide index such as \"1\" would hide a one-GPU pod's only GPU%s" $p (toString .) (ternary "; this model requests none: give it requestGPU: 1" "" (eq (include "vllm-stack.engine.gpus" $ctx) "0"))) }}{{ end -}}
 {{- with $m.pvcMatchLabels }}{{ $n = append $n (printf "%s.pvcMatchLabels: the model's PVC selects a pre-provisioned PersistentVolume labelled %s" $p (toJson .)) }}{{ end -}}
 {{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) }}{{ $n = append $n (printf "%s.chatTemplate: --chat-template %s as given; the file must be in the image or a volume you mount (extraVolumes); production-stack would look for it under /templates on a PVC named vllm-templates-pvc" $p $m.chatTemplate) }}{{ end -}}
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" $ctx) "true" -}}
@@ -63,6 +66,22 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- range list "controllerReplyPort" "workerHeartbeatTime" }}{{ if hasKey $lc . }}{{ $keys = append $keys . }}{{ end }}{{ end -}}
 {{- $paths := list }}{{ range $keys }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end -}}
 {{- $n = append $n (printf "%s: these point the engine at an LMCache controller on production-stack's router, which hosts one for kvaware routing only; this chart's router hosts none, so the controller stays off (give controllerPullUrl and controllerReplyUrl of an lmcache_controller to turn it on)" (join ", " $paths)) -}}
+{{- end -}}
+{{- if eq (include "vllm-stack.model.nixlPD" $ctx) "true" -}}
+{{- $pd := include "vllm-stack.model.pd" $ctx | fromYaml -}}
+{{- $moved := list (printf "pd.role %s" $pd.role) -}}
+{{- range $old, $new := dict "nixlBufferSize" "pd.bufferSize" "nixlBufferDevice" "pd.bufferDevice" }}{{ if not (empty (get $lc $old)) }}{{ $moved = append $moved (printf "%s as %s" $old $new) }}{{ end }}{{ end -}}
+{{- if eq $pd.role "receiver" }}{{ range $old, $new := dict "nixlPeerHost" "pd.peerHost" "nixlPeerPort" "pd.peerInitPort" }}{{ if not (empty (get $lc $old)) }}{{ $moved = append $moved (printf "%s as %s" $old $new) }}{{ end }}{{ end }}{{ end -}}
+{{- $n = append $n (printf "%s.lmcacheConfig.enableNixl, %s.lmcacheConfig.nixlRole: production-stack's pre-0.5 PD keys, rendered in LMCache 0.5's names: %s (LMCACHE_ENABLE_PD, LMCACHE_PD_*)" $p $p (join ", " $moved)) -}}
+{{- if eq $pd.role "sender" -}}
+{{- $paths := list }}{{ range list "nixlPeerHost" "nixlPeerPort" }}{{ if not (empty (get $lc .)) }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end }}{{ end -}}
+{{- with $paths }}{{ $n = append $n (printf "%s: not used: an LMCache 0.5 sender is told its receiver per request (the router names the chosen decode engine's pod IP and ports in each prefill request's disagg_spec)" (join ", " .)) }}{{ end -}}
+{{- end -}}
+{{- if hasKey $lc "nixlEnableGc" }}{{ $n = append $n (printf "%s.lmcacheConfig.nixlEnableGc: ignored: LMCache 0.5 has no such setting" $p) }}{{ end -}}
+{{- end -}}
+{{- if eq (toString $lc.enablePD) "true" -}}
+{{- $role := include "vllm-stack.model.role" $ctx -}}
+{{- $n = append $n (printf "%s.lmcacheConfig.enablePD: implied by the model's role (%s: the vllm-stack.io/role label, kv_role %s%s); not a setting of its own" $p $role (get (dict "prefill" "kv_producer" "decode" "kv_consumer" "both" "kv_both") $role) (ternary (printf ", LMCache pd_role %s" ((include "vllm-stack.model.pd" $ctx | fromYaml).role | default "")) "" (not (empty (include "vllm-stack.model.pd" $ctx))))) -}}
 {{- end -}}
 {{- if and (not $lc.enableP2P) (or $lc.p2pHost $lc.p2pInitPorts $lc.p2pLookupPorts) -}}
 {{- $paths := list }}{{ range list "p2pHost" "p2pInitPorts" "p2pLookupPorts" }}{{ if hasKey $lc . }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end }}{{ end -}}

@@ -40,8 +40,8 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- $args = append $args "--enable-prompt-tokens-details" -}}
 {{- end -}}
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" -}}
-{{- $role := "kv_both" -}}
-{{- with $m.lmcacheConfig.pd }}{{ if .role }}{{ $role = ternary "kv_producer" "kv_consumer" (eq .role "sender") }}{{ end }}{{ end -}}
+{{- /* kv_role follows the model's role (its pd.role, or production-stack's kvRole, when `role` is not given). */ -}}
+{{- $role := get (dict "prefill" "kv_producer" "decode" "kv_consumer" "both" "kv_both") (include "vllm-stack.model.role" .) -}}
 {{- $args = append (append $args "--kv-transfer-config") (toJson (dict "kv_connector" "LMCacheConnectorV1" "kv_role" $role)) -}}
 {{- end -}}
 {{- /* modelSpec.schedulingPolicy, unless extraArgs gives --scheduling-policy itself (then once, as written). */ -}}
@@ -146,7 +146,8 @@ secretKeyRef:
 - name: LMCACHE_P2P_LOOKUP_PORTS
   value: {{ include "vllm-stack.portList" ($lc.p2pLookupPorts | default (list 8201)) | quote }}
 {{- end }}
-{{- with $lc.pd }}
+{{- /* lmcacheConfig.pd, with production-stack's nixl* spelling translated (vllm-stack.model.pd). */}}
+{{- with (include "vllm-stack.model.pd" . | fromYaml) }}
 {{- if .role }}
 - name: LMCACHE_ENABLE_PD
   value: "true"
@@ -161,8 +162,10 @@ secretKeyRef:
 - name: LMCACHE_PD_BUFFER_DEVICE
   value: {{ .bufferDevice | default "cuda" | quote }}
 {{- if eq .role "sender" }}
+{{- /* The sender notifies the PD proxy when a KV cache is sent: this release's router, which orchestrates
+     the hand-over (--disagg-protocol lmcache), unless proxyHost names another one. */}}
 - name: LMCACHE_PD_PROXY_HOST
-  value: {{ required "lmcacheConfig.pd.proxyHost is required for pd.role sender" .proxyHost | quote }}
+  value: {{ .proxyHost | default (ternary (include "vllm-stack.router.fullname" $root) "" (eq (toString $root.Values.routerSpec.enableRouter) "true")) | required "lmcacheConfig.pd.proxyHost is required for pd.role sender when the router is not deployed" | quote }}
 - name: LMCACHE_PD_PROXY_PORT
   value: {{ include "vllm-stack.str" (.proxyPort | default 7500) | quote }}
 {{- else }}

@@ -8,7 +8,13 @@
 {{- $args = concat $args (list "--service-discovery" "static" "--static-backends" (required "routerSpec.staticBackends is required with serviceDiscovery: static" $r.staticBackends)) -}}
 {{- with $r.staticModels }}{{ $args = concat $args (list "--static-models" .) }}{{ end -}}
 {{- end -}}
-{{- $args = concat $args (list "--routing-logic" $r.routingLogic) -}}
+{{- $args = concat $args (list "--routing-logic" (include "vllm-stack.router.routingLogic" .)) -}}
+{{- /* Disaggregated prefill (_disagg.tpl): on with prefill-role engines, or production-stack's enablePD. */ -}}
+{{- if or (eq (toString $r.enablePD) "true") (include "vllm-stack.disagg.prefill" .) }}{{ $args = append $args "--disaggregation" }}{{ end -}}
+{{- if include "vllm-stack.disagg.lmcache" . -}}
+{{- $ports := include "vllm-stack.disagg.ports" . | fromYaml -}}
+{{- $args = concat $args (list "--disagg-protocol" "lmcache" "--disagg-receiver-init-port" (include "vllm-stack.str" $ports.initPort) "--disagg-receiver-alloc-port" (include "vllm-stack.str" $ports.allocPort) "--disagg-notify-port" (include "vllm-stack.str" $ports.notifyPort)) -}}
+{{- end -}}
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
 {{- with (include "vllm-stack.router.tokenizers" .) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}
 {{- $args = concat $args (list "--engine-scrape-interval" (include "vllm-stack.str" $r.engineScrapeInterval) "--health-check-interval" (include "vllm-stack.str" $r.healthCheckInterval) "--request-timeout" (include "vllm-stack.str" $r.requestTimeout) "--max-body-bytes" (include "vllm-stack.str" $r.maxBodyBytes) "--log-level" $r.logLevel) -}}

@@ -65,7 +65,7 @@ The sizing of one engine as YAML: what it holds at start and the requests/limits
 {{- $source := printf "lmcacheConfig.cpuOffloadingBufferSize%s" (ternary "" ", LMCache's default 5" (hasKey $lc "cpuOffloadingBufferSize")) -}}
 {{- if gt $parallel 1 }}{{ $source = printf "%s, %s per GPU worker x %d workers" $source (include "vllm-stack.quantityMi" (ceil (mulf $gib 1024) | int64)) $parallel }}{{ end -}}
 {{- if $bufferMi }}{{ $bufferWhat = append $bufferWhat (printf "%s LMCache CPU buffer (%s)" (include "vllm-stack.quantityMi" $bufferMi) $source) }}{{ end -}}
-{{- with $lc.pd }}{{ if and .role (eq (.bufferDevice | default "cuda") "cpu") -}}
+{{- with (include "vllm-stack.model.pd" . | fromYaml) }}{{ if and .role (eq (.bufferDevice | default "cuda") "cpu") -}}
 {{- $pdMi := ceil (divf (float64 (.bufferSize | default 2147483648)) 1048576) | int64 -}}
 {{- $bufferMi = add $bufferMi $pdMi -}}
 {{- $bufferWhat = append $bufferWhat (printf "%s PD buffer on the CPU (lmcacheConfig.pd.bufferSize)" (include "vllm-stack.quantityMi" $pdMi)) -}}

@@ -451,7 +451,7 @@ def test_pd_roles_use_lmcache_05_names_only():
     p, d = env_of(pre), env_of(dec)
     assert (p["LMCACHE_ENABLE_PD"]["value"], p["LMCACHE_PD_ROLE"]["value"]) == ("true", "sender")
     assert (
-        p["LMCACHE_PD_PROXY_HOST"]["value"] == "vllm-stack-pd-proxy"
+        p["LMCACHE_PD_PROXY_HOST"]["value"] == f"{RELEASE}-router"  # the router is the PD proxy
         and p["LMCACHE_PD_PROXY_PORT"]["value"] == "7500"
     )
     assert p["LMCACHE_TRANSFER_CHANNEL"]["value"] == "nixl" and p["LMCACHE_NIXL_BACKENDS"]["value"] == "UCX"
@@ -610,8 +610,7 @@ def test_network_policy_lets_engines_reach_each_other_only_for_p2p_or_pd():
     components = [
         p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers
     ]
-    assert components == ["router", None, "engine", None]
-    assert peers[3] == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "lmcache-pd-proxy"}}}
+    assert components == ["router", None, "engine"]  # the router is the PD proxy: no proxy of its own
     plain = one(render([EXAMPLES / "monitoring.yaml"]), "NetworkPolicy", f"{RELEASE}-engines")
     assert len(plain["spec"]["ingress"][0]["from"]) == 2  # router and Prometheus only
 

@@ -82,7 +82,7 @@ def test_pd_controller_and_p2p(lmcache_config, monkeypatch):
         "nixl",
         ["UCX"],
     )
-    assert (pre.pd_proxy_host, pre.pd_proxy_port, pre.local_cpu) == ("vllm-stack-pd-proxy", 7500, False)
+    assert (pre.pd_proxy_host, pre.pd_proxy_port, pre.local_cpu) == ("vllm-stack-router", 7500, False)
     dec = load(lmcache_config, EXAMPLES / "pd-roles.yaml", "decode", monkeypatch)
     assert (dec.pd_role, dec.pd_buffer_size, dec.pd_buffer_device) == ("receiver", 2147483648, "cuda")
     assert (list(dec.pd_peer_init_port), list(dec.pd_peer_alloc_port)) == ([7300], [7400])
@@ -94,6 +94,24 @@ def test_pd_controller_and_p2p(lmcache_config, monkeypatch):
     )
     assert (dec.enable_controller, dec.lmcache_instance_id) == (True, "engine-pod-0")
     assert (dec.controller_pull_url, dec.lmcache_worker_ports) == ("tcp://lmcache-controller:8300", [8500])
+
+
+def test_production_stacks_pre_05_pd_keys_reach_lmcache_05(lmcache_config, monkeypatch):
+    """tutorials__values-16-disagg-prefill.yaml's nixl* keys, translated by the chart (vllm-stack.model.pd)."""
+    path = ROOT.parent / "shared" / "production-stack-values" / "tutorials__values-16-disagg-prefill.yaml"
+    if not path.exists():
+        pytest.skip(f"{path} missing (production-stack's values files are test data outside the repository)")
+    pre = load(lmcache_config, path, "llama-prefill", monkeypatch)
+    assert (pre.enable_pd, pre.pd_role, pre.pd_buffer_size, pre.pd_buffer_device) == (
+        True,
+        "sender",
+        1073741824,
+        "cuda",
+    )
+    assert (pre.pd_proxy_host, pre.pd_proxy_port) == (f"{RELEASE}-router", 7500)  # the router is the proxy
+    dec = load(lmcache_config, path, "llama-decode", monkeypatch)
+    assert (dec.enable_pd, dec.pd_role, dec.pd_peer_host) == (True, "receiver", "0.0.0.0")
+    assert (list(dec.pd_peer_init_port), list(dec.pd_peer_alloc_port)) == ([55555], [7400])
 
 
 def test_seed_file(lmcache_config, monkeypatch):
