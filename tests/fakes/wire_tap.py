@@ -92,7 +92,8 @@ class WireTap:
                 with contextlib.suppress(Exception):
                     dst.close()
 
-        await asyncio.gather(pump(reader, up_writer, sent), pump(up_reader, writer, received))
+        with contextlib.suppress(asyncio.CancelledError):  # the tap stopped under an open connection
+            await asyncio.gather(pump(reader, up_writer, sent), pump(up_reader, writer, received))
 
     def exchanges(self, path_prefix: str = "/v1/") -> list[Exchange]:
         """Every request to a path under ``path_prefix`` (health checks and scrapes left out), in order

@@ -12,11 +12,20 @@ of the wire here, and with a connector's non-empty hand-over in tests/router/tes
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from vllm_stack_dev.testbed.engines import EngineGroup
+from vllm_stack_dev.testbed.engines import (
+    EngineGroup,
+    EngineSpec,
+    default_cpus,
+    free_port,
+    launch,
+    wait_ready,
+)
 
-from tests.conftest import CHAT_MODEL
+from tests.conftest import CHAT_MODEL, READY_TIMEOUT
 from tests.fakes.wire_tap import tapped
 from tests.router.helpers import http, metric_value, running_router
 
@@ -83,3 +92,79 @@ async def test_the_decode_engine_takes_the_prefilled_kv_and_the_handover_as_retu
     assert decode_request.get("kv_transfer_params") == returned
     assert {k: v for k, v in decode_request.items() if k != "kv_transfer_params"} == sent
     assert prefill_leg.headers[b"x-request-id"] == decode_legs[0].headers[b"x-request-id"]
+
+
+def _nixl_spec(model_dir: Path) -> EngineSpec:
+    """vLLM's NixlConnector on CPU: KV in a host buffer, NIXL over UCX (TCP, shared memory); each engine
+    its own side-channel port, on which the decode engine asks the prefill engine for the blocks."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    env = {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "UCX_TLS": "tcp,self,sm",
+    }
+    return EngineSpec(
+        model_dir,
+        CHAT_MODEL,
+        enable_lora=False,
+        kv_events=False,
+        extra_args=["--kv-transfer-config", json.dumps(config)],
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def nixl_engines(
+    pd_engines: EngineGroup, tiny_model_dir: Path, engine_logs_dir: Path
+) -> Iterator[EngineGroup]:
+    """Two NixlConnector engines, started after the ExampleConnector pair is up and stopped with this
+    module (nine engines at once would not fit these machines)."""
+    cpus = default_cpus(2)
+    group = EngineGroup(
+        [
+            launch(_nixl_spec(tiny_model_dir), name=f"nixl-{side}", cpu=cpu, log_dir=engine_logs_dir)
+            for side, cpu in zip(("prefill", "decode"), cpus, strict=True)
+        ]
+    )
+    try:
+        wait_ready(group.engines, READY_TIMEOUT)
+        yield group
+    finally:
+        group.stop()
+
+
+async def test_nixl_hands_the_kv_over_with_the_prefill_answers_params(nixl_engines: EngineGroup) -> None:
+    """The same flow with NixlConnector, the connector whose protocol this is: the prefill answer
+    returns the remote block ids, engine id, host and port; the decode engine, given exactly those,
+    pulls the prompt's KV from the prefill engine instead of computing it."""
+    prefill, decode = nixl_engines
+    async with tapped(prefill.port) as prefill_tap, tapped(decode.port) as decode_tap:
+        settings = {
+            "routing_logic": "disaggregated_prefill",
+            "static_roles": "prefill,decode",
+            "disagg_min_uncached_tokens": 128,
+        }
+        async with running_router([prefill_tap.url, decode_tap.url], **settings) as (url, _):
+            hits_before = decode.metric_value(HITS)
+            sent = {
+                "model": CHAT_MODEL,
+                "messages": [{"role": "user", "content": LONG}],
+                "max_tokens": 8,
+                "stream": True,
+            }
+            async with http(url) as c:
+                async with c.stream("POST", "/v1/chat/completions", json=sent) as r:
+                    text = (await r.aread()).decode()
+            assert r.status_code == 200, text
+            assert text.rstrip().endswith("data: [DONE]")
+            hits = decode.metric_value(HITS) - hits_before
+            prompt_tokens = decode.metric_value("vllm:prompt_tokens_total")
+    (prefill_leg,) = prefill_tap.exchanges("/v1/chat/completions")
+    (decode_leg,) = decode_tap.exchanges("/v1/chat/completions")
+    returned = json.loads(prefill_leg.answer or b"{}").get("kv_transfer_params")
+    assert returned and returned["do_remote_prefill"] is True and returned["remote_block_ids"], returned
+    decode_request = json.loads(decode_leg.body)
+    assert decode_request["kv_transfer_params"] == returned
+    assert {k: v for k, v in decode_request.items() if k != "kv_transfer_params"} == sent
+    # every prompt token the decode engine counted came from the prefill engine's KV
+    assert hits >= 256 and hits >= prompt_tokens - 128, (hits, prompt_tokens)
