@@ -91,7 +91,8 @@ def _pip_install(venv: Path, requirements: list[str], *options: str) -> None:
             command += ["--find-links", links]
         _run([*command, *options, *requirements], env=env)
     else:
-        _run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *options, *requirements])
+        pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        _run([*pip, *options, *requirements])
 
 
 def _pip_find_links() -> list[str]:
