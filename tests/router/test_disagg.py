@@ -17,11 +17,13 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from kubernetes_asyncio.client import V1ObjectMeta, V1Pod, V1PodCondition, V1PodStatus
 
 from tests.fakes.stub_engine import StubBehaviour, StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 from vllm_stack.config import ConfigError, load_config
 from vllm_stack.director.pd_notify import MAX_EARLY, PdNotifications
+from vllm_stack.engines.discovery.kubernetes import pod_endpoint
 
 LONG = "the quick brown fox jumps over the lazy dog " * 60  # ~650 tokens by the byte estimate
 HANDOVER = {
@@ -343,3 +345,30 @@ def test_pd_notifications_stay_bounded_and_skip_what_is_not_one() -> None:
         notifications.deliver(junk)
     assert len(notifications._early) == MAX_EARLY  # noqa: SLF001 - the bound under test
     assert notifications.malformed == 5 and notifications.received == MAX_EARLY + 55
+
+
+def _pod(labels: dict[str, str]) -> V1Pod:
+    return V1Pod(
+        metadata=V1ObjectMeta(name="engine-0", labels=labels),
+        status=V1PodStatus(
+            phase="Running", pod_ip="10.0.0.9", conditions=[V1PodCondition(type="Ready", status="True")]
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("labels", "role"),
+    [
+        ({"vllm-stack.io/role": "prefill"}, "prefill"),
+        ({"vllm-stack.io/role": "decode", "model": "opt-prefill"}, "decode"),  # the chart's label wins
+        ({"model": "opt-prefill"}, "prefill"),  # production-stack's --prefill-model-labels
+        ({"model": "opt-decode"}, "decode"),
+        ({"model": "other"}, None),
+        ({"vllm-stack.io/role": "prefil"}, None),  # unknown: logged, served whole
+        ({}, None),
+    ],
+)
+def test_kubernetes_discovery_reads_the_role_of_a_pod(labels: dict[str, str], role: str | None) -> None:
+    roles = {"opt-prefill": "prefill", "opt-decode": "decode"}
+    endpoint = pod_endpoint(_pod(labels), 8000, roles)
+    assert endpoint is not None and endpoint.role == role
