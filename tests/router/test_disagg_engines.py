@@ -11,10 +11,12 @@ of the wire here, and with a connector's non-empty hand-over in tests/router/tes
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from vllm_stack_dev.testbed.engines import (
     EngineGroup,
@@ -26,8 +28,9 @@ from vllm_stack_dev.testbed.engines import (
 )
 
 from tests.conftest import CHAT_MODEL, READY_TIMEOUT
-from tests.fakes.wire_tap import tapped
+from tests.fakes.wire_tap import Exchange, WireTap, tapped
 from tests.router.helpers import http, metric_value, running_router
+from vllm_stack.app import Router
 
 pytestmark = pytest.mark.engine
 
@@ -36,62 +39,71 @@ HITS = "vllm:external_prefix_cache_hits_total"
 LONG = " ".join(f"word{i} of the long document that the decode engine should not prefill" for i in range(60))
 
 
+#: The router between the two engines: prefill on the first, decode on the second.
+SETTINGS = {
+    "routing_logic": "disaggregated_prefill",
+    "static_roles": "prefill,decode",
+    "disagg_min_uncached_tokens": 128,
+}
+SENT = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 8, "stream": True}
+
+
+@contextlib.asynccontextmanager
+async def pd_router(engines: EngineGroup) -> AsyncIterator[tuple[str, Router, WireTap, WireTap]]:
+    """The router over a tap in front of each engine: (its URL, the router, prefill tap, decode tap)."""
+    prefill, decode = engines
+    async with tapped(prefill.port) as prefill_tap, tapped(decode.port) as decode_tap:
+        async with running_router([prefill_tap.url, decode_tap.url], **SETTINGS) as (url, router):
+            yield url, router, prefill_tap, decode_tap
+
+
+async def stream_long_prompt(c: httpx.AsyncClient) -> None:
+    async with c.stream("POST", "/v1/chat/completions", json=SENT) as r:
+        text = (await r.aread()).decode()
+    assert r.status_code == 200, text
+    assert text.rstrip().endswith("data: [DONE]")
+
+
+def assert_handed_over(prefill_leg: Exchange, decode_leg: Exchange) -> dict | None:
+    """The prefill leg asked for a remote decode; the decode request is the client's plus exactly the
+    kv_transfer_params the prefill answer returned (which this returns)."""
+    prefill_request = json.loads(prefill_leg.body)
+    assert prefill_request["max_tokens"] == 1 and prefill_request["stream"] is False
+    assert prefill_request["kv_transfer_params"]["do_remote_decode"] is True
+    assert prefill_leg.status == 200 and prefill_leg.answer is not None
+    returned = json.loads(prefill_leg.answer).get("kv_transfer_params")
+    decode_request = json.loads(decode_leg.body)
+    assert decode_request.get("kv_transfer_params") == returned
+    assert {k: v for k, v in decode_request.items() if k != "kv_transfer_params"} == SENT
+    assert prefill_leg.headers[b"x-request-id"] == decode_leg.headers[b"x-request-id"]
+    return returned
+
+
 async def test_the_decode_engine_takes_the_prefilled_kv_and_the_handover_as_returned(
     pd_engines: EngineGroup,
 ) -> None:
-    prefill, decode = pd_engines
-    async with tapped(prefill.port) as prefill_tap, tapped(decode.port) as decode_tap:
-        settings = {
-            "routing_logic": "disaggregated_prefill",
-            "static_roles": "prefill,decode",
-            "disagg_min_uncached_tokens": 128,
+    decode = pd_engines[1]
+    async with pd_router(pd_engines) as (url, router, prefill_tap, decode_tap):
+        hits_before = decode.metric_value(HITS)
+        async with http(url) as c:
+            await stream_long_prompt(c)
+            # a short prompt: served by the decode engine alone
+            short = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            r = await c.post("/v1/chat/completions", json=short)
+            assert r.status_code == 200, r.text
+        hits = decode.metric_value(HITS) - hits_before
+        outcomes = {
+            o: metric_value(router, "vllm_stack_router_disagg_requests_total", model=CHAT_MODEL, outcome=o)
+            for o in ("disaggregated", "short")
         }
-        async with running_router([prefill_tap.url, decode_tap.url], **settings) as (url, router):
-            hits_before = decode.metric_value(HITS)
-            sent = {
-                "model": CHAT_MODEL,
-                "messages": [{"role": "user", "content": LONG}],
-                "max_tokens": 8,
-                "stream": True,
-            }
-            async with http(url) as c:
-                async with c.stream("POST", "/v1/chat/completions", json=sent) as r:
-                    text = (await r.aread()).decode()
-                assert r.status_code == 200, text
-                assert text.rstrip().endswith("data: [DONE]")
-                # a short prompt: served by the decode engine alone
-                short = await c.post(
-                    "/v1/chat/completions",
-                    json={
-                        "model": CHAT_MODEL,
-                        "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": 2,
-                    },
-                )
-                assert short.status_code == 200, short.text
-            hits = decode.metric_value(HITS) - hits_before
-            outcomes = {
-                o: metric_value(
-                    router, "vllm_stack_router_disagg_requests_total", model=CHAT_MODEL, outcome=o
-                )
-                for o in ("disaggregated", "short")
-            }
     assert outcomes == {"disaggregated": 1, "short": 1}
     # the decode engine read the prompt's KV from the prefill engine's blocks (whole blocks only)
     assert hits >= 256, f"external prefix-cache hits on the decode engine: {hits}"
     (prefill_leg,) = prefill_tap.exchanges("/v1/chat/completions")
     decode_legs = decode_tap.exchanges("/v1/chat/completions")
     assert len(decode_legs) == 2
-    prefill_request = json.loads(prefill_leg.body)
-    assert prefill_request["max_tokens"] == 1 and prefill_request["stream"] is False
-    assert prefill_request["kv_transfer_params"]["do_remote_decode"] is True
-    assert prefill_leg.status == 200 and prefill_leg.answer is not None
-    returned = json.loads(prefill_leg.answer).get("kv_transfer_params")
-    decode_request = json.loads(decode_legs[0].body)
-    # exactly what the prefill answer returned (ExampleConnector: none, so the client's own request)
-    assert decode_request.get("kv_transfer_params") == returned
-    assert {k: v for k, v in decode_request.items() if k != "kv_transfer_params"} == sent
-    assert prefill_leg.headers[b"x-request-id"] == decode_legs[0].headers[b"x-request-id"]
+    # ExampleConnector returns no hand-over: the decode request is the client's own
+    assert assert_handed_over(prefill_leg, decode_legs[0]) is None
 
 
 def _nixl_spec(model_dir: Path) -> EngineSpec:
@@ -137,34 +149,16 @@ async def test_nixl_hands_the_kv_over_with_the_prefill_answers_params(nixl_engin
     """The same flow with NixlConnector, the connector whose protocol this is: the prefill answer
     returns the remote block ids, engine id, host and port; the decode engine, given exactly those,
     pulls the prompt's KV from the prefill engine instead of computing it."""
-    prefill, decode = nixl_engines
-    async with tapped(prefill.port) as prefill_tap, tapped(decode.port) as decode_tap:
-        settings = {
-            "routing_logic": "disaggregated_prefill",
-            "static_roles": "prefill,decode",
-            "disagg_min_uncached_tokens": 128,
-        }
-        async with running_router([prefill_tap.url, decode_tap.url], **settings) as (url, _):
-            hits_before = decode.metric_value(HITS)
-            sent = {
-                "model": CHAT_MODEL,
-                "messages": [{"role": "user", "content": LONG}],
-                "max_tokens": 8,
-                "stream": True,
-            }
-            async with http(url) as c:
-                async with c.stream("POST", "/v1/chat/completions", json=sent) as r:
-                    text = (await r.aread()).decode()
-            assert r.status_code == 200, text
-            assert text.rstrip().endswith("data: [DONE]")
-            hits = decode.metric_value(HITS) - hits_before
-            prompt_tokens = decode.metric_value("vllm:prompt_tokens_total")
+    decode = nixl_engines[1]
+    async with pd_router(nixl_engines) as (url, _, prefill_tap, decode_tap):
+        hits_before = decode.metric_value(HITS)
+        async with http(url) as c:
+            await stream_long_prompt(c)
+        hits = decode.metric_value(HITS) - hits_before
+        prompt_tokens = decode.metric_value("vllm:prompt_tokens_total")
     (prefill_leg,) = prefill_tap.exchanges("/v1/chat/completions")
     (decode_leg,) = decode_tap.exchanges("/v1/chat/completions")
-    returned = json.loads(prefill_leg.answer or b"{}").get("kv_transfer_params")
+    returned = assert_handed_over(prefill_leg, decode_leg)
     assert returned and returned["do_remote_prefill"] is True and returned["remote_block_ids"], returned
-    decode_request = json.loads(decode_leg.body)
-    assert decode_request["kv_transfer_params"] == returned
-    assert {k: v for k, v in decode_request.items() if k != "kv_transfer_params"} == sent
     # every prompt token the decode engine counted came from the prefill engine's KV
     assert hits >= 256 and hits >= prompt_tokens - 128, (hits, prompt_tokens)
