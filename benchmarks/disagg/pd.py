@@ -59,7 +59,7 @@ for _path in (ROOT / "router", ROOT / "benchmarks" / "routing"):
         sys.path.insert(0, str(_path))
 
 import aiohttp  # noqa: E402
-from client import reset_prefix_caches, scrape, wait_idle  # noqa: E402  benchmarks/routing
+from client import read_stream, reset_prefix_caches, scrape, wait_idle  # noqa: E402  benchmarks/routing
 from contenders import (  # noqa: E402  benchmarks/routing
     OURS,
     Contender,
@@ -300,17 +300,9 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict, cls: str
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return outcome
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
-                    stamps.append(time.perf_counter())
-                usage = event.get("usage")
-                if usage:
-                    outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    outcome.output_tokens = int(usage.get("completion_tokens") or 0)
+            stream = await read_stream(response)
+            stamps = stream.stamps
+            outcome.prompt_tokens, outcome.output_tokens = stream.prompt_tokens, stream.output_tokens
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return outcome

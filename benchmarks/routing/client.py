@@ -116,6 +116,32 @@ def request_body(request: Request, model: str, max_tokens: int) -> dict:
     return body
 
 
+@dataclass
+class StreamRead:
+    """What one streamed chat answer said: when each event with content arrived, and its usage."""
+
+    stamps: list[float] = field(default_factory=list)  # time.perf_counter() per event with content
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+async def read_stream(response: aiohttp.ClientResponse) -> StreamRead:
+    """Read an SSE chat stream to its end (JSON errors raise ValueError, as the callers expect)."""
+    read = StreamRead()
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
+            read.stamps.append(time.perf_counter())
+        usage = event.get("usage")
+        if usage:
+            read.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            read.output_tokens = int(usage.get("completion_tokens") or 0)
+    return read
+
+
 async def send(
     session: aiohttp.ClientSession, url: str, request: Request, model: str, max_tokens: int
 ) -> Outcome:
@@ -126,26 +152,15 @@ async def send(
     payload = json.dumps(request_body(request, model, max_tokens))
     started = time.perf_counter()
     outcome = Outcome(ok=False)
-    chunks = 0
     try:
         async with session.post(f"{url}/v1/chat/completions", data=payload, headers=headers) as response:
             if response.status != 200:
                 outcome.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return outcome
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                for choice in event.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        chunks += 1
-                        if outcome.ttft_s is None:
-                            outcome.ttft_s = time.perf_counter() - started
-                usage = event.get("usage")
-                if usage:
-                    outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    outcome.output_tokens = int(usage.get("completion_tokens") or 0)
+            stream = await read_stream(response)
+            chunks = len(stream.stamps)
+            outcome.ttft_s = stream.stamps[0] - started if stream.stamps else None
+            outcome.prompt_tokens, outcome.output_tokens = stream.prompt_tokens, stream.output_tokens
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return outcome
