@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import msgspec
 
 from vllm_stack.relay.leg import Dechunker
-from vllm_stack.relay.pool import EnginePool, UpstreamConnectError, UpstreamConnection
+from vllm_stack.relay.pool import EnginePool, PooledExchange, UpstreamConnectError, UpstreamConnection
 
 log = logging.getLogger(__name__)
 
@@ -162,27 +162,12 @@ class PrefillOwner(Protocol):
     def prefill_failed(self, exchange: PrefillExchange, message: str, reason: str) -> None: ...
 
 
-class PrefillExchange:
+class PrefillExchange(PooledExchange):
     """The prefill leg: the request written on a pooled connection (or a new one), the answer read
     whole up to :data:`PREFILL_ANSWER_LIMIT`, nothing forwarded to the client. An idle pooled
     connection the engine closed as it was reused is retried once on a fresh one, as a relay leg does."""
 
-    __slots__ = (
-        "owner",
-        "pool",
-        "request",
-        "up",
-        "reused",
-        "resent",
-        "connecting",
-        "status",
-        "dechunker",
-        "parts",
-        "size",
-        "done",
-        "started",
-        "last_activity",
-    )
+    __slots__ = ("owner", "request", "status", "dechunker", "parts", "size", "started", "last_activity")
 
     def __init__(self, owner: PrefillOwner, pool: EnginePool, request: bytes) -> None:
         self.owner = owner
@@ -204,41 +189,16 @@ class PrefillExchange:
         else:
             self._send(up, reused=True)
 
-    def _connect(self) -> None:
-        task = self.connecting = asyncio.get_running_loop().create_task(self.pool.connect())
-        task.add_done_callback(self._connected)
-
-    def _connected(self, task: asyncio.Task[UpstreamConnection]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if self.connecting is not task or self.done:
-            if exc is None:
-                self.pool.put(task.result())
-            return
-        self.connecting = None
-        if exc is None:
-            self._send(task.result(), reused=False)
-            return
-        if not isinstance(exc, UpstreamConnectError):
-            log.error("connecting to a prefill engine failed unexpectedly", exc_info=exc)
-        self.done = True
-        self.owner.prefill_failed(self, f"Could not reach the prefill engine: {exc}", "connect_error")
+    # ---- sending (the connection's life: PooledExchange) ---------------------------------------------
+    def connect_failed(self, error: BaseException) -> None:
+        if not isinstance(error, UpstreamConnectError):
+            log.error("connecting to a prefill engine failed unexpectedly", exc_info=error)
+        self.owner.prefill_failed(self, f"Could not reach the prefill engine: {error}", "connect_error")
 
     def _send(self, up: UpstreamConnection, reused: bool) -> None:
         self.up = up
         self.reused = reused
         up.send(self, self.request)
-
-    def abort(self) -> None:
-        """Abandon it (client gone, timeout): the engine sees the connection close and aborts."""
-        self.done = True
-        if self.connecting is not None:
-            self.connecting.cancel()
-            self.connecting = None
-        up, self.up = self.up, None
-        if up is not None:
-            up.abort()
 
     def silent_for(self, now: float) -> float:
         return now - self.last_activity
@@ -272,9 +232,7 @@ class PrefillExchange:
         if self.done or up is not self.up:
             return
         self.up = None
-        if self.reused and not up.got_bytes and not self.resent:
-            self.resent = True  # the idle connection closed as it was reused: the engine never saw it
-            self._connect()
+        if self.resend_if_stale(up):
             return
         self.done = True
         reason = "upstream_broken" if up.got_bytes else "upstream_closed"

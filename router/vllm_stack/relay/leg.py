@@ -31,7 +31,7 @@ import httptools
 from vllm_stack.errors import sse_error_event, status_line
 from vllm_stack.metrics import RouterMetrics, _HistogramChild
 from vllm_stack.relay.headers import HOP_BY_HOP, connection_listed
-from vllm_stack.relay.pool import EnginePool, UpstreamConnectError, UpstreamConnection
+from vllm_stack.relay.pool import EnginePool, PooledExchange, UpstreamConnectError, UpstreamConnection
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 log = logging.getLogger(__name__)
@@ -128,22 +128,16 @@ class LegOwner(Protocol):
         ...
 
 
-class Leg:
+class Leg(PooledExchange):
     """One upstream exchange of a proxied request, and its forwarding to the client."""
 
     __slots__ = (
         "owner",
         "conn",
         "request",
-        "pool",
         "metrics",
-        "up",
-        "reused",
-        "resent",
-        "connecting",
         "status",
         "committed",
-        "done",
         "keep_alive",
         "chunked",
         "sse",
@@ -213,28 +207,12 @@ class Leg:
             up.transport.pause_reading()
         up.send(self, upstream_request)
 
-    # ---- sending -----------------------------------------------------------------------------------------
-    def _connect(self) -> None:
-        task = self.connecting = asyncio.get_running_loop().create_task(self.pool.connect())
-        task.add_done_callback(self._connected)
-
-    def _connected(self, task: asyncio.Task[UpstreamConnection]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if self.connecting is not task or self.done:  # the leg was abandoned meanwhile
-            if exc is None:
-                self.pool.put(task.result())
-            return
-        self.connecting = None
-        if exc is None:
-            self._send(task.result(), reused=False)
-            return
-        if not isinstance(exc, UpstreamConnectError):
-            log.error("connecting to %s failed unexpectedly", self.owner.engine_name(), exc_info=exc)
-        self.done = True
+    # ---- sending (the connection's life: PooledExchange) --------------------------------------------------
+    def connect_failed(self, error: BaseException) -> None:
+        if not isinstance(error, UpstreamConnectError):
+            log.error("connecting to %s failed unexpectedly", self.owner.engine_name(), exc_info=error)
         self.owner.leg_failed(
-            self, f"Could not reach engine {self.owner.engine_name()}: {exc}", "connect_error"
+            self, f"Could not reach engine {self.owner.engine_name()}: {error}", "connect_error"
         )
 
     def _send(self, up: UpstreamConnection, reused: bool) -> None:
@@ -243,18 +221,6 @@ class Leg:
         if self.conn.writing_paused:  # the client is still behind on an earlier answer: wait for it
             up.transport.pause_reading()
         up.send(self, self.upstream_request)
-
-    def abort(self) -> None:
-        """Abandon the exchange (client gone, retry elsewhere, timeout): the engine sees its
-        connection close and aborts the request. Reports nothing."""
-        self.done = True
-        if self.connecting is not None:
-            self.connecting.cancel()
-            self.connecting = None
-        up = self.up
-        self.up = None
-        if up is not None:
-            up.abort()
 
     def silent_for(self, now: float) -> float:
         """Seconds since the engine last sent anything (or since the leg started)."""
@@ -366,11 +332,7 @@ class Leg:
             self.on_read(b"", True)  # a close-delimited body ends with the connection
             return
         if not self.committed:
-            if self.reused and not up.got_bytes and not self.resent:
-                # An idle connection the engine closed just as it was reused: the request never
-                # reached the engine, so it is sent again on a fresh connection, without penalty.
-                self.resent = True
-                self._connect()
+            if self.resend_if_stale(up):
                 return
             self.done = True
             name = self.owner.engine_name()

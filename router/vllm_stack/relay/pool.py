@@ -37,6 +37,68 @@ class Exchange(Protocol):
     def upstream_failed(self, conn: UpstreamConnection, error: BaseException) -> None: ...
 
 
+class PooledExchange:
+    """One request sent on one of a pool's connections: a pooled one at once, else a new one once it
+    is connected (the relay leg, the prefill leg of disaggregated serving). A subclass sets the slots
+    below in its ``__init__`` and implements ``_send`` and ``connect_failed``, besides the
+    :class:`Exchange` callbacks; what is here is the connection's life, the same for every exchange."""
+
+    __slots__ = ("pool", "up", "reused", "resent", "connecting", "done")
+
+    pool: EnginePool
+    up: UpstreamConnection | None
+    reused: bool  # the request went on a pooled connection (which the engine may have just closed)
+    resent: bool
+    connecting: asyncio.Task[UpstreamConnection] | None
+    done: bool
+
+    def _send(self, up: UpstreamConnection, reused: bool) -> None:
+        raise NotImplementedError
+
+    def connect_failed(self, error: BaseException) -> None:
+        """No connection could be made (``done`` is already set): report it to the owner."""
+        raise NotImplementedError
+
+    def _connect(self) -> None:
+        task = self.connecting = asyncio.get_running_loop().create_task(self.pool.connect())
+        task.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task[UpstreamConnection]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if self.connecting is not task or self.done:  # the exchange was abandoned meanwhile
+            if exc is None:
+                self.pool.put(task.result())
+            return
+        self.connecting = None
+        if exc is None:
+            self._send(task.result(), reused=False)
+            return
+        self.done = True
+        self.connect_failed(exc)
+
+    def resend_if_stale(self, up: UpstreamConnection) -> bool:
+        """An idle connection the engine closed just as it was reused: the request never reached the
+        engine, so it is sent again on a fresh connection, once, without penalty. True when it was."""
+        if self.reused and not up.got_bytes and not self.resent:
+            self.resent = True
+            self._connect()
+            return True
+        return False
+
+    def abort(self) -> None:
+        """Abandon the exchange: the engine sees its connection close and aborts the request."""
+        self.done = True
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        up = self.up
+        self.up = None
+        if up is not None:
+            up.abort()
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One TCP (or TLS) connection to an engine, carrying one exchange at a time."""
 
