@@ -22,7 +22,7 @@ from vllm_stack.priority import served_models
 
 DISCOVERY_KINDS = ("static", "k8s")
 JSON_PARSERS = ("msgspec", "orjson")
-ENGINE_ROLES = ("both", "prefill", "decode")  # vllm_stack.engines.engine.ROLES
+ENGINE_ROLES = ("both", "prefill", "decode")  # an engine's role (vllm_stack.engines.engine.ROLES)
 DISAGG_PROTOCOLS = ("vllm", "lmcache")  # vllm_stack.director.disagg
 SWITCH_VALUES = ("auto", "on", "off")
 KV_EVENT_MODES = SWITCH_VALUES

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_stack.config import ENGINE_ROLES
 from vllm_stack.engines import load
 from vllm_stack.engines.circuit import CircuitBreaker
 
 #: An engine's part in disaggregated serving: ``both`` serves whole requests (the default); a
 #: ``prefill`` engine only computes prompts' KV for ``decode`` engines, which generate from it.
-ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = "both", "prefill", "decode"
-ROLES = (ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE)
+#: Defined once, with the settings that name them (config is the layer below).
+ROLES = ENGINE_ROLES
+ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = ROLES
 
 
 @dataclass(slots=True)
