@@ -259,8 +259,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     report = outcome.get_result()
     if report.when != "call" or not report.failed:
         return
-    # funcargs holds every fixture resolved for the test, including ones requested indirectly.
-    pool = getattr(item, "funcargs", {}).get("session_engines")
-    if isinstance(pool, SessionEngines):
-        for engine in pool.used:
-            report.sections.append((f"engine {engine.name} log tail", engine.log_tail(80)))
+    # funcargs holds every fixture resolved for the test, including ones requested indirectly: the
+    # session's engines and any a module started for itself (e.g. the NIXL pair).
+    engines: dict[str, Engine] = {}
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, SessionEngines):
+            engines.update((engine.name, engine) for engine in value.used)
+        elif isinstance(value, EngineGroup):
+            engines.update((engine.name, engine) for engine in value)
+        elif isinstance(value, Engine):
+            engines[value.name] = value
+    for engine in engines.values():
+        report.sections.append((f"engine {engine.name} log tail", engine.log_tail(80)))

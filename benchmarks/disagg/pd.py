@@ -197,9 +197,10 @@ def engine_spec(
     extra += shlex.split(args.engine_args_prefill if role == "prefill" else args.engine_args_decode)
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache
     if args.connector == "nixl":  # two engines on one host: a side channel each (where blocks are asked for)
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(tb.free_port())
-        if not args.gpu:
-            env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_TLS": "tcp,self,sm"}
+        if args.gpu:  # UCX picks its own transports (NVLink, the NICs)
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(tb.free_port())
+        else:
+            env |= tb.nixl_loopback_env()
     for pair in shlex.split(args.engine_env_prefill if role == "prefill" else args.engine_env_decode):
         key, _, value = pair.partition("=")
         env[key] = value

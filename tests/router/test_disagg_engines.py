@@ -22,8 +22,8 @@ from vllm_stack_dev.testbed.engines import (
     EngineGroup,
     EngineSpec,
     default_cpus,
-    free_port,
     launch,
+    nixl_loopback_env,
     wait_ready,
 )
 
@@ -107,21 +107,16 @@ async def test_the_decode_engine_takes_the_prefilled_kv_and_the_handover_as_retu
 
 
 def _nixl_spec(model_dir: Path) -> EngineSpec:
-    """vLLM's NixlConnector on CPU: KV in a host buffer, NIXL over UCX (TCP, shared memory); each engine
-    its own side-channel port, on which the decode engine asks the prefill engine for the blocks."""
+    """vLLM's NixlConnector on CPU: KV in a host buffer, NIXL over UCX on loopback TCP; each engine its
+    own side-channel port, on which the decode engine asks the prefill engine for the blocks."""
     config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    env = {
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-        "UCX_TLS": "tcp,self,sm",
-    }
     return EngineSpec(
         model_dir,
         CHAT_MODEL,
         enable_lora=False,
         kv_events=False,
         extra_args=["--kv-transfer-config", json.dumps(config)],
-        env=env,
+        env=nixl_loopback_env(),
     )
 
 
@@ -152,10 +147,11 @@ async def test_nixl_hands_the_kv_over_with_the_prefill_answers_params(nixl_engin
     decode = nixl_engines[1]
     async with pd_router(nixl_engines) as (url, _, prefill_tap, decode_tap):
         hits_before = decode.metric_value(HITS)
+        prompt_tokens_before = decode.metric_value("vllm:prompt_tokens_total")
         async with http(url) as c:
             await stream_long_prompt(c)
         hits = decode.metric_value(HITS) - hits_before
-        prompt_tokens = decode.metric_value("vllm:prompt_tokens_total")
+        prompt_tokens = decode.metric_value("vllm:prompt_tokens_total") - prompt_tokens_before
     (prefill_leg,) = prefill_tap.exchanges("/v1/chat/completions")
     (decode_leg,) = decode_tap.exchanges("/v1/chat/completions")
     returned = assert_handed_over(prefill_leg, decode_leg)

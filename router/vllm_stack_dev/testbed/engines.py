@@ -43,6 +43,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def nixl_loopback_env() -> dict[str, str]:
+    """The environment of a NixlConnector engine whose peers run on the same host without a GPU.
+
+    Each engine gets its own side channel (the ZMQ port on which a decode engine asks a prefill engine
+    for its KV blocks), on loopback. UCX moves the blocks over loopback TCP only: by default it also
+    tries every network interface and the shared-memory transports, which depend on the host's NICs
+    and kernel settings, and none of them is needed between two local processes.
+    """
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "UCX_TLS": "tcp,self",
+        "UCX_NET_DEVICES": "lo",
+    }
+
+
 def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGTERM `process`, then SIGKILL it if it has not exited after `timeout` seconds."""
     if process.poll() is not None:
