@@ -16,11 +16,11 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- if hasKey $r "requestStatsWindow" }}{{ $n = append $n "routerSpec.requestStatsWindow: ignored: the vllm-stack router takes its load signals from the engines' /metrics every engineScrapeInterval, not from a window of its own requests" }}{{ end -}}
 {{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
 {{- with $r.otel }}{{ $n = append $n (printf "routerSpec.otel: the vllm-stack router has no tracing yet: no spans are sent%s (the engines' own OTEL_* env, if any, is passed through)" (ternary (printf " to %s" .endpoint) "" (not (empty .endpoint)))) }}{{ end -}}
-{{- with $r.lmcacheConfig }}{{ $n = append $n "routerSpec.lmcacheConfig: ignored: production-stack's router embeds LMCache for kvaware routing only; this router does not" }}{{ end -}}
-{{- if and $r.hf_token (ne $r.routingLogic "prefixaware") }}{{ $n = append $n (printf "routerSpec.hf_token: unused with routingLogic %s: the vllm-stack router fetches tokenizers only for prefixaware routing" $r.routingLogic) }}{{ end -}}
+{{- with $r.lmcacheConfig }}{{ $n = append $n "routerSpec.lmcacheConfig: ignored: production-stack's router embeds LMCache for kvaware routing; this router embeds none (with kvaware it asks the chart's lmcache_controller)" }}{{ end -}}
+{{- if and $r.hf_token (not (has $r.routingLogic (list "prefixaware" "kvaware"))) }}{{ $n = append $n (printf "routerSpec.hf_token: unused with routingLogic %s: the vllm-stack router fetches tokenizers only for prefixaware and kvaware routing" $r.routingLogic) }}{{ end -}}
 {{- $ctlPorts := list -}}
 {{- range list "lmcacheControllerPort" "lmcacheControllerReplyPort" "lmcacheControllerHeartbeatPort" }}{{ if not (empty (get $r .)) }}{{ $ctlPorts = append $ctlPorts (printf "routerSpec.%s" .) }}{{ end }}{{ end -}}
-{{- with $ctlPorts }}{{ $n = append $n (printf "%s: production-stack's router hosts an LMCache controller there for kvaware routing only; with routingLogic %s nothing uses it and this router hosts none" (join ", " .) $r.routingLogic) }}{{ end -}}
+{{- if ne (include "vllm-stack.controller.enabled" .) "true" }}{{ with $ctlPorts }}{{ $n = append $n (printf "%s: production-stack's router hosts an LMCache controller there for kvaware routing only; with routingLogic %s this chart deploys none, so nothing uses them (routingLogic kvaware, or lmcacheControllerSpec.enabled, deploys %s on these ports)" (join ", " .) $r.routingLogic (include "vllm-stack.controller.fullname" $)) }}{{ end }}{{ end -}}
 {{- $probePorts := list -}}
 {{- range $spec := list "servingEngineSpec" "routerSpec" }}{{ range $probe := list "startupProbe" "livenessProbe" "readinessProbe" }}
 {{- with (get (get $v $spec) $probe) }}{{ with .httpGet }}{{ if hasKey . "port" }}{{ $probePorts = append $probePorts (printf "%s.%s.httpGet.port" $spec $probe) }}{{ end }}{{ end }}{{ end }}
@@ -61,11 +61,15 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) }}{{ $n = append $n (printf "%s.chatTemplate: --chat-template %s as given; the file must be in the image or a volume you mount (extraVolumes); production-stack would look for it under /templates on a PVC named vllm-templates-pvc" $p $m.chatTemplate) }}{{ end -}}
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" $ctx) "true" -}}
 {{- $lc := $m.lmcacheConfig -}}
-{{- if and $lc.enableController $lc.controllerPort (not $lc.controllerPullUrl) -}}
+{{- if eq (include "vllm-stack.model.chartController" $ctx) "true" -}}
+{{- $paths := list }}{{ range list "enableController" "controllerPort" "controllerReplyPort" }}{{ if hasKey $lc . }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end }}{{ end -}}
+{{- $ports := include "vllm-stack.controller.ports" $ | fromYaml -}}
+{{- with $paths }}{{ $n = append $n (printf "%s: the engines report to the chart's LMCache controller, %s (pull port %d, reply port %d: routerSpec.lmcacheControllerPort and lmcacheControllerReplyPort, which these name too), as instance id their pod name" (join ", " .) (include "vllm-stack.controller.fullname" $) (int $ports.pull) (int $ports.reply)) }}{{ end -}}
+{{- else if and $lc.enableController $lc.controllerPort (not $lc.controllerPullUrl) -}}
 {{- $keys := list "enableController" "controllerPort" -}}
 {{- range list "controllerReplyPort" "workerHeartbeatTime" }}{{ if hasKey $lc . }}{{ $keys = append $keys . }}{{ end }}{{ end -}}
 {{- $paths := list }}{{ range $keys }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end -}}
-{{- $n = append $n (printf "%s: these point the engine at an LMCache controller on production-stack's router, which hosts one for kvaware routing only; this chart's router hosts none, so the controller stays off (give controllerPullUrl and controllerReplyUrl of an lmcache_controller to turn it on)" (join ", " $paths)) -}}
+{{- $n = append $n (printf "%s: these point the engine at an LMCache controller on production-stack's router, which hosts one for kvaware routing only; with routingLogic %s this chart deploys no controller, so it stays off (routingLogic kvaware or lmcacheControllerSpec.enabled deploys one the engines report to; or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller)" (join ", " $paths) (toString $r.routingLogic)) -}}
 {{- end -}}
 {{- if eq (include "vllm-stack.model.nixlPD" $ctx) "true" -}}
 {{- $pd := include "vllm-stack.model.pd" $ctx | fromYaml -}}

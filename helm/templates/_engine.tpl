@@ -102,28 +102,42 @@ secretKeyRef:
 - name: LMCACHE_REMOTE_SERDE
   value: {{ $lc.remoteSerde | default $root.Values.cacheserverSpec.serde | quote }}
 {{- end }}
-{{- /* production-stack spells the controller as ports on its own router, which hosts an LMCache
-     controller for kvaware routing only; this chart's router hosts none, so that spelling leaves the
-     controller off (NOTES says so) instead of pointing the engines at an address nothing answers. */}}
-{{- if and $lc.enableController (or $lc.controllerPullUrl (not $lc.controllerPort)) }}
+{{- /* The LMCache controller: the chart's (lmcache-controller.yaml, deployed for routingLogic kvaware or
+     lmcacheControllerSpec.enabled), or one of your own (controllerPullUrl / controllerReplyUrl). production-stack
+     spells the chart's as ports on its own router (controllerPort / controllerReplyPort): without the chart's
+     controller that spelling leaves the controller off (NOTES says so) instead of pointing the engines at an
+     address nothing answers. */}}
+{{- $own := eq (include "vllm-stack.model.chartController" .) "true" }}
+{{- $ctlPorts := include "vllm-stack.controller.ports" $root | fromYaml }}
+{{- $ctl := or $own (and $lc.enableController (or $lc.controllerPullUrl (not $lc.controllerPort))) }}
+{{- if $ctl }}
 - name: LMCACHE_ENABLE_CONTROLLER
   value: "true"
+{{- /* The pod name: the engine name the router's Kubernetes discovery gives it, so the router maps the
+     controller's answer (an instance id) to an engine. */}}
 - name: LMCACHE_LMCACHE_INSTANCE_ID
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
+{{- if $own }}
+- name: LMCACHE_CONTROLLER_PULL_URL
+  value: {{ printf "%s:%d" (include "vllm-stack.controller.fullname" $root) (int $ctlPorts.pull) | quote }}
+- name: LMCACHE_CONTROLLER_REPLY_URL
+  value: {{ printf "%s:%d" (include "vllm-stack.controller.fullname" $root) (int $ctlPorts.reply) | quote }}
+{{- else }}
 - name: LMCACHE_CONTROLLER_PULL_URL
   value: {{ required "lmcacheConfig.controllerPullUrl is required with enableController" $lc.controllerPullUrl | quote }}
 - name: LMCACHE_CONTROLLER_REPLY_URL
   value: {{ required "lmcacheConfig.controllerReplyUrl is required with enableController" $lc.controllerReplyUrl | quote }}
+{{- end }}
 {{- with $lc.workerHeartbeatTime }}
 - name: LMCACHE_LMCACHE_WORKER_HEARTBEAT_TIME
   value: {{ include "vllm-stack.str" . | quote }}
 {{- end }}
 {{- end }}
-{{- with $lc.workerPorts }}
+{{- with (include "vllm-stack.model.workerPorts" (dict "root" $root "model" .model "controller" $ctl)) }}
 - name: LMCACHE_LMCACHE_WORKER_PORTS
-  value: {{ include "vllm-stack.portList" . | quote }}
+  value: {{ . | quote }}
 {{- end }}
 {{- if $lc.enableP2P }}
 - name: LMCACHE_ENABLE_P2P

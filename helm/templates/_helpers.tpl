@@ -160,13 +160,19 @@ Decisions shared by several templates.
 {{- if and .Values.routerSpec.enableRouter (eq .Values.routerSpec.routingLogic "prefixaware") -}}true{{- end -}}
 {{- end -}}
 
-{{/* The router's --tokenizers value: model=source pairs, comma-separated (empty: none). Given
-     routerSpec.tokenizers first; with fetchTokenizers, every enabled model whose modelURL is a Hub
-     repository (ORG/NAME, not a path) gets hf:ORG/NAME[@modelRevision]. */}}
+{{/* "true" when the router tokenizes prompts: prefixaware (its token blocks) and kvaware (the tokens it
+     asks the LMCache controller about). */}}
+{{- define "vllm-stack.router.tokenizes" -}}
+{{- if and .Values.routerSpec.enableRouter (has .Values.routerSpec.routingLogic (list "prefixaware" "kvaware")) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The router's --tokenizers value: model=source pairs, comma-separated (empty: none), for prefixaware and
+     kvaware routing. Given routerSpec.tokenizers first; with fetchTokenizers, every enabled model whose
+     modelURL is a Hub repository (ORG/NAME, not a path) gets hf:ORG/NAME[@modelRevision]. */}}
 {{- define "vllm-stack.router.tokenizers" -}}
 {{- $r := .Values.routerSpec -}}
 {{- $pairs := dict -}}
-{{- if eq (include "vllm-stack.router.prefixAware" .) "true" -}}
+{{- if eq (include "vllm-stack.router.tokenizes" .) "true" -}}
 {{- $root := . -}}
 {{- if $r.fetchTokenizers -}}
 {{- range $m := .Values.servingEngineSpec.modelSpec -}}

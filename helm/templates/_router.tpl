@@ -9,6 +9,11 @@
 {{- with $r.staticModels }}{{ $args = concat $args (list "--static-models" .) }}{{ end -}}
 {{- end -}}
 {{- $args = concat $args (list "--routing-logic" (include "vllm-stack.router.routingLogic" .)) -}}
+{{- /* kvaware: the chart's LMCache controller answers which engine holds a prompt's longest prefix. */ -}}
+{{- if eq (include "vllm-stack.router.kvAware" .) "true" -}}
+{{- $args = concat $args (list "--lmcache-controller-url" (include "vllm-stack.controller.url" .)) -}}
+{{- if not (kindIs "invalid" $r.kvAwareThreshold) }}{{ $args = concat $args (list "--kv-aware-threshold" (include "vllm-stack.str" $r.kvAwareThreshold)) }}{{ end -}}
+{{- end -}}
 {{- /* Disaggregated prefill (_disagg.tpl): on with prefill-role engines, or production-stack's enablePD. */ -}}
 {{- if or (eq (toString $r.enablePD) "true") (include "vllm-stack.disagg.prefill" .) }}{{ $args = append $args "--disaggregation" }}{{ end -}}
 {{- if include "vllm-stack.disagg.lmcache" . -}}

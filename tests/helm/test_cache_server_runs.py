@@ -9,16 +9,15 @@ fills (`pip download lmcache==0.5.6 sortedcontainers==2.4.0 --no-deps -d .cache/
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
-import zipfile
 
 import pytest
 from vllm_stack_dev.paths import engine_python
 from vllm_stack_dev.testbed.engines import free_port, stop_process
 
+from tests.fakes.lmcache_procs import lmcache_env, unpack_lmcache
 from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, env_of, one, render
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
@@ -35,14 +34,7 @@ def _tcp_probe(port: int) -> bool:
 
 
 def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
-    wheels = sorted(WHEELS.glob("lmcache-0.5.6-*.whl")) + sorted(WHEELS.glob("sortedcontainers-*.whl"))
-    if len(wheels) < 2 or not engine_python().exists():
-        pytest.fail(
-            "LMCache / sortedcontainers wheels (.cache/wheels) or the engine environment (.venv-engine)"
-            " missing: run `make install`"
-        )
-    for wheel in wheels:
-        zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    site = unpack_lmcache(tmp_path)
 
     objs = render([EXAMPLES / "cache-server.yaml"])
     c = container(one(objs, "Deployment", f"{RELEASE}-cache-server"))
@@ -52,9 +44,7 @@ def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
     assert {"name": probe, "containerPort": int(port), "protocol": "TCP"} in c["ports"]
 
     test_port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env.update({e: v["value"] for e, v in env_of(c).items() if "value" in v and e != "HOME"})
-    env["PYTHONPATH"] = str(tmp_path / "site")
+    env = lmcache_env(site, {e: v["value"] for e, v in env_of(c).items() if "value" in v and e != "HOME"})
     # The console script `lmcache_server` is lmcache.v1.server.__main__:main with argv [HOST, PORT].
     script = f"import sys; sys.argv = ['{program}', '127.0.0.1', '{test_port}']; from lmcache.v1.server.__main__ import main; main()"
     log = (tmp_path / "server.log").open("wb")
@@ -67,6 +57,6 @@ def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
             assert proc.poll() is None, (tmp_path / "server.log").read_text()
             assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.5)
-        assert env["LMCACHE_TRACK_USAGE"] == "false"
+        assert env_of(c)["LMCACHE_TRACK_USAGE"]["value"] == "false"  # rendered, not the test's default
     finally:
         stop_process(proc)

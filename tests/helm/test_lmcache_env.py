@@ -117,3 +117,19 @@ def test_production_stacks_pre_05_pd_keys_reach_lmcache_05(lmcache_config, monke
 def test_seed_file(lmcache_config, monkeypatch):
     cfg = load(lmcache_config, EXAMPLES / "seed-mistral.yaml", "mistral", monkeypatch)
     assert (cfg.local_cpu, cfg.max_local_cpu_size) == (True, 30.0)
+
+
+def test_kvaware_engines_report_to_the_charts_controller(lmcache_config, monkeypatch):
+    """tests__values-09-kvaware-routing.yaml: the controller settings pass LMCache 0.5.6's own checks
+    (enable_controller needs an instance id, both URLs and worker ports)."""
+    path = ROOT.parent / "shared" / "production-stack-values" / "tests__values-09-kvaware-routing.yaml"
+    if not path.exists():
+        pytest.skip(f"{path} missing (production-stack's values files are test data outside the repository)")
+    cfg = load(lmcache_config, path, "opt125m", monkeypatch)
+    cfg.validate()
+    assert (cfg.enable_controller, cfg.lmcache_instance_id) == (True, "engine-pod-0")
+    assert (cfg.controller_pull_url, cfg.controller_reply_url) == (
+        f"{RELEASE}-lmcache-controller:9000",
+        f"{RELEASE}-lmcache-controller:9001",
+    )
+    assert (cfg.lmcache_worker_ports, cfg.lmcache_worker_heartbeat_time, cfg.chunk_size) == ([8001], 30, 256)

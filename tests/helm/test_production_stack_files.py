@@ -134,8 +134,9 @@ def test_every_file_has_its_recorded_outcome(helm):
 
 def test_refusals_are_only_features_not_shipped_or_not_built_yet():
     reasons = {o["refused"] for o in OUTCOMES.values() if o != "renders"}
-    # Disaggregated prefill left this list when the router implemented it (tests/helm/test_disagg_values.py).
-    features = ("kvaware", "raySpec", "LoRA operator")
+    # Disaggregated prefill and kvaware left this list when they were implemented (tests/helm/test_disagg_values.py,
+    # tests/helm/test_kvaware_values.py).
+    features = ("raySpec", "LoRA operator")
     assert all(sum(f in r for f in features) == 1 for r in reasons), reasons
     assert all("; instead, " in r for r in reasons), reasons  # and what to use instead
 
