@@ -168,6 +168,7 @@ class Router:
             )
             if config.disaggregated
             else None,
+            config.debug_headers,
         )
 
     def _apply_runtime(self, config: RouterConfig, setup: SchedulingSetup) -> None:
@@ -367,6 +368,7 @@ class Router:
         await self.adapters.close()
         await self.registry.close()
         self.pools.close()
+        await self.plugin_state.close()
         if self.control_session is not None:
             await self.control_session.close()
 

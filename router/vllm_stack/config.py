@@ -71,6 +71,15 @@ class RouterConfig:
     tokenizers: Mapping[str, str] | None = field(default=None, compare=False)
     # prefixaware: follow the engines' KV events (auto: when a tokenizer makes request keys match them)
     kv_events: str = "auto"
+    # kvaware (LMCache's controller says where a prompt's KV is): the controller's HTTP API, the most
+    # prompt tokens the holder may lack and still get the request (production-stack's
+    # --kv-aware-threshold), and how long one lookup may take on the request path
+    lmcache_controller_url: str | None = None
+    kv_aware_threshold: int = 2000
+    lmcache_lookup_timeout: float = 0.2
+    # Answers carry x-vllm-stack-route (the profile, the picker's reason, the engine and the picker's
+    # note): off by default, since it names internal engines to clients
+    debug_headers: bool = False
     # LoRA adapters (vllm_stack.engines.adapters): [{name, source, base_model, tier}], checked there
     lora_adapters: tuple[Mapping[str, Any], ...] = field(default=(), compare=False)
     # weighted model names: {name: [{model, weight}, ...]} (canary / blue-green splits)
@@ -158,6 +167,14 @@ class RouterConfig:
                 raise ConfigError(f"static_roles: {role!r} is not one of {ENGINE_ROLES}")
         if set(self.prefill_model_labels) & set(self.decode_model_labels):
             raise ConfigError("a model label cannot be both in prefill_model_labels and decode_model_labels")
+        if self.routing_logic == "kvaware" and not (self.lmcache_controller_url or "").startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError(
+                "routing_logic kvaware needs lmcache_controller_url (the controller's http(s):// URL)"
+            )
+        if self.kv_aware_threshold < 0 or self.lmcache_lookup_timeout <= 0:
+            raise ConfigError("kv_aware_threshold must be >= 0 and lmcache_lookup_timeout > 0")
         if self.disagg_protocol not in DISAGG_PROTOCOLS:
             raise ConfigError(f"disagg_protocol must be one of {DISAGG_PROTOCOLS}")
         if self.disagg_min_uncached_tokens < 0:

@@ -245,7 +245,28 @@ class RouterMetrics:
             ["model"],
             LATENCY_BUCKETS,
         )
+        # LMCache-aware routing (vllm_stack.scheduling.plugins.lmcache_lookup_picker)
+        self.lmcache_lookups = _Family(
+            PREFIX + "lmcache_lookups_total",
+            "Requests of the kvaware picker by outcome: routed (to the engine whose LMCache holds the "
+            "prompt's prefix), miss (no instance holds its first chunk), below_threshold (the holder lacks "
+            "more than the threshold), holder_unavailable (the holder is no candidate engine now), "
+            "holder_busy (over the in-flight bound), short_prompt (under one 256-token chunk), no_tokens "
+            "(no tokenizer for the model), error, timeout, bad_answer, backoff (the controller failed "
+            "recently: not asked). Every outcome but routed falls back to the prefix-cache picker.",
+            "counter",
+            ["model", "outcome"],
+        )
+        self.lmcache_lookup_seconds_family = _Family(
+            PREFIX + "lmcache_lookup_seconds",
+            "Time of one lookup at the LMCache controller (its answer, or its failure).",
+            "histogram",
+            [],
+            LATENCY_BUCKETS,
+        )
         self._fast = [
+            self.lmcache_lookups,
+            self.lmcache_lookup_seconds_family,
             self.disagg_requests,
             self.prefill_seconds,
             self.queue_length,
@@ -265,6 +286,7 @@ class RouterMetrics:
         ]
         r.register(_FastCollector(self._fast))
         self._decision_seconds = self.routing_decision_seconds.child()
+        self.lmcache_lookup_seconds = self.lmcache_lookup_seconds_family.child()
 
         self.engine_healthy = Gauge(
             PREFIX + "engine_healthy",
@@ -357,6 +379,9 @@ class RouterMetrics:
     def queue_exit(self, model: str, cls: str, outcome: str, seconds: float) -> None:
         self.queue_wait.child(model, cls).observe(seconds)  # type: ignore[union-attr]
         self.queue_exits.child(model, cls, outcome).inc()
+
+    def lmcache_lookup(self, model: str, outcome: str) -> None:
+        self.lmcache_lookups.child(model, outcome).inc()
 
     def disagg(self, model: str, outcome: str) -> None:
         self.disagg_requests.child(model, outcome).inc()

@@ -81,6 +81,26 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "on", "off"),
         help="prefixaware: follow the engines' KV events (auto, the default: for models with a tokenizer)",
     )
+    p.add_argument(
+        "--lmcache-controller-url",
+        help="kvaware: the HTTP API of LMCache's controller (lmcache_controller --port), e.g. http://HOST:9010",
+    )
+    p.add_argument(
+        "--kv-aware-threshold",
+        type=int,
+        help="kvaware: the most prompt tokens the LMCache holder may lack and still get the request (2000)",
+    )
+    p.add_argument(
+        "--lmcache-lookup-timeout",
+        type=float,
+        help="kvaware: seconds one controller lookup may take before the cache-aware fallback decides (0.2)",
+    )
+    p.add_argument(
+        "--debug-headers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="answers carry x-vllm-stack-route: profile, reason, engine (default off)",
+    )
     p.add_argument("--session-key", help="header holding the session id (falls back to the body's 'user')")
     p.add_argument(
         "--engine-scrape-interval", type=float, help="seconds between /metrics scrapes (default 1)"
@@ -119,12 +139,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-parser", choices=("msgspec", "orjson"))
     p.add_argument("--session-balance-epsilon", type=float, help="bounded-load factor e of session affinity")
     p.add_argument("--access-log", action="store_const", const=True, help="log every request")
+    # production-stack's router hosts an LMCache controller itself for kvaware; this one asks a
+    # separate lmcache_controller. Its flags are taken only to say so (see main).
+    for flag in HOSTED_CONTROLLER_FLAGS:
+        p.add_argument(flag, dest="hosted_" + flag[2:].replace("-", "_"), help=argparse.SUPPRESS)
     return p
 
 
+#: production-stack's flags of the LMCache controller its router hosts (kvaware)
+HOSTED_CONTROLLER_FLAGS = (
+    "--lmcache-controller-port",
+    "--lmcache-controller-reply-port",
+    "--lmcache-controller-heartbeat-port",
+    "--lmcache-health-check-interval",
+    "--lmcache-worker-timeout",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    cli = {k: v for k, v in vars(args).items() if k != "config_file" and v is not None}
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    hosted = [f for f in HOSTED_CONTROLLER_FLAGS if getattr(args, "hosted_" + f[2:].replace("-", "_"))]
+    if hosted:
+        parser.error(
+            f"{', '.join(hosted)}: production-stack's router hosts an LMCache controller for kvaware; this "
+            "router asks a separate one (lmcache_controller, which the chart deploys): give "
+            "--lmcache-controller-url http://HOST:PORT, its HTTP API"
+        )
+    cli = {
+        k: v
+        for k, v in vars(args).items()
+        if k != "config_file" and not k.startswith("hosted_") and v is not None
+    }
 
     import uvloop
 

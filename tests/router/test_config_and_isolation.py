@@ -10,7 +10,7 @@ from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import FAST, http, metric_value, running_router, serving, stubs, wait_for
 from vllm_stack.app import build_router
 from vllm_stack.config import ConfigError, load_config
-from vllm_stack.router_cli import build_parser
+from vllm_stack.router_cli import build_parser, main
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -38,6 +38,34 @@ def test_production_stack_flags_are_accepted() -> None:
         1024,
         8080,
     )
+
+
+def test_kvaware_takes_the_controller_url_and_refuses_production_stacks_hosted_controller(capsys) -> None:
+    args = build_parser().parse_args(
+        [
+            "--routing-logic",
+            "kvaware",
+            "--lmcache-controller-url",
+            "http://ctl:9010",
+            "--kv-aware-threshold",
+            "500",
+            "--static-backends",
+            "http://e:8000",
+        ]
+    )
+    cli = {k: v for k, v in vars(args).items() if v is not None and k != "config_file"}
+    cfg = load_config(cli, environ={})
+    assert (cfg.routing_logic, cfg.lmcache_controller_url, cfg.kv_aware_threshold) == (
+        "kvaware",
+        "http://ctl:9010",
+        500,
+    )
+    with pytest.raises(ConfigError, match="lmcache_controller_url"):
+        load_config({"routing_logic": "kvaware", "static_backends": "http://e:8000"}, environ={})
+    # production-stack's router hosts the controller on this port: said plainly, not silently ignored
+    with pytest.raises(SystemExit):
+        main(["--routing-logic", "kvaware", "--lmcache-controller-port", "9000"])
+    assert "--lmcache-controller-url" in capsys.readouterr().err
 
 
 def test_yaml_then_cli_precedence_and_validation(tmp_path) -> None:

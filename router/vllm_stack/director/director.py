@@ -64,6 +64,7 @@ class ProxySettings:
     served_models: frozenset[str] = frozenset()
     # Disaggregated prefill for models with prefill-role engines (None: off, no request checks)
     disagg: DisaggSettings | None = None
+    debug_headers: bool = False  # answers carry x-vllm-stack-route (see route_header)
 
 
 class Director:

@@ -51,6 +51,14 @@ _ADMIT, _PREPARE, _PRE_REQUEST = 0, 1, 2
 _STAGE_NAMES = ("admission", "prepare", "pre-request")
 
 
+def route_header(profile: str, reason: str, engine: str, note: str = "") -> bytes:
+    """The x-vllm-stack-route value: what decided and where the request went. Engine names and a
+    picker's note come from discovery and from other services, so anything but printable ASCII is
+    replaced (nothing they hold can end the header line)."""
+    value = f"profile={profile}; reason={reason}; engine={engine}" + (f"; {note}" if note else "")
+    return "".join(c if " " <= c <= "~" else "?" for c in value).encode()
+
+
 class ProxiedRequest:
     """The state of one proxied request; the client connection's handler while it runs."""
 
@@ -79,6 +87,7 @@ class ProxiedRequest:
         "queued_at",
         "disagg_pending",
         "pd",
+        "route",
     )
 
     def __init__(
@@ -117,6 +126,7 @@ class ProxiedRequest:
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
         self.disagg_pending = director.settings.disagg is not None and ctx.path in DISAGG_PATHS
         self.pd: PrefillStage | None = None  # while its prefill stage runs
+        self.route: bytes | None = None  # the x-vllm-stack-route value (debug_headers on)
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         hooks = director.hooks
@@ -226,6 +236,8 @@ class ProxiedRequest:
         if engine is None:
             self._wait_or_fail(result.reason)
             return
+        if director.settings.debug_headers:
+            self._note_route(result.profile, result.reason, engine)
         self._start(engine)
 
     # ---- disaggregated prefill (.prefill_stage) -------------------------------------------------------
@@ -234,9 +246,15 @@ class ProxiedRequest:
         was sent to, when it can still take the request), else schedule as for any request."""
         self.pd = None
         if engine is not None and engine.routable() and engine.breaker.available():
+            if self.director.settings.debug_headers:
+                self._note_route("prefill", "disaggregated", engine)
             self._start(engine)
         else:
             self._attempt()
+
+    def _note_route(self, profile: str, reason: str, engine: Engine) -> None:
+        """What the answer's x-vllm-stack-route will say (debug_headers on)."""
+        self.route = route_header(profile, reason, engine.name, self.ctx.route_note)
 
     def _may_wait(self, reason: str) -> bool:
         """Whether the request waits in its model's queue for ``reason`` (not a sheddable one when
@@ -270,6 +288,8 @@ class ProxiedRequest:
         result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
         if result.engine is not None:
             self.queue_seq = 0
+            if director.settings.debug_headers:
+                self._note_route(result.profile, result.reason, result.engine)
             self._start(result.engine)
             return "dispatched"
         if self._may_wait(result.reason):

@@ -247,6 +247,9 @@ class Leg(PooledExchange):
         extra = []
         if b"\r\nx-request-id:" not in lowered:
             extra += (b"x-request-id: ", self.owner.request_id, b"\r\n")
+        route = self.owner.route
+        if route is not None:
+            extra += (b"x-vllm-stack-route: ", route, b"\r\n")
         if not framed or self.dechunker is not None:  # the body ends when the connection closes
             self.close_delimited = True
             self.keep_alive = False

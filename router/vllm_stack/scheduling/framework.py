@@ -72,6 +72,9 @@ class RequestContext:
     pool: str = ""  # the model whose engines are candidates, when it is not ``model``
     # The request's priority (vllm_stack.priority): > 0 critical, 0 standard, < 0 sheddable
     priority: int = 0
+    # A picker's words on its decision (e.g. where LMCache's controller found the prompt), for the
+    # x-vllm-stack-route debug header
+    route_note: str = ""
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:

@@ -5,7 +5,8 @@ Adding a strategy name is one entry in :func:`builtin_config`; adding a behaviou
 ``prefixaware`` is the prefix-cache picker: block-aligned chained keys of the whole prompt, an index
 of which engine was sent which blocks, and a load bound; where engines publish KV events and the
 router has the model's tokenizer, the events keep that index exact (:mod:`.index.feed`).
-(production-stack's ``kvaware`` is something else, LMCache controller lookups, and is not this.)
+``kvaware`` (production-stack's name) asks LMCache's controller where the prompt's KV is and falls back
+to the prefix-cache picker (:mod:`.plugins.lmcache_lookup_picker`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ROUTING_LOGICS = (
     "p2c",
     "session",
     "prefixaware",
+    "kvaware",
     "disaggregated_prefill",
 )
 #: The profile that picks a disaggregated request's prefill engine (vllm_stack.director.disagg).
@@ -77,6 +79,15 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
         )
     if logic == "prefixaware":
         return _single(logic, _prefix_picker(config))
+    if logic == "kvaware":
+        picker = _prefix_picker(config)
+        picker["type"] = "lmcache-lookup-picker"
+        picker["parameters"] |= {
+            "controller_url": config.lmcache_controller_url,
+            "threshold": config.kv_aware_threshold,
+            "timeout": config.lmcache_lookup_timeout,
+        }
+        return _single(logic, picker)
     raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
 
 

@@ -13,6 +13,7 @@ gets the same object back after a reload.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -31,6 +32,7 @@ class PluginState:
     def __init__(self) -> None:
         self._entries: dict[tuple[str, ...], Any] = {}
         self._asked: set[tuple[str, ...]] | None = None  # keys asked for by the build under way
+        self._closing: set[asyncio.Task[None]] = set()  # dropped entries closing their connections
 
     def get(self, key: tuple[str, ...], create: Callable[[], T]) -> T:
         """The entry for ``key``, created by ``create()`` the first time it is asked for."""
@@ -58,7 +60,27 @@ class PluginState:
         asked, self._asked = self._asked, None
         if applied and asked is not None:
             for key in [k for k in self._entries if k not in asked]:
-                del self._entries[key]
+                self._close_soon(self._entries.pop(key))
+
+    def _close_soon(self, entry: Any) -> None:  # noqa: ANN401 - any plugin state
+        """A dropped entry that holds connections closes them, in the background (reloads are synchronous)."""
+        aclose = getattr(entry, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(aclose())
+        except RuntimeError:  # no loop (a build outside the server, e.g. a test): nothing was opened
+            return
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """The router stops: entries holding connections (``aclose``) close them."""
+        entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            aclose = getattr(entry, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def __len__(self) -> int:
         return len(self._entries)

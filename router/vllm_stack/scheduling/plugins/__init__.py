@@ -10,6 +10,7 @@ from vllm_stack.scheduling.plugins.circuit_breaker_filter import CircuitBreakerF
 from vllm_stack.scheduling.plugins.consistent_hash_picker import ConsistentHashPicker
 from vllm_stack.scheduling.plugins.criticality_profile_handler import CriticalityProfileHandler
 from vllm_stack.scheduling.plugins.least_loaded_scorer import LeastLoadedScorer
+from vllm_stack.scheduling.plugins.lmcache_lookup_picker import LmcacheLookupPicker
 from vllm_stack.scheduling.plugins.lora_affinity import LoraAffinity
 from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdmission
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
@@ -36,6 +37,7 @@ BUILTIN_TYPES = (
     PowerOfTwoPicker,
     ConsistentHashPicker,
     PrefixCachePicker,
+    LmcacheLookupPicker,
     SingleProfileHandler,
     ModelProfileHandler,
     PromptLength,
