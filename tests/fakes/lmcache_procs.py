@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 import zipfile
@@ -40,6 +41,15 @@ def unpack_lmcache(dest: Path) -> Path:
     for wheel in wheels:
         zipfile.ZipFile(wheel).extractall(site)
     return site
+
+
+def tcp_open(port: int) -> bool:
+    """Whether a TCP connect to loopback ``port`` succeeds (what the kubelet's tcpSocket probe does)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def lmcache_env(site: Path, extra: dict[str, str] | None = None) -> dict[str, str]:

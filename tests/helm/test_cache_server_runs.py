@@ -9,7 +9,6 @@ fills (`pip download lmcache==0.5.6 sortedcontainers==2.4.0 --no-deps -d .cache/
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 
@@ -17,7 +16,7 @@ import pytest
 from vllm_stack_dev.paths import engine_python
 from vllm_stack_dev.testbed.engines import free_port, stop_process
 
-from tests.fakes.lmcache_procs import lmcache_env, unpack_lmcache
+from tests.fakes.lmcache_procs import lmcache_env, tcp_open, unpack_lmcache
 from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, env_of, one, render
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
@@ -25,15 +24,7 @@ pytestmark = [pytest.mark.helm, pytest.mark.engine]
 WHEELS = ROOT / ".cache" / "wheels"
 
 
-def _tcp_probe(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
+def test_rendered_cache_server_starts_and_answerstcp_open(tmp_path):
     site = unpack_lmcache(tmp_path)
 
     objs = render([EXAMPLES / "cache-server.yaml"])
@@ -53,7 +44,7 @@ def test_rendered_cache_server_starts_and_answers_tcp_probe(tmp_path):
     )
     try:
         deadline = time.monotonic() + 120
-        while not _tcp_probe(test_port):
+        while not tcp_open(test_port):
             assert proc.poll() is None, (tmp_path / "server.log").read_text()
             assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
             time.sleep(0.5)

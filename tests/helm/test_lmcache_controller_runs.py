@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import configparser
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,7 +22,7 @@ import pytest
 from vllm_stack_dev.paths import engine_python
 from vllm_stack_dev.testbed.engines import free_port, stop_process
 
-from tests.fakes.lmcache_procs import lmcache_env, unpack_lmcache
+from tests.fakes.lmcache_procs import lmcache_env, tcp_open, unpack_lmcache
 from tests.helm.chart import RELEASE, ROOT, container, env_of, one, render, values_file
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
@@ -35,14 +34,6 @@ VALUES = {
     },
     "routerSpec": {"routingLogic": "kvaware"},
 }
-
-
-def _tcp_probe(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def _lookup(port: int, tokens: list[int]) -> tuple[int, dict]:
@@ -94,7 +85,7 @@ def test_rendered_controller_starts_and_answers_a_lookup(tmp_path):
     )
     try:
         deadline = time.monotonic() + 120
-        while not _tcp_probe(api):
+        while not tcp_open(api):
             assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
@@ -106,6 +97,6 @@ def test_rendered_controller_starts_and_answers_a_lookup(tmp_path):
             rendered["PYTHONHASHSEED"]["value"] == "0" and rendered["LMCACHE_TRACK_USAGE"]["value"] == "false"
         )
         # The worker ports are bound where the engines' LMCache connects (ZMQ on TCP).
-        assert all(_tcp_probe(p) for p in (monitor["pull"], monitor["reply"], monitor["heartbeat"])), monitor
+        assert all(tcp_open(p) for p in (monitor["pull"], monitor["reply"], monitor["heartbeat"])), monitor
     finally:
         stop_process(proc)
