@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT / "router"))
 
 import httpx  # noqa: E402
 import yaml  # noqa: E402
-from vllm_stack_dev.localstack import wait_http_ok  # noqa: E402
 from vllm_stack_dev.paths import cache_dir  # noqa: E402
 from vllm_stack_dev.testbed import engines as tb  # noqa: E402
 from vllm_stack_dev.testbed.models import build_model  # noqa: E402
+from vllm_stack_dev.waiting import wait_http_ok  # noqa: E402
 
 MODEL = "tiny-llama"
 KEY = "bench-priority-key"

@@ -10,11 +10,8 @@ controller's ZMQ protocol with LMCache's own message classes (see its docstring 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -22,40 +19,10 @@ from typing import IO
 import httpx
 from vllm_stack_dev.paths import engine_python
 from vllm_stack_dev.testbed.engines import free_port, stop_process
+from vllm_stack_dev.testbed.lmcache import lmcache_command, lmcache_env
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEELS = ROOT / ".cache" / "wheels"
 WORKER = Path(__file__).with_name("lmcache_worker.py")
-HASH_SEED = "0"  # PYTHONHASHSEED of the controller and the workers: LMCache's chunk hashes use hash()
-
-
-def unpack_lmcache(dest: Path) -> Path:
-    """The LMCache 0.5.6 and sortedcontainers wheels unpacked under ``dest`` (a PYTHONPATH entry)."""
-    wheels = sorted(WHEELS.glob("lmcache-0.5.6-*.whl")) + sorted(WHEELS.glob("sortedcontainers-*.whl"))
-    if len(wheels) < 2 or not engine_python().exists():
-        raise RuntimeError(
-            "LMCache / sortedcontainers wheels (.cache/wheels) or the engine environment (.venv-engine)"
-            " missing: run `make install`"
-        )
-    site = dest / "site"
-    for wheel in wheels:
-        zipfile.ZipFile(wheel).extractall(site)
-    return site
-
-
-def tcp_open(port: int) -> bool:
-    """Whether a TCP connect to loopback ``port`` succeeds (what the kubelet's tcpSocket probe does)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def lmcache_env(site: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env |= {"PYTHONPATH": str(site), "PYTHONHASHSEED": HASH_SEED, "LMCACHE_TRACK_USAGE": "false"}
-    return env | (extra or {})
 
 
 class Controller:
@@ -66,19 +33,10 @@ class Controller:
         self.url = f"http://127.0.0.1:{self.api_port}"
         self.log_path = log_path
         ports = json.dumps({"pull": self.pull, "reply": self.reply, "heartbeat": self.heartbeat})
-        argv = [
-            "lmcache_controller",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.api_port),
-            "--monitor-ports",
-            ports,
-        ]
-        script = f"import sys; sys.argv = {argv!r}; from lmcache.v1.api_server.__main__ import main; main()"
+        args = ["--host", "127.0.0.1", "--port", str(self.api_port), "--monitor-ports", ports]
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [str(engine_python()), "-c", script],
+            lmcache_command("lmcache_controller", args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=lmcache_env(site),

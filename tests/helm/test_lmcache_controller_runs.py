@@ -21,8 +21,9 @@ import zipfile
 import pytest
 from vllm_stack_dev.paths import engine_python
 from vllm_stack_dev.testbed.engines import free_port, stop_process
+from vllm_stack_dev.testbed.lmcache import lmcache_env, unpack_lmcache
+from vllm_stack_dev.waiting import tcp_open
 
-from tests.fakes.lmcache_procs import lmcache_env, tcp_open, unpack_lmcache
 from tests.helm.chart import RELEASE, ROOT, container, env_of, one, render, values_file
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]

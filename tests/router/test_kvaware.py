@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 from vllm_stack_dev.testbed.engines import free_port
+from vllm_stack_dev.testbed.lmcache import unpack_lmcache
 
-from tests.fakes.lmcache_procs import Controller, Workers, unpack_lmcache
+from tests.fakes.lmcache_procs import Controller, Workers
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import metric_value, running_router, stubs
 from vllm_stack.director.request import route_header

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from vllm_stack_dev.localstack import wait_http_ok
+from vllm_stack_dev.waiting import wait_http_ok
 
 from tests.tutorials.markdown import Step, steps
 

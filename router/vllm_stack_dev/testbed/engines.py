@@ -78,7 +78,7 @@ def _die_with_parent() -> None:
 
 
 def spawn_logged(
-    command: Sequence[str], log_path: Path, env: dict[str, str], cwd: Path | None = None
+    command: Sequence[str], log_path: Path, env: dict[str, str] | None, cwd: Path | None = None
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` in its own process group (so stopping it stops its children), output and the
     command line itself to ``log_path``, ended when this process dies (PR_SET_PDEATHSIG)."""

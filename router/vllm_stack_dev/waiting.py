@@ -1,0 +1,34 @@
+"""Waiting for a started process to serve: an HTTP endpoint answering 200, or a TCP port accepting."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+import urllib.request
+
+
+def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP connect to ``host:port`` succeeds (what the kubelet's tcpSocket probe does)."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> None:
+    """Until ``url`` answers 200; RuntimeError when ``process`` exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"{process.args[0] if isinstance(process.args, list) else 'process'} exited with code {process.returncode}"
+            )
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
