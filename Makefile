@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: install run test test-fast test-engine lint format bench bench-routing bench-prefix soak clean help
 
 help:
-	@echo "make run        run the local stack (2 real vLLM engines + router) until Ctrl-C"
+	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
 	@echo "make test-fast  tests that need no engine"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
@@ -30,12 +30,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 	@$(BIN)/python -m vllm_stack_dev.devsetup
 
-# `make run` needs only the two environments, not the test tools.
+# `make run` needs the two environments and helm (`vllm-stack up` renders the chart), not the test tools.
 install-run: $(STAMP)
-	@$(BIN)/python -m vllm_stack_dev.devsetup engine
+	@$(BIN)/python -m vllm_stack_dev.devsetup engine helm
 
+# The embedded default values file; `make run VALUES=my-values.yaml` runs another one the same way.
+VALUES ?= helm/examples/local-default.yaml
 run: install-run
-	@$(BIN)/vllm-stack run
+	@$(BIN)/vllm-stack up -f $(VALUES)
 
 test: install
 	@$(BIN)/pytest $(PYTEST_ARGS)

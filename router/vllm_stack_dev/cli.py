@@ -1,4 +1,4 @@
-"""Development subcommands of `vllm-stack`: model builders, engine launcher and the local stack.
+"""Development subcommands of `vllm-stack`: model builders, engine launcher and `up` (the local stack).
 
 Subcommands stay thin: each parses its flags and calls one function of the module that does the work,
 so the same code paths serve the tests, the benchmarks and `make run`.
@@ -7,6 +7,7 @@ so the same code paths serve the tests, the benchmarks and `make run`.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -70,11 +71,22 @@ def _cmd_engines(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from vllm_stack_dev.localstack import run_local_stack
+def _cmd_up(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.up.run import UpOptions, up
 
-    return run_local_stack(
-        engines=args.engines, port=args.port, size=args.size, routing_logic=args.routing_logic
+    return up(
+        UpOptions(
+            values=args.values,
+            sets=args.set,
+            port=args.port,
+            namespace=args.namespace,
+            prometheus=args.prometheus,
+            prometheus_port=args.prometheus_port,
+            max_engines=args.max_engines,
+            log_dir=args.log_dir,
+            ready_timeout=args.ready_timeout,
+            dry_run=args.dry_run,
+        )
     )
 
 
@@ -120,12 +132,30 @@ def build_parser() -> argparse.ArgumentParser:
     engines.add_argument("extra_args", nargs="*", help="extra vLLM arguments (after --)")
     engines.set_defaults(func=_cmd_engines)
 
-    run = sub.add_parser("run", help="run the local stack: engines and a router in front of them")
-    run.add_argument("--engines", type=int, default=2)
-    run.add_argument("--port", type=int, default=8080)
-    run.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    run.add_argument("--routing-logic", default="prefixaware")
-    run.set_defaults(func=_cmd_run)
+    up = sub.add_parser(
+        "up",
+        help="run what the Helm chart deploys for a values file, as local processes, until Ctrl-C",
+        description="Renders the chart with helm template (the chart's own checks), runs each engine replica,"
+        " the router, LMCache's cache server and controller as local processes, and prints every"
+        " substitution this machine needs (weights, GPUs, cluster DNS, ...).",
+    )
+    up.add_argument(
+        "-f", "--values", action="append", type=Path, required=True, help="values file (repeatable)"
+    )
+    up.add_argument("--set", action="append", default=[], help="as helm's --set (repeatable)")
+    up.add_argument(
+        "--port", type=int, default=int(os.environ.get("VLLM_STACK_PORT", 8080)), help="router port"
+    )
+    up.add_argument("--namespace", default="default", help="the namespace the chart is rendered for")
+    up.add_argument("--prometheus", action="store_true", help="also run Prometheus with the chart's rules")
+    up.add_argument("--prometheus-port", type=int, default=9090)
+    up.add_argument(
+        "--max-engines", type=int, help="most engines to start (default: what the memory fits, ~3 GiB each)"
+    )
+    up.add_argument("--log-dir", type=Path, help="logs and the pods' local folders (default: a new temp dir)")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds an engine may take to start")
+    up.add_argument("--dry-run", action="store_true", help="print the substitutions and command lines only")
+    up.set_defaults(func=_cmd_up)
     return parser
 
 
