@@ -97,6 +97,7 @@ class Process:
     role: str | None = None  # engines: prefill / decode, from the chart's role label
     files: dict[Path, str] = field(default_factory=dict)  # written before the start
     folders: list[Path] = field(default_factory=list)  # the pod's volumes, created before the start
+    adapters: list[Path] = field(default_factory=list)  # engines: --lora-modules folders to fill if empty
 
     @property
     def url(self) -> str:
@@ -504,6 +505,7 @@ class Planner:
                 " ".join(self.dtype_override),
                 "vLLM 0.32's CPU AMX kernels fault on this CPU",
             )
+        adapters = self._adapters(pod, args)
         cpu = self._core()
         self._say(
             pod.name,
@@ -529,7 +531,32 @@ class Planner:
             role=role,
             files=files,
             folders=self._folders.get(pod.name, []),
+            adapters=adapters,
         )
+
+    def _adapters(self, pod: _Pod, args: list[str]) -> list[Path]:
+        """The folders of ``--lora-modules`` (``name=path`` or vLLM's JSON form): an adapter that is not
+        there (the cluster's volume holds it) becomes a tiny random LoRA for the tiny model."""
+        folders = []
+        for index, arg in enumerate(args[:-1]):
+            if arg != "--lora-modules":
+                continue
+            value = args[index + 1]
+            if value.startswith("{"):
+                module = json.loads(value)
+                name, path = module.get("name", "?"), module.get("path", "")
+            else:
+                name, _, path = value.partition("=")
+            folder = Path(path)
+            if not (folder / "adapter_config.json").exists():
+                folders.append(folder)
+                self._say(
+                    pod.name,
+                    f"LoRA adapter {name} ({path})",
+                    "a tiny random LoRA for the tiny Llama, written there",
+                    "the adapter's weights are in the cluster's volume and fit only the real model",
+                )
+        return folders
 
     def _kv_events(self, pod: _Pod, args: list[str]) -> list[str]:
         config = _flag(args, "--kv-events-config")

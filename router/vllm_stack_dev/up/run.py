@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from vllm_stack_dev.testbed.engines import (
     wait_ready,
 )
 from vllm_stack_dev.testbed.lmcache import lmcache_command, lmcache_env, unpack_lmcache
-from vllm_stack_dev.testbed.models import build_model
+from vllm_stack_dev.testbed.models import build_lora, build_model
 from vllm_stack_dev.up.plan import PlanError, Planner, StackPlan, memory_fit
 from vllm_stack_dev.up.prometheus import ENGINE_JOB, ROUTER_JOB, Target, start_prometheus
 from vllm_stack_dev.up.render import NAMESPACE, RenderError, render
@@ -171,6 +172,8 @@ class RunningStack:
             for path, text in process.files.items():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
+            for folder in process.adapters:
+                build_lora(self.model_dir, folder)
         self._start_lmcache(say)
         self._start_engines(options.ready_timeout, say)
         self._start_router(say)
@@ -191,7 +194,8 @@ class RunningStack:
             say(f"    {server.name}: {server.argv[0]} on 127.0.0.1:{server.port}")
 
     def _start_engines(self, timeout: float, say: Callable[[str], None]) -> None:
-        say(f"==> starting {len(self.plan.engines)} vLLM engines (CPU build); logs in {self.log_dir}")
+        count = len(self.plan.engines)
+        say(f"==> starting {count} vLLM engine{'s' if count > 1 else ''} (CPU build); logs in {self.log_dir}")
         for process in self.plan.engines:
             spec = EngineSpec(
                 model_dir=self.model_dir,
@@ -290,7 +294,7 @@ def summary(plan: StackPlan, stack: RunningStack, started: float) -> str:
     if stack.prometheus_url:
         lines.append(f"  Prometheus:      {stack.prometheus_url}")
     lines += [
-        f"  logs:            {stack.log_dir}",
+        f"  logs:            {stack.log_dir} (what runs where: stack.json)",
         "",
         f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} \\",
         f'    -d \'{{"model": "{plan.models[0]}", "messages": [{{"role": "user", "content": "Hello!"}}],'
@@ -299,6 +303,30 @@ def summary(plan: StackPlan, stack: RunningStack, started: float) -> str:
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
+
+
+def stack_file(plan: StackPlan, stack: RunningStack) -> dict:
+    """What runs where, for scripts (``<log dir>/stack.json``): the printed summary as data."""
+    router = plan.router
+    return {
+        "base_url": f"{router.url}/v1" if router else None,
+        "models": plan.models,
+        "api_key": client_key(plan),
+        "prometheus": stack.prometheus_url,
+        "processes": [
+            {
+                "name": p.name,
+                "component": p.component,
+                "url": p.url if p.port else None,
+                "model": p.model,
+                "role": p.role,
+                "argv": p.argv,
+                "log": str(stack.log_dir / f"{p.name}.log"),
+            }
+            for p in plan.processes
+        ],
+        "substitutions": [s.line() for s in plan.substitutions],
+    }
 
 
 def up(options: UpOptions) -> int:
@@ -325,11 +353,14 @@ def up(options: UpOptions) -> int:
     if options.dry_run:
         for process in plan.processes:
             say(f"$ [{process.name}] {' '.join(process.argv)}")
+        if options.log_dir is None:
+            shutil.rmtree(log_dir, ignore_errors=True)  # nothing was written there but the plan's folders
         return 0
     stack = RunningStack(plan, workdir, log_dir, model_dir)
     with _signals_as_interrupt():
         try:
             stack.start(options, say)
+            (log_dir / "stack.json").write_text(json.dumps(stack_file(plan, stack), indent=2))
             say(summary(plan, stack, started))
             while (gone := stack.exited()) is None:
                 time.sleep(1.0)
