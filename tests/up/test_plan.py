@@ -1,0 +1,229 @@
+"""`vllm-stack up`'s plan, for every values file the chart accepts (its examples, the tutorials and every
+production-stack file that renders): what the chart renders is what runs, with only the substitutions
+this machine needs (the tiny model for the weights, loopback ports for cluster DNS, one CPU engine per
+replica), and a values file the chart refuses is refused with the chart's own words.
+
+No process is started here (tests/tutorials/ and tests/stacks/ run stacks)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from vllm_stack_dev.up.plan import COMPONENT, PlanError, Planner, StackPlan, memory_fit
+from vllm_stack_dev.up.render import RenderError, render
+
+from tests.helm.chart import ROOT, values_files
+from tests.helm.test_production_stack_files import PS_DIR, rendering
+
+pytestmark = pytest.mark.helm
+
+MODEL_DIR = Path("/models/tiny")
+PLENTY = 64  # engines the planner may start: the replica counts themselves
+
+
+def _planner(objects: list[dict], tmp_path: Path, max_engines: int = PLENTY) -> Planner:
+    ports = itertools.count(20000)
+    return Planner(
+        objects,
+        workdir=tmp_path / "pods",
+        model_dir=MODEL_DIR,
+        router_port=18080,
+        free_port=lambda: next(ports),
+        cores=[0, 1],
+        max_engines=max_engines,
+        key_factory=lambda: "sk-generated",
+    )
+
+
+def _plan(
+    values: list[Path], tmp_path: Path, sets: tuple[str, ...] = (), **kw
+) -> tuple[StackPlan, list[dict]]:
+    objects = render(values, sets)
+    return _planner(objects, tmp_path, **kw).plan(), objects
+
+
+def _engine_workloads(objects: list[dict]) -> list[dict]:
+    return [
+        o
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and o["spec"]["template"]["metadata"].get("labels", {}).get(COMPONENT) == "engine"
+    ]
+
+
+def _service_names(objects: list[dict]) -> set[str]:
+    return {o["metadata"]["name"] for o in objects if o["kind"] == "Service"}
+
+
+def _everything_said(plan: StackPlan) -> list[str]:
+    texts = []
+    for process in plan.processes:
+        texts += process.argv
+        texts += process.env.values()
+        texts += process.files.values()
+    return texts
+
+
+def _cases() -> list[pytest.param]:
+    cases = [pytest.param(path, id=str(path.relative_to(ROOT))) for path in values_files()]
+    if PS_DIR.is_dir():
+        cases += [pytest.param(PS_DIR / name, id=f"production-stack/{name}") for name in rendering()]
+    return cases
+
+
+@pytest.mark.parametrize("values", _cases())
+def test_what_the_chart_renders_is_what_runs(values: Path, tmp_path: Path) -> None:
+    try:
+        plan, objects = _plan([values], tmp_path)
+    except PlanError as error:  # a values file without an engine (router-only examples)
+        assert "deploy no engine" in str(error)
+        assert not [w for w in _engine_workloads(objects_of(values)) if w["spec"].get("replicas", 1)]
+        return
+    workloads = _engine_workloads(objects)
+    want = sum(max(1, int(w["spec"].get("replicas", 1))) for w in workloads)
+    assert len(plan.engines) == want, "one engine process per rendered replica (0 becomes 1)"
+    for engine in plan.engines:
+        argv = engine.argv
+        assert argv[argv.index("--model") + 1] == str(MODEL_DIR)
+        assert "--load-format" in argv and argv[argv.index("--load-format") + 1] == "dummy"
+        for flag in ("--host", "--port", "--kv-transfer-config", "--tensor-parallel-size"):
+            assert flag not in argv, f"{engine.name}: {flag} is the cluster's, not this machine's"
+        workload = next(w for w in workloads if engine.name.startswith(w["metadata"]["name"] + "-"))
+        rendered = workload["spec"]["template"]["spec"]["containers"][0]
+        assert engine.model and engine.model in rendered.get("command", []) + rendered.get("args", []), (
+            f"{engine.name} serves {engine.model!r}, the name the chart rendered"
+        )
+    assert sorted(plan.models) == sorted({e.model for e in plan.engines})
+    ports = [p.port for p in plan.processes if p.port]
+    assert len(ports) == len(set(ports)), "every process has its own port"
+    router = plan.router
+    if router is not None:
+        argv = router.argv
+        assert argv[argv.index("--service-discovery") + 1] == "static"
+        backends = argv[argv.index("--static-backends") + 1].split(",")
+        assert sorted(backends) == sorted(e.url for e in plan.engines)
+        assert argv[argv.index("--port") + 1] == "18080"
+    services = _service_names(objects)
+    for text in _everything_said(plan):
+        for service in services:
+            assert not re.search(rf"\b{re.escape(service)}(\.[\w.-]+)?:\d+", text), (
+                f"cluster DNS {service} left in {text!r}"
+            )
+        assert ".svc.cluster.local" not in text
+
+
+def objects_of(values: Path) -> list[dict]:
+    return render([values])
+
+
+def test_every_substitution_is_said_with_its_reason(tmp_path: Path) -> None:
+    plan, _ = _plan([ROOT / "helm/examples/seed-keda.yaml"], tmp_path, max_engines=1)
+    lines = [s.line() for s in plan.substitutions]
+    assert any("weights llama3 -> tiny Llama, dummy weights, served as llama3" in line for line in lines)
+    assert any("cluster DNS: vllm-stack-llama3:80 -> 127.0.0.1:" in line for line in lines), lines
+    assert any("--service-discovery k8s -> static" in line for line in lines), lines
+    assert all(s.why for s in plan.substitutions)
+    assert any(item.startswith("ScaledObject/vllm-stack-llama3: no KEDA here") for item in plan.not_run)
+
+
+def test_memory_caps_the_replicas_and_says_so(tmp_path: Path) -> None:
+    plan, _ = _plan([ROOT / "helm/examples/local-default.yaml"], tmp_path, max_engines=1)
+    assert len(plan.engines) == 1
+    assert any("replicas 2" in s.line() and "--max-engines" in s.why for s in plan.substitutions)
+    assert memory_fit(2.0) == 1 and memory_fit(13.0) == 4
+
+
+def test_more_models_than_fit_is_refused_not_shrunk(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="fits 1 tiny CPU engines"):
+        _plan([ROOT / "helm/examples/multi-model.yaml"], tmp_path, max_engines=1)
+
+
+def test_the_engines_api_key_reaches_engines_and_router(tmp_path: Path) -> None:
+    values = tmp_path / "v.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "servingEngineSpec": {
+                    "vllmApiKey": "engine-secret",
+                    "modelSpec": [
+                        {
+                            "name": "m",
+                            "modelURL": "org/m",
+                            "replicaCount": 1,
+                            "requestCPU": 1,
+                            "requestMemory": "1Gi",
+                        }
+                    ],
+                }
+            }
+        )
+    )
+    plan, _ = _plan([values], tmp_path)
+    assert plan.engines[0].env["VLLM_API_KEY"] == "engine-secret"
+    assert "engine-secret" in plan.router.env.values()
+
+
+def test_a_secret_the_chart_does_not_render_gets_a_generated_key_that_is_printed(tmp_path: Path) -> None:
+    plan, _ = _plan([ROOT / "helm/examples/multi-model.yaml"], tmp_path)
+    said = [s for s in plan.substitutions if "sk-generated" in s.local]
+    assert said, [s.line() for s in plan.substitutions]
+    assert "sk-generated" in "\n".join(plan.router.files.values()) + json.dumps(plan.router.env)
+
+
+def test_cache_server_and_controller_run_on_loopback(tmp_path: Path) -> None:
+    plan, _ = _plan([ROOT / "helm/examples/cache-server.yaml"], tmp_path)
+    (server,) = plan.of("cache-server")
+    assert server.argv[-2:] == ["127.0.0.1", str(server.port)]
+    plan, _ = _plan([ROOT / "helm/examples/kvaware.yaml"], tmp_path)
+    (controller,) = plan.of("lmcache-controller")
+    router = plan.router.argv
+    assert router[router.index("--lmcache-controller-url") + 1] == f"http://127.0.0.1:{controller.port}"
+    assert controller.argv[:2] == ["lmcache_controller", "--host"] and "127.0.0.1" in controller.argv
+    for engine in plan.engines:  # LMCache's connector needs CUDA: dropped with its settings, and said so
+        assert not [k for k in engine.env if k.startswith("LMCACHE_")]
+    assert any("LMCacheConnectorV1 -> none" in s.line() for s in plan.substitutions)
+
+
+def test_disaggregated_roles_become_static_roles(tmp_path: Path) -> None:
+    plan, _ = _plan([ROOT / "helm/examples/pd-roles.yaml"], tmp_path)
+    router = plan.router.argv
+    roles = router[router.index("--static-roles") + 1].split(",")
+    assert roles == [e.role for e in plan.engines] and sorted(set(roles)) == ["decode", "prefill"]
+
+
+def _up(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_stack_dev.cli", "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_values_the_chart_refuses_are_refused_with_its_words(tmp_path: Path) -> None:
+    result = _up(
+        "-f", str(ROOT / "helm/examples/local-default.yaml"), "--set", "routerSpec.routingLogic=session"
+    )
+    assert result.returncode == 1
+    assert "routerSpec.sessionKey is required with routingLogic: session" in result.stderr
+    with pytest.raises(RenderError, match="sessionKey is required"):
+        render([ROOT / "helm/examples/local-default.yaml"], ["routerSpec.routingLogic=session"])
+
+
+def test_dry_run_prints_the_substitutions_and_command_lines(tmp_path: Path) -> None:
+    result = _up(
+        "-f", str(ROOT / "helm/examples/local-default.yaml"), "--dry-run", "--log-dir", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Substituted (what this machine cannot have):" in out
+    assert "meta-llama/Llama-3.2-1B-Instruct" in out  # the rendered model, and what replaced it
+    assert out.count("$ [vllm-stack-tiny-llama-") == 2 and "$ [vllm-stack-router-0]" in out
