@@ -32,7 +32,8 @@ def tutorial_env(**extra: str) -> dict[str, str]:
 
 class TutorialRun:
     """One run of one tutorial: ``replacements`` maps the tutorial's text to the test's own (a port, a
-    directory); ``server_step`` is the step that keeps running, serving on ``port``."""
+    directory); ``server_step`` is the step that keeps running, serving on ``port`` (``server_running``: it is
+    already running, started by the same step of another tutorial)."""
 
     def __init__(
         self,
@@ -43,6 +44,8 @@ class TutorialRun:
         port: int,
         log_dir: Path,
         server_step: str = "router",
+        ready_timeout: float = READY_TIMEOUT_S,
+        server_running: bool = False,
     ) -> None:
         self.steps = steps(tutorial)
         self.replacements = dict(replacements)
@@ -50,6 +53,8 @@ class TutorialRun:
         self.port = port
         self.log_path = log_dir / f"{server_step}.log"
         self.server_step = server_step
+        self.ready_timeout = ready_timeout
+        self.server_running = server_running  # the same server step is already running (another tutorial's)
         self.outputs: dict[str, list[str]] = {}
 
     @property
@@ -75,6 +80,8 @@ class TutorialRun:
             for step in self.steps:
                 code = self.substituted(step)
                 if step.name == self.server_step:
+                    if self.server_running:
+                        continue
                     start_server(code)
                     if after_server_start is not None:
                         after_server_start(self.url)
@@ -112,7 +119,7 @@ class TutorialRun:
                 )
             servers.append(server)
             try:
-                wait_http_ok(f"{self.url}/ready", READY_TIMEOUT_S, server)
+                wait_http_ok(f"{self.url}/ready", self.ready_timeout, server)
             except RuntimeError as exc:
                 raise AssertionError(f"{exc}:\n{self.log_path.read_text()[-2000:]}") from None
 
