@@ -6,12 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-engine lint format bench bench-routing bench-prefix soak clean help
+.PHONY: install run test test-fast test-engine test-stacks lint format bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
 	@echo "make test-fast  tests that need no engine"
+	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~15 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
@@ -47,6 +48,10 @@ test-fast: install
 
 test-engine: install
 	@$(BIN)/pytest -m engine $(PYTEST_ARGS)
+
+# Every chart example and seven production-stack values files, each brought up with `vllm-stack up`.
+test-stacks: install
+	@$(BIN)/pytest -m stacks tests/stacks $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	@$(BIN)/ruff check router tests benchmarks observability

@@ -271,3 +271,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
             engines[value.name] = value
     for engine in engines.values():
         report.sections.append((f"engine {engine.name} log tail", engine.log_tail(80)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`stacks` tests (every example stack brought up, `make test-stacks`) run only when asked for
+    with ``-m stacks``: they take a quarter of an hour, on top of `make test`'s own stacks."""
+    if "stacks" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("stacks") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
