@@ -17,7 +17,7 @@ until curl -sf "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: ap
   sleep 1
 done
 elapsed=$(( $(date +%s) - start ))
-pkill -INT -P "$runner" || true  # make's child: vllm-stack run
+pkill -INT -P "$runner" || true  # make's child: vllm-stack up (it stops every part)
 wait "$runner" || true
 line="$(date -u +%FT%TZ) fresh clone to first chat completion through make run: ${elapsed} s (load average $(cut -d' ' -f1 /proc/loadavg))"
 echo "$line"

@@ -12,10 +12,12 @@ cluster here).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from vllm_stack_dev.testbed.engines import free_port
+from vllm_stack_dev.waiting import tcp_open
 
 from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
 
@@ -38,7 +40,12 @@ def _run(name: str, tmp_path: Path, extra_ports: tuple[str, ...] = ()) -> dict[s
         ready_timeout=STACK_READY_TIMEOUT_S,
     )
     assert "stack" in tutorial.names and tutorial.names[0] == "render"
-    return tutorial.run_all()
+    outputs = tutorial.run_all()  # ends with SIGTERM to `vllm-stack up`
+    for stack_json in (tmp_path / "scratch").glob("*/stack.json"):
+        processes = json.loads(stack_json.read_text())["processes"]
+        left = [p["name"] for p in processes if p["url"] and tcp_open(int(p["url"].rsplit(":", 1)[1]))]
+        assert not left, f"still listening after vllm-stack up stopped: {left}"
+    return outputs
 
 
 def test_minimal_tutorial(tmp_path: Path) -> None:

@@ -227,3 +227,13 @@ def test_dry_run_prints_the_substitutions_and_command_lines(tmp_path: Path) -> N
     assert "Substituted (what this machine cannot have):" in out
     assert "meta-llama/Llama-3.2-1B-Instruct" in out  # the rendered model, and what replaced it
     assert out.count("$ [vllm-stack-tiny-llama-") == 2 and "$ [vllm-stack-router-0]" in out
+
+
+def test_a_chat_template_from_the_image_becomes_the_models_own(tmp_path: Path) -> None:
+    values = PS_DIR / "tutorials__values-13-tool-enabled.yaml"
+    if not values.exists():
+        pytest.skip(f"{values} missing (production-stack's files are test data outside the repository)")
+    plan, _ = _plan([values], tmp_path)
+    (engine,) = plan.engines
+    assert "--chat-template" not in engine.argv and "--tool-call-parser" in engine.argv
+    assert any(s.rendered.startswith("--chat-template /templates/") for s in plan.substitutions)

@@ -488,6 +488,22 @@ class Planner:
                 "the tiny Llama's positions",
             )
             _set(args, "--max-model-len", str(TINY_MAX_MODEL_LEN))
+        template = _flag(args, "--chat-template")
+        if (
+            template
+            and ("/" in template or template.endswith(".jinja"))
+            and not (
+                Path(template).exists()
+                or Path(template) in files  # a mounted ConfigMap's file is written at start
+            )
+        ):
+            self._say(
+                pod.name,
+                f"--chat-template {template}",
+                "the tiny Llama's own chat template",
+                "the file is in the cluster's image or volume, not here",
+            )
+            _drop(args, "--chat-template")
         args = self._kv_events(pod, args)
         args = self._kv_transfer(pod, args, env)
         if "--enforce-eager" not in args:
@@ -597,21 +613,8 @@ class Planner:
         self._say(
             pod.name, f"{program} 0.0.0.0 {port}", f"{program} {LOOPBACK} {local}", "loopback, a free port"
         )
-        self._say(
-            pod.name,
-            "image " + pod.container.get("image", "?"),
-            "LMCache 0.5.6's wheel run by the engine environment",
-            "no container runtime here",
-        )
-        return Process(
-            pod.name,
-            "cache-server",
-            [program, LOOPBACK, str(local), *command[3:]],
-            env,
-            local,
-            cpu=self._core(),
-            files=files,
-            folders=self._folders.get(pod.name, []),
+        return self._lmcache(
+            pod, "cache-server", [program, LOOPBACK, str(local), *command[3:]], env, local, files
         )
 
     def _controller(
@@ -632,6 +635,18 @@ class Planner:
             ",".join(map(str, pod.ports.values())),
             "free loopback ports",
         )
+        return self._lmcache(pod, "lmcache-controller", [program, *args], env, port, files)
+
+    def _lmcache(
+        self,
+        pod: _Pod,
+        component: str,
+        argv: list[str],
+        env: dict[str, str],
+        port: int,
+        files: dict[Path, str],
+    ) -> Process:
+        """One of LMCache's own servers: its program from LMCache's wheel, not the pod's image."""
         self._say(
             pod.name,
             "image " + pod.container.get("image", "?"),
@@ -640,8 +655,8 @@ class Planner:
         )
         return Process(
             pod.name,
-            "lmcache-controller",
-            [program, *args],
+            component,
+            argv,
             env,
             port,
             cpu=self._core(),
