@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from vllm_stack_dev.testbed.engines import free_port
-from vllm_stack_dev.waiting import tcp_open
+from vllm_stack_dev.up.run import still_listening
 
 from tests.helm.chart import EXAMPLES, ROOT
 from tests.helm.test_production_stack_files import PS_DIR
@@ -105,7 +105,5 @@ def test_stack_comes_up_answers_each_model_and_stops(values: Path, tmp_path: Pat
             os.killpg(process.pid, signal.SIGKILL)
             raise AssertionError(f"vllm-stack up did not stop in 90 s:\n{log.read_text()[-3000:]}") from None
     assert process.returncode == 0, log.read_text()[-3000:]
-    still_open = [
-        p["name"] for p in stack["processes"] if p["url"] and tcp_open(int(p["url"].rsplit(":", 1)[1]))
-    ]
+    still_open = still_listening(stack)
     assert not still_open, f"still listening after the stop: {still_open}"

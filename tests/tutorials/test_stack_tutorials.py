@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from vllm_stack_dev.testbed.engines import free_port
-from vllm_stack_dev.waiting import tcp_open
+from vllm_stack_dev.up.run import still_listening
 
 from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
 
@@ -42,8 +42,7 @@ def _run(name: str, tmp_path: Path, extra_ports: tuple[str, ...] = ()) -> dict[s
     assert "stack" in tutorial.names and tutorial.names[0] == "render"
     outputs = tutorial.run_all()  # ends with SIGTERM to `vllm-stack up`
     for stack_json in (tmp_path / "scratch").glob("*/stack.json"):
-        processes = json.loads(stack_json.read_text())["processes"]
-        left = [p["name"] for p in processes if p["url"] and tcp_open(int(p["url"].rsplit(":", 1)[1]))]
+        left = still_listening(json.loads(stack_json.read_text()))
         assert not left, f"still listening after vllm-stack up stopped: {left}"
     return outputs
 

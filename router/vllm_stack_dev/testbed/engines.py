@@ -71,6 +71,23 @@ def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
         process.wait()
 
 
+def stop_group(process: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM the process group ``process`` leads (spawn_logged starts one), wait up to ``timeout``
+    seconds, then SIGKILL the group: a child (vLLM's engine core) may linger after its leader exits."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it if the launching process dies (Linux only)."""
     with contextlib.suppress(Exception):
@@ -174,19 +191,7 @@ class Engine:
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM the engine's process group, then SIGKILL what is left after `timeout` seconds."""
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        # The engine-core child may linger after the API server exits: sweep the whole group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
+        stop_group(self.process, timeout)
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the engine's whole process group (SIGSTOP/SIGCONT: a hang and its end)."""

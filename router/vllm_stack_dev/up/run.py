@@ -31,6 +31,7 @@ from vllm_stack_dev.testbed.engines import (
     free_port,
     launch,
     spawn_logged,
+    stop_group,
     wait_ready,
 )
 from vllm_stack_dev.testbed.lmcache import lmcache_command, lmcache_env, unpack_lmcache
@@ -140,19 +141,6 @@ def _pinned(command: list[str], cpu: int | None) -> list[str]:
     return ["taskset", "-c", str(cpu), *command] if cpu is not None else command
 
 
-def _stop_group(process: subprocess.Popen, timeout: float = 15.0) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=5)
-
-
 class RunningStack:
     """The processes of one plan; ``stop()`` ends all of them (the reverse of the start order)."""
 
@@ -259,7 +247,7 @@ class RunningStack:
 
     def stop(self) -> None:
         for _name, process, _log in reversed(self.others):
-            _stop_group(process)
+            stop_group(process)
         self.engines.stop()
 
 
@@ -327,6 +315,11 @@ def stack_file(plan: StackPlan, stack: RunningStack) -> dict:
         ],
         "substitutions": [s.line() for s in plan.substitutions],
     }
+
+
+def still_listening(stack: dict) -> list[str]:
+    """The parts of a stopped stack (its ``stack.json``) whose port still accepts connections."""
+    return [p["name"] for p in stack["processes"] if p["url"] and tcp_open(int(p["url"].rsplit(":", 1)[1]))]
 
 
 def up(options: UpOptions) -> int:
