@@ -341,6 +341,15 @@ def test_disabled_model_renders_nothing():
     assert not find(objs, "Secret")  # the disabled model's token is not stored either
 
 
+def test_replica_count_zero_is_kept_not_made_one(tmp_path):
+    """0 is a model kept scaled to zero (production-stack's files use it); only a missing count is 1."""
+    sets = ("servingEngineSpec.modelSpec[0].replicaCount=0",)
+    assert engine(render([EXAMPLES / "local-default.yaml"], sets), "tiny-llama")["spec"]["replicas"] == 0
+    keda = ("servingEngineSpec.modelSpec[0].keda.enabled=true",)
+    so = one(render([EXAMPLES / "local-default.yaml"], sets + keda), "ScaledObject", f"{RELEASE}-tiny-llama")
+    assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["maxReplicaCount"] == 1
+
+
 def test_no_models_renders_router_only():
     objs = render([EXAMPLES / "no-models.yaml"])
     assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objs} == {"router", "test"}
