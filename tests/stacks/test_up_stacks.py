@@ -30,13 +30,14 @@ from tests.helm.test_production_stack_files import PS_DIR
 pytestmark = [pytest.mark.stacks, pytest.mark.engine, pytest.mark.helm]
 
 NO_ENGINE = {"no-models.yaml"}  # refused by `up` itself: nothing to run (tests/up/test_plan.py)
-PRODUCTION_STACK = [  # one of each kind: two pods, several models, API key, session, offload, LoRA
+PRODUCTION_STACK = [  # one of each kind: two pods, several models, API key, session, offload, LoRA, PD
     "tests__values-01-2pods-minimal-example.yaml",
     "tests__values-04-multiple-models.yaml",
     "tests__values-05-secure-vllm.yaml",
     "tests__values-06-session-routing.yaml",
     "tutorials__values-05-cpu-offloading.yaml",
     "tutorials__values-09-lora-helm.yaml",
+    "tests__values-10-disagg-prefill.yaml",  # LMCache PD: NixlConnector on both pools here
 ]  # tutorials__values-13-tool-enabled.yaml: its llama3_json tool parser needs Llama 3's special tokens,
 # which the tiny model's tokenizer lacks (the engine refuses to start); the plan itself is tested in tests/up
 UP_TIMEOUT_S = 600

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from vllm_stack_dev.up.plan import COMPONENT, PlanError, Planner, StackPlan, memory_fit
+from vllm_stack_dev.up.plan import (
+    COMPONENT,
+    CPU_PD_CONNECTOR,
+    PlanError,
+    Planner,
+    StackPlan,
+    memory_fit,
+)
 from vllm_stack_dev.up.render import RenderError, render
 
 from tests.helm.chart import ROOT, values_files
@@ -87,14 +94,17 @@ def test_what_the_chart_renders_is_what_runs(values: Path, tmp_path: Path) -> No
         assert not [w for w in _engine_workloads(objects_of(values)) if w["spec"].get("replicas", 1)]
         return
     workloads = _engine_workloads(objects)
-    want = sum(max(1, int(w["spec"].get("replicas", 1))) for w in workloads)
-    assert len(plan.engines) == want, "one engine process per rendered replica (0 becomes 1)"
+    want = sum(int(w["spec"].get("replicas", 1)) for w in workloads)
+    assert len(plan.engines) == want, "one engine process per rendered replica"
     for engine in plan.engines:
         argv = engine.argv
         assert argv[argv.index("--model") + 1] == str(MODEL_DIR)
         assert "--load-format" in argv and argv[argv.index("--load-format") + 1] == "dummy"
-        for flag in ("--host", "--port", "--kv-transfer-config", "--tensor-parallel-size"):
+        for flag in ("--host", "--port", "--tensor-parallel-size"):
             assert flag not in argv, f"{engine.name}: {flag} is the cluster's, not this machine's"
+        if "--kv-transfer-config" in argv:  # only the CPU's PD connector, only on a PD engine
+            assert engine.role in ("prefill", "decode"), engine.name
+            assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == CPU_PD_CONNECTOR
         workload = next(w for w in workloads if engine.name.startswith(w["metadata"]["name"] + "-"))
         rendered = workload["spec"]["template"]["spec"]["containers"][0]
         assert engine.model and engine.model in rendered.get("command", []) + rendered.get("args", []), (
@@ -140,6 +150,18 @@ def test_memory_caps_the_replicas_and_says_so(tmp_path: Path) -> None:
     assert memory_fit(2.0) == 1 and memory_fit(13.0) == 4
 
 
+def test_a_model_at_zero_replicas_runs_no_engine_and_its_router_still_knows_it(tmp_path: Path) -> None:
+    plan, _ = _plan(
+        [ROOT / "tutorials/values-04-request-priority.yaml"],
+        tmp_path,
+        ("servingEngineSpec.modelSpec[1].replicaCount=0",),
+    )
+    assert plan.models == ["chat"]
+    assert any(s.rendered == "replicas 0" and s.local == "no engine" for s in plan.substitutions)
+    (config,) = [t for p, t in plan.router.files.items() if p.name == "config.yaml"]
+    assert "summaries" in [m["name"] for m in yaml.safe_load(config)["models"]]
+
+
 def test_more_models_than_fit_is_refused_not_shrunk(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="fits 1 tiny CPU engines"):
         _plan([ROOT / "helm/examples/multi-model.yaml"], tmp_path, max_engines=1)
@@ -175,6 +197,8 @@ def test_a_secret_the_chart_does_not_render_gets_a_generated_key_that_is_printed
     said = [s for s in plan.substitutions if "sk-generated" in s.local]
     assert said, [s.line() for s in plan.substitutions]
     assert "sk-generated" in "\n".join(plan.router.files.values()) + json.dumps(plan.router.env)
+    generated = [value for keys in plan.generated_secrets.values() for value in keys.values()]
+    assert generated and set(generated) == {"sk-generated"}, "stack.json's secrets: what scripts read"
 
 
 def test_cache_server_and_controller_run_on_loopback(tmp_path: Path) -> None:
@@ -196,6 +220,46 @@ def test_disaggregated_roles_become_static_roles(tmp_path: Path) -> None:
     router = plan.router.argv
     roles = router[router.index("--static-roles") + 1].split(",")
     assert roles == [e.role for e in plan.engines] and sorted(set(roles)) == ["decode", "prefill"]
+
+
+def test_lmcache_pd_becomes_nixl_on_cpu_and_the_router_follows(tmp_path: Path) -> None:
+    """LMCache's PD connector cannot load here, NixlConnector can: the two legs and the hand-over run."""
+    plan, _ = _plan([ROOT / "tutorials/values-05-disaggregated-prefill.yaml"], tmp_path)
+    assert sorted({e.role for e in plan.engines}) == ["decode", "prefill"]
+    side_channels = set()
+    for engine in plan.engines:
+        argv = engine.argv
+        assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == CPU_PD_CONNECTOR
+        assert not [k for k in engine.env if k.startswith("LMCACHE_")]
+        assert (
+            engine.env["UCX_TLS"] == "tcp,self" and engine.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        )
+        side_channels.add(engine.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert len(side_channels) == len(plan.engines), "each engine its own side channel"
+    router = plan.router.argv
+    assert router[router.index("--disagg-protocol") + 1] == "vllm"
+    assert not {"--disagg-notify-port", "--disagg-receiver-init-port"} & set(router)
+    lines = [s.line() for s in plan.substitutions]
+    assert any("LMCacheConnectorV1 -> NixlConnector" in line for line in lines), lines
+    assert any("--disagg-protocol lmcache -> vllm" in line for line in lines), lines
+    notify = [s for s in plan.substitutions if s.rendered == "vllm-stack-router:7500"]
+    assert notify and notify[0].local != "127.0.0.1:18080", "only the router's http port is its local port"
+
+
+def test_the_routers_adapter_registry_gets_tiny_loras(tmp_path: Path) -> None:
+    """A Hub repository or a cluster path in ``lora_adapters`` -> a tiny random LoRA the router loads."""
+    plan, _ = _plan([ROOT / "tutorials/values-03-lora-adapters.yaml"], tmp_path)
+    router = plan.router
+    (config_text,) = [t for p, t in router.files.items() if p.name == "config.yaml"]
+    registry = {a["name"]: a for a in yaml.safe_load(config_text)["lora_adapters"]}
+    assert set(registry) == {"support", "sql", "legal"}
+    assert [Path(registry[n]["source"]) for n in ("support", "sql", "legal")] == router.adapters
+    for folder in router.adapters:
+        assert folder.is_relative_to(tmp_path / "pods")
+    assert registry["support"]["tier"] == "hot" and registry["legal"]["tier"] == "cold"
+    said = [s.line() for s in plan.substitutions if s.subject == router.name]
+    assert any("hf:nvidia/llama-3.1-nemoguard-8b-topic-control" in line for line in said), said
+    assert any("/data/adapters/sql" in line for line in said), said
 
 
 def _up(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

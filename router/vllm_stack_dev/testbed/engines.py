@@ -43,7 +43,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def nixl_loopback_env() -> dict[str, str]:
+def nixl_loopback_env(side_channel_port: int | None = None) -> dict[str, str]:
     """The environment of a NixlConnector engine whose peers run on the same host without a GPU.
 
     Each engine gets its own side channel (the ZMQ port on which a decode engine asks a prefill engine
@@ -53,7 +53,7 @@ def nixl_loopback_env() -> dict[str, str]:
     """
     return {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port or free_port()),
         "UCX_TLS": "tcp,self",
         "UCX_NET_DEVICES": "lo",
     }

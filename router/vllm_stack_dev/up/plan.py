@@ -12,7 +12,12 @@ exist on this machine, and each change is a ``Substitution`` that ``vllm-stack u
 - model weights (nothing can be downloaded here): the tiny Llama the model builder makes, dummy
   weights, served under the rendered name; ``--max-model-len`` is capped at its 2048 positions;
 - LMCache's vLLM connector (its CUDA extension does not load without a GPU): dropped, with the
-  ``LMCACHE_*`` variables that configure it; the cache server and controller still run;
+  ``LMCACHE_*`` variables that configure it; the cache server and controller still run. On engines
+  with a prefill or decode role it becomes vLLM's NixlConnector with a host buffer over loopback TCP
+  (what runs on a CPU), and the router's LMCache PD protocol vLLM's ``kv_transfer_params``, so the
+  two legs and the KV hand-over still happen;
+- LoRA adapters (their weights fit only the real model): tiny random LoRAs for the tiny Llama, for
+  the engines' ``--lora-modules`` and the router's adapter registry alike;
 - cluster DNS (``svc[.ns[.svc[.cluster.local]]]:port``) and container ports: loopback and free ports;
 - Kubernetes discovery: the router's static discovery of the engines it would have found;
 - volumes: local folders (ConfigMaps and rendered Secrets written into them), Secrets the chart does
@@ -30,11 +35,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_stack_dev.testbed.engines import nixl_loopback_env
+
 COMPONENT = "app.kubernetes.io/component"
 MODEL_LABEL = "vllm-stack.io/model"
 ROLE_LABEL = "vllm-stack.io/role"
 LOOPBACK = "127.0.0.1"
 TINY_MAX_MODEL_LEN = 2048  # max_position_embeddings of the model builder's Llama
+# What moves a prefill engine's KV to a decode engine on a CPU (vLLM 0.32, NIXL over UCX's TCP).
+CPU_PD_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+LMCACHE_PD_ROUTER_FLAGS = (
+    "--disagg-receiver-init-port",
+    "--disagg-receiver-alloc-port",
+    "--disagg-notify-port",
+)
 # Ran only where a cluster exists; what they would do locally, said once each.
 CLUSTER_ONLY = {
     "HorizontalPodAutoscaler": "no autoscaler here: replicas as rendered",
@@ -97,7 +111,7 @@ class Process:
     role: str | None = None  # engines: prefill / decode, from the chart's role label
     files: dict[Path, str] = field(default_factory=dict)  # written before the start
     folders: list[Path] = field(default_factory=list)  # the pod's volumes, created before the start
-    adapters: list[Path] = field(default_factory=list)  # engines: --lora-modules folders to fill if empty
+    adapters: list[Path] = field(default_factory=list)  # LoRA folders to fill if empty (engines, router)
 
     @property
     def url(self) -> str:
@@ -110,6 +124,7 @@ class StackPlan:
     substitutions: list[Substitution]
     not_run: list[str]  # "Kind/name: why", Kubernetes-only objects
     rules: str | None  # the rendered PrometheusRule's rule file, if the values turn it on
+    generated_secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # Secret -> key -> value
 
     def of(self, component: str) -> list[Process]:
         return [p for p in self.processes if p.component == component]
@@ -210,10 +225,12 @@ class Planner:
         self.key_factory = key_factory
         self.secrets = _decoded_secrets(self.objects)
         self.config_maps = _config_maps(self.objects)
+        self.generated_secrets: dict[str, dict[str, str]] = {}  # Secrets the user creates in the cluster
         self.substitutions: list[Substitution] = []
         self._said: set[tuple[str, str, str]] = set()
         self._next_core = 0
         self._folders: dict[str, list[Path]] = {}
+        self._cpu_pd = False  # a PD engine's connector became NixlConnector: the router follows
 
     # ------------------------------------------------------------------------------------------ driver
     def plan(self) -> StackPlan:
@@ -241,9 +258,10 @@ class Planner:
                 not_run.append(f"{kind}/{obj['metadata']['name']}: Kubernetes only")
         if not engines:
             raise PlanError(
-                "the values deploy no engine (servingEngineSpec.modelSpec is empty or all disabled)"
+                "the values deploy no engine (servingEngineSpec.modelSpec is empty, all disabled or all at "
+                "replicaCount 0)"
             )
-        return StackPlan(processes, self.substitutions, not_run, self._rules())
+        return StackPlan(processes, self.substitutions, not_run, self._rules(), self.generated_secrets)
 
     def _say(self, subject: str, rendered: str, local: str, why: str) -> None:
         key = (subject, rendered, local)
@@ -268,10 +286,11 @@ class Planner:
             if component == "engine":
                 engines.append(name)
                 if count == 0:
-                    count = 1
                     self._say(
-                        name, "replicas 0", "1", "scaled from zero by an autoscaler in the cluster; none here"
-                    )
+                        name, "replicas 0", "no engine",
+                        "as in the cluster: the router knows the model from its configuration and queues its "
+                        "requests until an engine is ready or the queue timeout ends them",
+                    )  # fmt: skip
             elif component == "router" and count != 1:
                 self._say(name, f"replicas {count}", "1", "one router on one local port")
                 count = 1
@@ -333,7 +352,7 @@ class Planner:
             for entry in svc["spec"].get("ports", []):
                 target = entry.get("targetPort", entry["port"])
                 container_port = pod.port_names.get(target) if isinstance(target, str) else int(target)
-                if pod.component == "router":
+                if pod.component == "router" and container_port == pod.port_names.get("http", container_port):
                     local = self.router_port
                 elif container_port in pod.ports:
                     local = pod.ports[container_port]
@@ -390,14 +409,16 @@ class Planner:
             source = volume["secret"]
             name = source["secretName"]
             data = self.secrets.get(name)
-            if data is None:
-                keys = [item["key"] for item in source.get("items", [])]
-                data = {key: self.key_factory() for key in keys}
-                for key, value in data.items():
-                    self._say(
-                        pod.name, f"Secret {name} key {key}", f"generated {value}",
-                        "the chart does not render this Secret (you create it in the cluster)",
-                    )  # fmt: skip
+            if data is None or name in self.generated_secrets:  # one value per key for every pod
+                generated = self.generated_secrets.setdefault(name, {})
+                for key in (item["key"] for item in source.get("items", [])):
+                    if key not in generated:
+                        generated[key] = self.key_factory()
+                        self._say(
+                            pod.name, f"Secret {name} key {key}", f"generated {generated[key]}",
+                            "the chart does not render this Secret (you create it in the cluster)",
+                        )  # fmt: skip
+                data = generated
         else:
             return {}
         items = source.get("items")
@@ -592,14 +613,31 @@ class Planner:
             return args
         connector = json.loads(config).get("kv_connector", "")
         _drop(args, "--kv-transfer-config")
-        self._say(
-            pod.name, f"--kv-transfer-config {connector}", "none (the engine keeps its own prefix cache only)",
-            "LMCache's vLLM connector needs its CUDA extension, which does not load without a GPU; "
-            "KV offload, the cache server's use and PD transfer happen only on GPUs",
-        )  # fmt: skip
         dropped = sorted(k for k in env if k.startswith("LMCACHE_"))
         for key in dropped:
             del env[key]
+        if pod.labels.get(ROLE_LABEL) in ("prefill", "decode"):
+            self._cpu_pd = True
+            args += ["--kv-transfer-config", json.dumps(CPU_PD_CONNECTOR, separators=(",", ":"))]
+            nixl = nixl_loopback_env(side_channel_port=self.free_port())
+            env |= nixl
+            self._say(
+                pod.name, f"--kv-transfer-config {connector}",
+                "NixlConnector (kv_both), KV in a host buffer, UCX over loopback TCP "
+                f"(side channel 127.0.0.1:{nixl['VLLM_NIXL_SIDE_CHANNEL_PORT']})",
+                "LMCache's vLLM connector needs its CUDA extension; vLLM's NIXL connector moves the "
+                "prefill engine's KV to the decode engine on a CPU",
+            )  # fmt: skip
+            if dropped:
+                self._say(
+                    pod.name, f"env {', '.join(dropped)}", "unset", "they configure LMCache's connector"
+                )
+            return args
+        self._say(
+            pod.name, f"--kv-transfer-config {connector}", "none (the engine keeps its own prefix cache only)",
+            "LMCache's vLLM connector needs its CUDA extension, which does not load without a GPU; "
+            "KV offload and the cache server's use happen only on GPUs",
+        )  # fmt: skip
         if dropped:
             self._say(pod.name, f"env {', '.join(dropped)}", "unset", "they configure the dropped connector")
         return args
@@ -680,6 +718,17 @@ class Planner:
                 "no Kubernetes API here",
             )
         _set(args, "--static-backends", ",".join(e.url for e in engines))
+        if self._cpu_pd and _flag(args, "--disagg-protocol") == "lmcache":
+            for name in LMCACHE_PD_ROUTER_FLAGS:
+                _drop(args, name)
+            _set(args, "--disagg-protocol", "vllm")
+            self._say(
+                pod.name, "--disagg-protocol lmcache", "vllm (the prefill answer's kv_transfer_params)",
+                "the engines' connector is NixlConnector here (LMCache's PD needs a GPU)",
+            )  # fmt: skip
+        elif _flag(args, "--disagg-notify-port") in {str(p) for p in pod.ports}:
+            _set(args, "--disagg-notify-port", str(pod.ports[int(_flag(args, "--disagg-notify-port"))]))
+        files, adapters = self._registry_adapters(pod, files)
         if any(e.role for e in engines):
             _set(args, "--static-roles", ",".join(e.role or "both" for e in engines))
         _set(args, "--host", LOOPBACK)
@@ -713,7 +762,38 @@ class Planner:
             self.router_port,
             files=files,
             folders=self._folders.get(pod.name, []),
+            adapters=adapters,
         )
+
+    def _registry_adapters(self, pod: _Pod, files: dict[Path, str]) -> tuple[dict[Path, str], list[Path]]:
+        """The router's adapter registry (``lora_adapters`` in its configuration file): a source that is a
+        Hub repository or a path not on this machine becomes a tiny random LoRA in the stack's folder,
+        which the router then loads onto the engines as it would the real one."""
+        import yaml
+
+        changed = dict(files)
+        adapters: list[Path] = []
+        for path, text in files.items():
+            if path.suffix not in (".yaml", ".yml"):
+                continue
+            config = yaml.safe_load(text)
+            if not isinstance(config, dict) or not isinstance(config.get("lora_adapters"), list):
+                continue
+            for adapter in config["lora_adapters"]:
+                source = str(adapter.get("source", ""))
+                if not source.startswith("hf:") and (Path(source) / "adapter_config.json").exists():
+                    continue
+                folder = self.workdir / "adapters" / str(adapter.get("name", "adapter"))
+                adapter["source"] = str(folder)
+                adapters.append(folder)
+                self._say(
+                    pod.name,
+                    f"LoRA adapter {adapter.get('name')} ({source})",
+                    f"a tiny random LoRA for the tiny Llama, {folder}",
+                    "the adapter's weights are in the Hub or the cluster's volume and fit only the real model",
+                )
+            changed[path] = yaml.safe_dump(config, sort_keys=False)
+        return changed, adapters
 
     def _rules(self) -> str | None:
         import yaml

@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +161,8 @@ class RunningStack:
             for path, text in process.files.items():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
-            for folder in process.adapters:
-                build_lora(self.model_dir, folder)
+            for folder in process.adapters:  # a seed per adapter: each changes the output its own way
+                build_lora(self.model_dir, folder, seed=zlib.crc32(folder.name.encode()))
         self._start_lmcache(say)
         self._start_engines(options.ready_timeout, say)
         self._start_router(say)
@@ -314,6 +315,7 @@ def stack_file(plan: StackPlan, stack: RunningStack) -> dict:
             for p in plan.processes
         ],
         "substitutions": [s.line() for s in plan.substitutions],
+        "secrets": plan.generated_secrets,  # the keys generated for Secrets the chart does not render
     }
 
 
