@@ -1,60 +1,61 @@
 """tutorials/03-lora-adapters.md, run as written: every marked step, in order, on this machine.
 
-The only substitutions: the two engines the tutorial starts with `vllm-stack engines` are the test
-session's chat engines (the same real vLLM engines, LoRA runtime loading on; `$ENGINES` points at
-them), its port 8090 is a free port, and /tmp/vllm-stack-lora is the test's own directory. The
-Kubernetes part is rendered with the chart (no cluster here). After the router's start the test waits
-until the hot adapter is on both engines (about a second; a reader reads on meanwhile). Adapters it
-loaded are unloaded again.
+`vllm-stack up` brings up the tutorial's values file from the rendered chart: two real vLLM engines (CPU
+build, the tiny model with dummy weights, runtime LoRA loading on), and the real router with the
+rendered adapter registry, whose adapters are tiny random LoRAs `up` writes. The only substitutions: the
+tutorial's port 8000 is a free port and its scratch folder /tmp/vllm-stack-tutorial is the test's own.
+The Kubernetes part is rendered with the chart (no cluster here). After the start the test waits until
+the hot adapter is on both engines (about a second; a reader reads on meanwhile).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from vllm_stack_dev.testbed.engines import free_port
+from vllm_stack_dev.up.run import still_listening
 
 from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.helm]
 
 TUTORIAL = ROOT / "tutorials" / "03-lora-adapters.md"
+STACK_READY_TIMEOUT_S = 480  # helm template, two engines (a minute each on a busy CPU), the router
+BASE = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-def test_lora_tutorial_runs_as_written(engines, tiny_model_dir, tmp_path) -> None:
-    assert tiny_model_dir == ROOT / ".cache" / "models" / "tiny"  # the path the tutorial uses
+def test_lora_tutorial_runs_as_written(tmp_path: Path) -> None:
     port = free_port()
-    workdir = tmp_path / "lora"
+    scratch = tmp_path / "scratch"
     tutorial = TutorialRun(
         TUTORIAL,
-        replacements={"8090": str(port), "/tmp/vllm-stack-lora": str(workdir)},
-        env=tutorial_env(ENGINES=",".join(engines.urls)),
+        replacements={"8000": str(port), "/tmp/vllm-stack-tutorial": str(scratch)},
+        env=tutorial_env(),
         port=port,
         log_dir=tmp_path,
+        server_step="stack",
+        ready_timeout=STACK_READY_TIMEOUT_S,
     )
-    assert tutorial.names[:4] == ["render", "adapters", "config", "router"]
-    try:
-        outputs = tutorial.run_all(after_server_start=lambda url: _wait_hot_loaded(url, len(engines)))
-    finally:
-        for engine in engines:
-            for name in ("support", "sql", "legal"):
-                httpx.post(engine.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=10)
+    assert tutorial.names == ["render", "stack", "try", "try", "try", "canary", "try"]
+    outputs = tutorial.run_all(after_server_start=lambda url: _wait_hot_loaded(url, 2))
     rendered = outputs["render"][0]
     assert "name: support" in rendered and "tier: hot" in rendered
-    assert sorted(os.listdir(workdir)) == ["legal", "router.yaml", "sql", "support"]
     listing, placement, not_found, admin = outputs["try"]
-    assert "sql parent: tiny-llama" in listing and "assistant parent: None" in listing
+    assert f"sql parent: {BASE}" in listing and "assistant parent: None" in listing
     assert listing.count("adapters: ['support']") == 2  # the hot one, on both engines from the start
     assert placement.splitlines()[:3] == ["sql"] * 3
     assert 'outcome="ok",tier="warm"} 1.0' in placement or 'tier="warm",outcome="ok"} 1.0' in placement
     assert '"code":"model_not_found"' in not_found.replace(" ", "")
     assert "no admin key: 403" in admin and "added successfully" in admin
+    stack = json.loads((scratch / "03" / "stack.json").read_text())
+    assert not still_listening(stack), "every port closed after vllm-stack up stopped"
 
 
-def _wait_hot_loaded(url: str, count: int, timeout: float = 30.0) -> None:
+def _wait_hot_loaded(url: str, count: int, timeout: float = 60.0) -> None:
     """A moment after the start (the reader reads on): the hot adapter is on every engine."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
