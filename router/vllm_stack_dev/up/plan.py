@@ -783,7 +783,9 @@ class Planner:
                 source = str(adapter.get("source", ""))
                 if not source.startswith("hf:") and (Path(source) / "adapter_config.json").exists():
                     continue
-                folder = self.workdir / "adapters" / str(adapter.get("name", "adapter"))
+                folder = (
+                    self.workdir / "adapters" / re.sub(r"[^\w.-]", "_", str(adapter.get("name", "adapter")))
+                )
                 adapter["source"] = str(folder)
                 adapters.append(folder)
                 self._say(
