@@ -12,7 +12,7 @@ help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
 	@echo "make test-fast  tests that need no engine"
-	@echo "make test-stacks  vllm-stack up on every chart example and 6 production-stack files (~13 min)"
+	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
