@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 
 
 def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -18,17 +19,28 @@ def tcp_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> None:
-    """Until ``url`` answers 200; RuntimeError when ``process`` exits first or ``timeout`` passes."""
+def wait_until(
+    ready: Callable[[], bool], timeout: float, process: subprocess.Popen[bytes], what: str
+) -> None:
+    """Until ``ready()``; RuntimeError naming ``what`` when ``process`` exits first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(
-                f"{process.args[0] if isinstance(process.args, list) else 'process'} exited with code {process.returncode}"
-            )
+            name = process.args[0] if isinstance(process.args, list) else "process"
+            raise RuntimeError(f"{name} exited with code {process.returncode}")
+        if ready():
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"no {what} after {timeout:.0f} s")
+
+
+def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> None:
+    """Until ``url`` answers 200; RuntimeError when ``process`` exits first or ``timeout`` passes."""
+
+    def answers() -> bool:
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+                return response.status == 200
+        return False
+
+    wait_until(answers, timeout, process, f"200 from {url}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vllm_stack_dev.testbed.engines import free_port
+from vllm_stack_dev.testbed.engines import port_for_later
 from vllm_stack_dev.up.run import still_listening
 
 from tests.helm.chart import EXAMPLES, ROOT
@@ -85,7 +85,7 @@ def test_stack_comes_up_answers_each_model_and_stops(values: Path, tmp_path: Pat
     log = tmp_path / "up.log"
     logs = tmp_path / "stack"
     command = [sys.executable, "-m", "vllm_stack_dev.cli", "up", "-f", str(values)]
-    command += ["--port", str(free_port()), "--log-dir", str(logs)]
+    command += ["--port", str(port_for_later()), "--log-dir", str(logs)]
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ

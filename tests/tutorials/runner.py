@@ -15,13 +15,26 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from vllm_stack_dev.waiting import wait_http_ok
+from vllm_stack_dev.testbed.engines import port_for_later
+from vllm_stack_dev.waiting import wait_http_ok, wait_until
 
 from tests.tutorials.markdown import Step, steps
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT_S = 300
 READY_TIMEOUT_S = 60
+
+
+TUTORIAL_PORTS = ("8000", "8001", "8002", "9090")  # the fixed ports tutorials write, replaced by tests
+
+
+def tutorial_port() -> int:
+    """A port for a tutorial's fixed one: free until the test's process binds it (``port_for_later``),
+    and with no tutorial port inside it, so that replacing one never rewrites another's replacement."""
+    while True:
+        port = port_for_later()
+        if not any(fixed in str(port) for fixed in TUTORIAL_PORTS):
+            return port
 
 
 def tutorial_env(**extra: str) -> dict[str, str]:
@@ -46,6 +59,7 @@ class TutorialRun:
         server_step: str = "router",
         ready_timeout: float = READY_TIMEOUT_S,
         server_running: bool = False,
+        ready_line: str | None = None,
     ) -> None:
         self.steps = steps(tutorial)
         self.replacements = dict(replacements)
@@ -55,6 +69,7 @@ class TutorialRun:
         self.server_step = server_step
         self.ready_timeout = ready_timeout
         self.server_running = server_running  # the same server step is already running (another tutorial's)
+        self.ready_line = ready_line  # the server is ready once its output has this line (as a reader sees)
         self.outputs: dict[str, list[str]] = {}
 
     @property
@@ -120,6 +135,13 @@ class TutorialRun:
             servers.append(server)
             try:
                 wait_http_ok(f"{self.url}/ready", self.ready_timeout, server)
+                if self.ready_line is not None:
+                    wait_until(
+                        lambda: self.ready_line in self.log_path.read_text(errors="replace"),
+                        self.ready_timeout,
+                        server,
+                        f"{self.ready_line!r} in the output",
+                    )
             except RuntimeError as exc:
                 raise AssertionError(f"{exc}:\n{self.log_path.read_text()[-2000:]}") from None
 

@@ -15,10 +15,9 @@ import re
 from pathlib import Path
 
 import pytest
-from vllm_stack_dev.testbed.engines import free_port
-from vllm_stack_dev.up.run import still_listening
+from vllm_stack_dev.up.run import READY_LINE, still_listening
 
-from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
+from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm]
 
@@ -27,7 +26,7 @@ STACK_READY_TIMEOUT_S = 480  # helm template, two NIXL engines (a minute each on
 
 
 def test_disagg_tutorial_runs_as_written(tmp_path: Path) -> None:
-    port = free_port()
+    port = tutorial_port()
     scratch = tmp_path / "scratch"
     tutorial = TutorialRun(
         TUTORIAL,
@@ -37,6 +36,7 @@ def test_disagg_tutorial_runs_as_written(tmp_path: Path) -> None:
         log_dir=tmp_path,
         server_step="stack",
         ready_timeout=STACK_READY_TIMEOUT_S,
+        ready_line=READY_LINE,
     )
     assert tutorial.names == ["render", "stack", "try", "check"]
     outputs = tutorial.run_all()  # ends with SIGTERM to `vllm-stack up`

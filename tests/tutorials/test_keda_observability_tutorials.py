@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from vllm_stack_dev.testbed.engines import free_port
+from vllm_stack_dev.up.run import READY_LINE
 
-from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
+from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 from tests.tutorials.test_stack_tutorials import STACK_READY_TIMEOUT_S
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm, pytest.mark.prometheus]
@@ -25,11 +25,11 @@ CHART_RULES = ROOT / "helm" / "files" / "prometheus-rules.yaml"
 
 
 def test_keda_and_observability_tutorials(tmp_path: Path) -> None:
-    port = free_port()
+    port = tutorial_port()
     common = dict(
         replacements={
             "8000": str(port),
-            "9090": str(free_port()),
+            "9090": str(tutorial_port()),
             "/tmp/vllm-stack-tutorial": str(tmp_path / "t"),
         },
         env=tutorial_env(),
@@ -37,6 +37,7 @@ def test_keda_and_observability_tutorials(tmp_path: Path) -> None:
         log_dir=tmp_path,
         server_step="stack",
         ready_timeout=STACK_READY_TIMEOUT_S,
+        ready_line=READY_LINE,
     )
     keda = TutorialRun(ROOT / "tutorials" / "02-autoscaling-keda.md", **common)
     observability = TutorialRun(ROOT / "tutorials" / "09-observability.md", server_running=True, **common)

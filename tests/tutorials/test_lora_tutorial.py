@@ -16,10 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from vllm_stack_dev.testbed.engines import free_port
-from vllm_stack_dev.up.run import still_listening
+from vllm_stack_dev.up.run import READY_LINE, still_listening
 
-from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
+from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm]
 
@@ -29,7 +28,7 @@ BASE = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def test_lora_tutorial_runs_as_written(tmp_path: Path) -> None:
-    port = free_port()
+    port = tutorial_port()
     scratch = tmp_path / "scratch"
     tutorial = TutorialRun(
         TUTORIAL,
@@ -39,6 +38,7 @@ def test_lora_tutorial_runs_as_written(tmp_path: Path) -> None:
         log_dir=tmp_path,
         server_step="stack",
         ready_timeout=STACK_READY_TIMEOUT_S,
+        ready_line=READY_LINE,
     )
     assert tutorial.names == ["render", "stack", "try", "try", "try", "canary", "try"]
     outputs = tutorial.run_all(after_server_start=lambda url: _wait_hot_loaded(url, 2))

@@ -16,10 +16,9 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_stack_dev.testbed.engines import free_port
-from vllm_stack_dev.up.run import still_listening
+from vllm_stack_dev.up.run import READY_LINE, still_listening
 
-from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env
+from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm]
 
@@ -27,9 +26,9 @@ STACK_READY_TIMEOUT_S = 480  # `vllm-stack up`: helm template, engines (a minute
 
 
 def _run(name: str, tmp_path: Path, extra_ports: tuple[str, ...] = ()) -> dict[str, list[str]]:
-    port = free_port()
+    port = tutorial_port()
     replacements = {"8000": str(port), "/tmp/vllm-stack-tutorial": str(tmp_path / "scratch")}
-    replacements |= {extra: str(free_port()) for extra in extra_ports}
+    replacements |= {extra: str(tutorial_port()) for extra in extra_ports}
     tutorial = TutorialRun(
         ROOT / "tutorials" / name,
         replacements=replacements,
@@ -38,6 +37,7 @@ def _run(name: str, tmp_path: Path, extra_ports: tuple[str, ...] = ()) -> dict[s
         log_dir=tmp_path,
         server_step="stack",
         ready_timeout=STACK_READY_TIMEOUT_S,
+        ready_line=READY_LINE,
     )
     assert "stack" in tutorial.names and tutorial.names[0] == "render"
     outputs = tutorial.run_all()  # ends with SIGTERM to `vllm-stack up`

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,6 +42,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def port_for_later() -> int:
+    """A free loopback port for a process a test starts later (a router's ``--port``, a tutorial's fixed
+    port), taken below the kernel's ephemeral range: a port from ``free_port`` is free only now, and
+    any ``bind(0)`` until the process binds it (an engine's own sockets, torch's TCP store) may take it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def nixl_loopback_env(side_channel_port: int | None = None) -> dict[str, str]:

@@ -57,6 +57,9 @@ class UpOptions:
     dry_run: bool = False
 
 
+READY_LINE = "Ctrl-C stops everything."  # the summary's last line: stack.json is written, every model answers
+
+
 class StartError(RuntimeError):
     """A part of the stack did not start; the message names it and its log."""
 
@@ -289,7 +292,7 @@ def summary(plan: StackPlan, stack: RunningStack, started: float) -> str:
         f'    -d \'{{"model": "{plan.models[0]}", "messages": [{{"role": "user", "content": "Hello!"}}],'
         ' "max_tokens": 16}\'',
         "",
-        "Ctrl-C stops everything.",
+        READY_LINE,
     ]
     return "\n".join(lines)
 
@@ -355,7 +358,9 @@ def up(options: UpOptions) -> int:
     with _signals_as_interrupt():
         try:
             stack.start(options, say)
-            (log_dir / "stack.json").write_text(json.dumps(stack_file(plan, stack), indent=2))
+            written = log_dir / "stack.json.tmp"  # renamed: a script never reads half a file
+            written.write_text(json.dumps(stack_file(plan, stack), indent=2))
+            written.replace(log_dir / "stack.json")
             say(summary(plan, stack, started))
             while (gone := stack.exited()) is None:
                 time.sleep(1.0)
