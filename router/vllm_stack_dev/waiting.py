@@ -24,14 +24,12 @@ def wait_until(
 ) -> None:
     """Until ``ready()``; RuntimeError naming ``what`` when ``process`` exits first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while not ready():
         if process.poll() is not None:
-            name = process.args[0] if isinstance(process.args, list) else "process"
-            raise RuntimeError(f"{name} exited with code {process.returncode}")
-        if ready():
-            return
+            raise RuntimeError(f"{what} exited with code {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {timeout:.0f} s")
         time.sleep(0.3)
-    raise RuntimeError(f"no {what} after {timeout:.0f} s")
 
 
 def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> None:
@@ -43,4 +41,5 @@ def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[bytes]) -> 
                 return response.status == 200
         return False
 
-    wait_until(answers, timeout, process, f"200 from {url}")
+    name = process.args[0] if isinstance(process.args, list) else "process"
+    wait_until(answers, timeout, process, f"{name} at {url}")

@@ -140,7 +140,7 @@ class TutorialRun:
                         lambda: self.ready_line in self.log_path.read_text(errors="replace"),
                         self.ready_timeout,
                         server,
-                        f"{self.ready_line!r} in the output",
+                        f"the {self.server_step} step (until it prints {self.ready_line!r})",
                     )
             except RuntimeError as exc:
                 raise AssertionError(f"{exc}:\n{self.log_path.read_text()[-2000:]}") from None

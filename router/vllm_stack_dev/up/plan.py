@@ -718,6 +718,7 @@ class Planner:
                 "no Kubernetes API here",
             )
         _set(args, "--static-backends", ",".join(e.url for e in engines))
+        notify = _flag(args, "--disagg-notify-port")
         if self._cpu_pd and _flag(args, "--disagg-protocol") == "lmcache":
             for name in LMCACHE_PD_ROUTER_FLAGS:
                 _drop(args, name)
@@ -726,8 +727,8 @@ class Planner:
                 pod.name, "--disagg-protocol lmcache", "vllm (the prefill answer's kv_transfer_params)",
                 "the engines' connector is NixlConnector here (LMCache's PD needs a GPU)",
             )  # fmt: skip
-        elif _flag(args, "--disagg-notify-port") in {str(p) for p in pod.ports}:
-            _set(args, "--disagg-notify-port", str(pod.ports[int(_flag(args, "--disagg-notify-port"))]))
+        elif notify is not None and int(notify) in pod.ports:  # the router's own notify port, local
+            _set(args, "--disagg-notify-port", str(pod.ports[int(notify)]))
         files, adapters = self._registry_adapters(pod, files)
         if any(e.role for e in engines):
             _set(args, "--static-roles", ",".join(e.role or "both" for e in engines))

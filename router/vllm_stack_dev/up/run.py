@@ -40,7 +40,7 @@ from vllm_stack_dev.testbed.models import build_lora, build_model
 from vllm_stack_dev.up.plan import PlanError, Planner, StackPlan, memory_fit
 from vllm_stack_dev.up.prometheus import ENGINE_JOB, ROUTER_JOB, Target, start_prometheus
 from vllm_stack_dev.up.render import NAMESPACE, RenderError, render
-from vllm_stack_dev.waiting import tcp_open
+from vllm_stack_dev.waiting import tcp_open, wait_until
 
 
 @dataclass
@@ -126,13 +126,10 @@ def _get(url: str, key: str | None = None, timeout: float = 5.0) -> tuple[int, b
 
 
 def _wait(what: str, ready: Callable[[], bool], process: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if process.poll() is not None:
-            raise StartError(f"{what} exited with code {process.returncode}; log {log}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            raise StartError(f"{what} not ready after {timeout:.0f} s; log {log}:\n{_tail(log)}")
-        time.sleep(0.3)
+    try:
+        wait_until(ready, timeout, process, what)
+    except RuntimeError as error:
+        raise StartError(f"{error}; log {log}:\n{_tail(log)}") from None
 
 
 def _tail(log: Path, lines: int = 40) -> str:
