@@ -74,7 +74,7 @@ def nixl_loopback_env(side_channel_port: int | None = None) -> dict[str, str]:
     """
     return {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port or free_port()),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port or port_for_later()),
         "UCX_TLS": "tcp,self",
         "UCX_NET_DEVICES": "lo",
     }

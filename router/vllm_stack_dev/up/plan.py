@@ -217,7 +217,8 @@ class Planner:
         self.workdir = workdir
         self.model_dir = model_dir
         self.router_port = router_port
-        self.free_port = free_port
+        self._pick_port = free_port
+        self._ports_given = {router_port}
         self.cores = list(cores) or [0]
         self.max_engines = max_engines
         self.namespace = namespace
@@ -262,6 +263,14 @@ class Planner:
                 "replicaCount 0)"
             )
         return StackPlan(processes, self.substitutions, not_run, self._rules(), self.generated_secrets)
+
+    def free_port(self) -> int:
+        """A port no other part of this plan has: the source may give one twice (it only checks that the
+        port is free now, and nothing binds the plan's ports until the stack starts)."""
+        while (port := self._pick_port()) in self._ports_given:
+            pass
+        self._ports_given.add(port)
+        return port
 
     def _say(self, subject: str, rendered: str, local: str, why: str) -> None:
         key = (subject, rendered, local)

@@ -29,8 +29,8 @@ from vllm_stack_dev.testbed.engines import (
     EngineSpec,
     EngineStartError,
     dtype_override,
-    free_port,
     launch,
+    port_for_later,
     spawn_logged,
     stop_group,
     wait_ready,
@@ -78,7 +78,7 @@ def make_plan(options: UpOptions, workdir: Path, model_dir: Path) -> StackPlan:
         workdir=workdir,
         model_dir=model_dir,
         router_port=options.port,
-        free_port=free_port,
+        free_port=port_for_later,  # bound only when the stack starts: a bind(0) meanwhile must not take it
         cores=sorted(os.sched_getaffinity(0)),
         max_engines=options.max_engines or memory_fit(mem_available_gib()),
         namespace=options.namespace,
