@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import client, http, running_router, stubs
+from tests.router.helpers import client, http, running_router, stubs, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -71,11 +71,8 @@ async def test_no_healthy_engine_is_503_with_retry_after() -> None:
     engine = StubEngine("e", ["stub-model"])
     async with stubs(engine) as urls, running_router(urls) as (url, router):
         engine.healthy = False
+        await wait_for(lambda: router.registry.healthy_count == 0, what="the engine's failed health check")
         async with http(url) as h:
-            for _ in range(200):
-                if router.registry.healthy_count == 0:
-                    break
-                await h.get("/health")
             r = await h.post("/v1/chat/completions", json={"model": "stub-model", "messages": MSG})
             err = assert_openai_error(r, 503, "no_healthy_engine")
             assert r.headers["retry-after"] == "1"
