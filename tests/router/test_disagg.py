@@ -128,6 +128,34 @@ async def test_the_decider_serves_a_short_uncached_part_decode_only() -> None:
         assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 2
 
 
+@pytest.mark.parametrize(("min_uncached", "prefilled"), [(4096, False), (64, True)])
+async def test_only_a_prefill_leg_sent_claims_the_prefill_engine(min_uncached: int, prefilled: bool) -> None:
+    """The prefill profile's picker places the prompt before the decider runs; a decode-only decision
+    must leave its index (the prompt's blocks on the prefill engine) and its recent shares as they were,
+    or later requests would expect cached tokens there that were never sent. A prefill leg sent claims
+    both, as any placement does.
+
+    Kills: in ``director/prefill_stage.py`` ``begin``, running the deferred claims before the decider
+    (or not deferring them: ``cycle[DEFERRED_CLAIMS] = claims`` removed).
+    """
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    settings = pd_settings(disagg_min_uncached_tokens=min_uncached)
+    async with stubs(prefill, decode) as urls, running_router(urls, **settings) as (url, router):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert len(prefill.seen) == int(prefilled)
+        picker = router.scheduler.profiles["prefill"].picker
+        engine = next(e for e in router.registry.engines() if e.role == "prefill")
+        blocks = picker.index.blocks_of(engine.name)
+        (shares,) = picker.shares_for("stub-model").counts([engine])
+        if prefilled:
+            assert blocks > 0 and shares == 1
+        else:
+            assert blocks == 0 and shares == 0
+            assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 1
+
+
 @pytest.mark.parametrize("status", [500, 503, 400])
 async def test_a_failed_prefill_falls_back_to_decode_only(status: int) -> None:
     prefill = StubEngine("P", behaviour=StubBehaviour(fail_statuses=[status], kv_transfer_params=HANDOVER))

@@ -3,8 +3,11 @@
 :meth:`PrefillStage.begin` runs at a request's first scheduling. It returns None (the request is
 served whole, decode-only) unless the model has prefill engines, the ``prefill`` profile picked one,
 the body is a JSON object without ``kv_transfer_params`` of its own, and the decider finds the
-uncached part of the prompt long enough. Otherwise it books the prefill engine (in-flight count,
-prefill tokens, breaker) and sends the prefill leg (:class:`~.disagg.PrefillExchange`). How it ends:
+uncached part of the prompt long enough. Until then the prefill profile's pick claims nothing (the
+prefix index's blocks, the engine's share: ``DEFERRED_CLAIMS``), so a request served decode-only
+leaves no trace on the prefill engine. Otherwise it makes those claims, books the prefill engine
+(in-flight count, prefill tokens, breaker) and sends the prefill leg
+(:class:`~.disagg.PrefillExchange`). How it ends:
 
 - ``vllm`` protocol: the prefill answer's ``kv_transfer_params`` go into the decode request, which
   the strategy's own profile schedules (the decode engine pulls the KV from the prefill engine);
@@ -22,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from vllm_stack.director import disagg
 from vllm_stack.engines.engine import Engine
 from vllm_stack.request_id import new_request_id
+from vllm_stack.scheduling.framework import DEFERRED_CLAIMS
 from vllm_stack.scheduling.profiles import PREFILL_PROFILE
 
 if TYPE_CHECKING:
@@ -80,7 +85,15 @@ class PrefillStage:
             metrics.disagg(label, "client_params" if request is not None else "not_json")
             return None
         ctx.prefill_tokens = 0
-        engine = profile.run(ctx, candidates).engine
+        # The pick is provisional until the decider (and, for lmcache, a decode engine) says the leg
+        # is sent: a decode-only request must leave no claim on the prefill engine (index, shares).
+        claims: list[Callable[[], None]] = []
+        cycle = ctx.cycle
+        cycle[DEFERRED_CLAIMS] = claims
+        try:
+            engine = profile.run(ctx, candidates).engine
+        finally:
+            del cycle[DEFERRED_CLAIMS]
         tokens, ctx.prefill_tokens = ctx.prefill_tokens, 0
         if engine is None:
             metrics.disagg(label, "no_prefill_engine")
@@ -100,6 +113,8 @@ class PrefillStage:
             if decode is None:  # none has room: the request waits for one as any request does
                 metrics.disagg(label, "no_decode_engine")
                 return None
+        for claim in claims:
+            claim()
         stage = cls(owner, settings, request, engine, tokens, decode)
         stage._send()
         return stage

@@ -45,6 +45,12 @@ class CycleState(dict[str, Any]):
     __slots__ = ()
 
 
+#: Cycle-state key of a caller that may not use the engine a profile picks (the prefill stage, whose
+#: decider runs after the pick): while it holds a list there, pickers that remember where a request
+#: went (the prefix-cache index, its recent shares) append that record as a callable instead of
+#: making it, and the caller runs them only once the engine is used. Absent on the common path.
+DEFERRED_CLAIMS = "deferred-claims"
+
 _NO_ENGINES: frozenset[str] = frozenset()
 _MAX_RESULTS = 4096  # cached scheduling results per profile
 

@@ -128,8 +128,7 @@ class LmcacheLookupPicker(PrefixCachePicker):
         ctx.prefill_tokens = max(1, lacking)
         # The fallback's index learns where the prompt went, as when it places a request itself.
         keys = self._keys(ctx, engine.kv_block_size or DEFAULT_BLOCK_TOKENS)
-        self.index.record(engine.name, keys, engine.kv_blocks)
-        self.shares_for(ctx.model).add(engine.name)
+        self.claim(ctx, engine, keys)
         self._count(ctx, "routed")
         return engine
 

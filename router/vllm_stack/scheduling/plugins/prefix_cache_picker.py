@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import bounded_capacity, engine_loads
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.scheduling.framework import Completion, RequestContext
+from vllm_stack.scheduling.framework import DEFERRED_CLAIMS, Completion, RequestContext
 from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of, token_block_keys
 from vllm_stack.scheduling.index.kv_events import EventBatch, KvEventIndexer
 from vllm_stack.scheduling.index.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
@@ -275,8 +276,12 @@ class PrefixCachePicker:
         keys = self._keys(ctx, block_tokens)
         ctx.cycle[self._predicted_key] = (cached[chosen], block_tokens)
         ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
-        index.record(engine.name, keys, engine.kv_blocks)
-        recent.add(engine.name)
+        deferred = ctx.cycle.get(DEFERRED_CLAIMS)
+        if deferred is None:  # inline: the common path, one call less than self.claim
+            index.record(engine.name, keys, engine.kv_blocks)
+            recent.add(engine.name)
+        else:
+            deferred.append(functools.partial(self._record, engine, keys, recent))
         if new_prefix:
             return engine, "prefix_miss" if most == 0 else "prefix_spread"
         if cached[chosen] < most:
@@ -285,6 +290,21 @@ class PrefixCachePicker:
                 return engine, "prefix_overflow"  # every engine holding more was over a bound
             return engine, "prefix_replicate"  # less work there, even prefilling what it lacks
         return engine, "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
+
+    def claim(self, ctx: RequestContext, engine: Engine, keys: list[int]) -> None:
+        """Remember that ``engine`` was sent these blocks and took one of the model's decisions; or,
+        while the caller defers claims (:data:`~..framework.DEFERRED_CLAIMS`: the prefill stage before
+        its decider), hand it that record to make if the engine is used."""
+        recent = self.shares_for(ctx.model)
+        deferred = ctx.cycle.get(DEFERRED_CLAIMS)
+        if deferred is None:
+            self._record(engine, keys, recent)
+        else:
+            deferred.append(functools.partial(self._record, engine, keys, recent))
+
+    def _record(self, engine: Engine, keys: list[int], recent: RecentShares) -> None:
+        self.index.record(engine.name, keys, engine.kv_blocks)
+        recent.add(engine.name)
 
     def shares_for(self, model: str) -> RecentShares:
         """The model's recent decisions (bounded: models come from the engines' cards, few)."""
