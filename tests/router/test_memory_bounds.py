@@ -270,3 +270,79 @@ def test_memory_comes_back_after(loop, router_process: RouterProcess, baseline: 
     assert held == 0, f"{loop.__name__}: {held} client connections still open"
     assert fds <= base_fds + MAX_POOLED, f"{loop.__name__}: {fds} open fds, baseline {base_fds}"
     asyncio.run(_until_answered(router_process.port, 2))  # and it still serves
+
+
+# ---- one attack, watched while it runs ------------------------------------------------------------
+class Watch:
+    """The router's peak RSS and the slowest ``/health`` answer while an attack runs beside them."""
+
+    def __init__(self, router: RouterProcess) -> None:
+        self.router = router
+        self.base_rss = router.rss_mb()
+        self.peak_rss = self.base_rss
+        self.health_ms: list[float] = []
+
+    async def run(self, attack: Awaitable[object]) -> object:
+        done = asyncio.Event()
+
+        async def sample_rss() -> None:
+            while not done.is_set():
+                self.peak_rss = max(self.peak_rss, self.router.rss_mb())
+                await asyncio.sleep(0.01)
+
+        async def poll_health() -> None:
+            reader, writer = await _connect(self.router.port)
+            try:
+                while not done.is_set():
+                    started = time.perf_counter()
+                    writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    await reader.readexactly(length)
+                    self.health_ms.append((time.perf_counter() - started) * 1000)
+                    await asyncio.sleep(0.02)
+            finally:
+                await _close(writer)
+
+        watchers = [asyncio.create_task(sample_rss()), asyncio.create_task(poll_health())]
+        try:
+            return await attack
+        finally:
+            done.set()
+            await asyncio.gather(*watchers)
+
+
+async def _unterminated_trailer(port: int) -> bytes:
+    """A chunked body whose trailer field never ends: 1 MiB writes of ``A``, up to 64 MiB, until the
+    router answers (or closes); returns what it answered."""
+    reader, writer = await _connect(port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: "
+    )
+    answer = asyncio.create_task(reader.read(65536))
+    block = b"A" * (1 << 20)
+    with contextlib.suppress(ConnectionError):
+        for _ in range(64):
+            if answer.done():
+                break
+            writer.write(block)
+            await writer.drain()
+    try:
+        return await asyncio.wait_for(answer, 10)
+    finally:
+        await _close(writer)
+
+
+def test_an_unterminated_trailer_field_is_refused_early(router_process: RouterProcess) -> None:
+    """Issue 29: once the trailer passes the head limit (64 KiB) it is a 431 and a close; the router's
+    memory grows by under 5 MB meanwhile and ``/health`` stays under 100 ms."""
+    asyncio.run(_until_answered(router_process.port, 2))
+    watch = Watch(router_process)
+    answer = asyncio.run(watch.run(_unterminated_trailer(router_process.port)))
+    print(
+        f"RSS {watch.base_rss:.1f} -> peak {watch.peak_rss:.1f} MB, /health max {max(watch.health_ms):.1f} ms"
+    )
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:80]
+    assert watch.peak_rss - watch.base_rss < 5, (watch.base_rss, watch.peak_rss)
+    assert watch.health_ms and max(watch.health_ms) < 100, watch.health_ms

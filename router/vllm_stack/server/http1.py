@@ -15,7 +15,8 @@ What the connection guarantees, whatever the handler:
 - ``Expect: 100-continue`` is answered when the request's turn comes;
 - only the request head carries headers: chunked trailer fields are read and discarded, never
   merged into the head (a credential or routing header sent as a trailer would otherwise slip past
-  any front proxy that checks headers);
+  any front proxy that checks headers), and bounded with the head (431 once they pass it, however
+  long a field runs unterminated);
 - memory is given back when a connection ends: the parser's reference to its connection (a cycle
   the collector would find only rarely) is cut, and a refused body is dropped at once;
 - keep-alive follows the client (HTTP/1.0 and ``Connection: close`` end the connection after the
@@ -148,6 +149,7 @@ class HttpConnection(asyncio.Protocol):
         "_declared",
         "_head_done",
         "_head_raw",
+        "_in_chunks",
         "_hosts",
         "_pending_error",
         "restricted",
@@ -186,7 +188,8 @@ class HttpConnection(asyncio.Protocol):
         self._declared: bytes | None = None
         self._head_done = False  # headers complete: header callbacks from here on are trailers
         self._hosts = 0  # Host headers seen
-        self._head_raw = 0  # bytes of reads that carried only an unfinished head (see data_received)
+        self._head_raw = 0  # bytes of reads that carried only an unfinished head or trailer (data_received)
+        self._in_chunks = False  # a chunked body is being read (its trailer fields may follow)
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -209,6 +212,9 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.close()
             return
         in_head = self.head_started and not self._head_done
+        in_chunks = self._in_chunks
+        if in_chunks:
+            body_before = self._body_size
         try:
             self.parser.feed_data(data)
             if in_head and self.head_started and not self._head_done:
@@ -217,6 +223,17 @@ class HttpConnection(asyncio.Protocol):
                 self._head_raw += len(data)
                 if self._head_raw > MAX_HEAD_BYTES:
                     self._fail(RouterError(431, "Request headers too large.", code="headers_too_large"))
+            elif in_chunks and self._in_chunks:
+                # The same for a trailer field (after the last chunk) and for chunk framing alone:
+                # reads of a chunked body that brought no body bytes are bounded like a head.
+                if self._body_size != body_before:
+                    self._head_raw = 0
+                else:
+                    self._head_raw += len(data)
+                    if self._head_raw > MAX_HEAD_BYTES:
+                        self._fail(
+                            RouterError(431, "Request trailer fields too large.", code="headers_too_large")
+                        )
         except httptools.HttpParserUpgrade as exc:
             # An offer to switch protocols (h2c from `curl --http2`, websocket). httptools stops at the
             # end of the head, before any body; the offer is declined (RFC 9110 7.8) by parsing the
@@ -317,6 +334,8 @@ class HttpConnection(asyncio.Protocol):
             raise _Reject(  # RFC 9112 3.2: an HTTP/1.1 request has exactly one Host
                 RouterError(400, "An HTTP/1.1 request needs exactly one Host header.", code="bad_request")
             )
+        self._in_chunks = self._declared is None  # no length: chunked, or no body at all (completes now)
+        self._head_raw = 0
         limit = self._limit = self.server.body_limit()
         if self._declared is not None:
             try:
@@ -352,6 +371,7 @@ class HttpConnection(asyncio.Protocol):
             self._declined_head = b"".join(head)
             self._begin()
             return
+        self._in_chunks = False
         parts = self._body
         request = HttpRequest(
             parser.get_method().decode("latin-1"),
