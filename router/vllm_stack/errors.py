@@ -119,8 +119,11 @@ def status_line(status: int) -> bytes:
 _MARKER_PREFIX = b"\r\n" + ERROR_MARKER + b": "
 
 
-def render_error(error: RouterError, request_id: bytes | None, keep_alive: bool) -> bytes:
-    """The complete HTTP/1.1 response (head and JSON body) for ``error``."""
+def render_error(
+    error: RouterError, request_id: bytes | None, keep_alive: bool, head_only: bool = False
+) -> bytes:
+    """The complete HTTP/1.1 response (head and JSON body) for ``error``; for a HEAD request
+    (``head_only``) the same head, Content-Length included, and no body (RFC 9110 9.3.2)."""
     body = error.body()
     head = [
         status_line(error.status),
@@ -135,5 +138,5 @@ def render_error(error: RouterError, request_id: bytes | None, keep_alive: bool)
         head += (b"\r\nx-request-id: ", request_id)
     if not keep_alive:
         head.append(b"\r\nconnection: close")
-    head += (b"\r\n\r\n", body)
+    head += (b"\r\n\r\n", b"" if head_only else body)
     return b"".join(head)

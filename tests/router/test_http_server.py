@@ -501,6 +501,34 @@ async def test_head_health_has_no_body(router2) -> None:
         assert nxt.status == 200 and nxt.json() == {"status": "ok"}
 
 
+@pytest.mark.parametrize(
+    ("path", "headers", "status"),
+    [
+        ("/no/such/path", [("Authorization", "Bearer k1")], 404),
+        ("/v1/models", [], 401),
+        ("/v1/models", [("Authorization", "Bearer wrong")], 401),
+    ],
+    ids=["404", "401-missing", "401-wrong"],
+)
+async def test_head_errors_have_no_body(path: str, headers: list[tuple[str, str]], status: int) -> None:
+    """RFC 9110 9.3.2: an error answer to HEAD carries the GET's headers (its Content-Length too)
+    and no body, so the next answer on a keep-alive connection is read as one."""
+    async with (
+        stubs(StubEngine("e", ["stub-model"])) as urls,
+        running_router(urls, environ={"VLLM_STACK_API_KEYS": "k1"}) as (url, _),
+        connect(url) as (reader, writer),
+    ):
+        writer.write(request("HEAD", path, headers=headers) + request("GET", path, headers=headers))
+        writer.write(request("GET", "/health"))
+        head = await read_final(reader, "HEAD")
+        got = await read_final(reader, "GET")
+        assert (head.status, got.status) == (status, status), (head, got)
+        assert head.header("content-length") == got.header("content-length") == str(len(got.body))
+        assert head.header("x-vllm-stack-error") == got.header("x-vllm-stack-error")
+        health = await read_final(reader)
+        assert health.status == 200 and health.json() == {"status": "ok"}
+
+
 # ---- streaming ------------------------------------------------------------------------------------------
 async def test_stream_events_reach_the_client_as_they_are_produced() -> None:
     """Streamed SSE events are written to the socket as the engine produces them (no buffering in

@@ -153,6 +153,7 @@ class HttpConnection(asyncio.Protocol):
         "_hosts",
         "_pending_error",
         "restricted",
+        "answering_head",
     )
 
     def __init__(self, server: ServerContext) -> None:
@@ -172,8 +173,10 @@ class HttpConnection(asyncio.Protocol):
         self._lingering = -1  # >= 0: closing, dropping what the client still sends (bytes so far)
         self._declined_head = b""  # a request head to parse again without its upgrade offer
         # malformed input behind requests still answered, with the request id to answer it under
-        self._pending_error: tuple[RouterError, bytes] | None = None
+        # and whether it was a HEAD request
+        self._pending_error: tuple[RouterError, bytes, bool] | None = None
         self.restricted = False  # past the connection limit: only the reserved paths are answered
+        self.answering_head = False  # the request being answered is a HEAD one: no body in the answer
         self._begin()
 
     def _begin(self) -> None:
@@ -401,6 +404,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self.busy = True
         self.idle_since = 0.0
+        self.answering_head = request.method == "HEAD"
         if self.restricted and request.path not in self.server.reserved_paths:
             self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
             return
@@ -432,7 +436,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self.idle_since = time.monotonic()
         if not self.queue and self._pending_error is not None:  # what followed the last good request
-            (error, request_id), self._pending_error = self._pending_error, None
+            (error, request_id, self.answering_head), self._pending_error = self._pending_error, None
             self.busy = True
             self.send_error(error, request_id, keep_alive=False)
             return
@@ -453,7 +457,7 @@ class HttpConnection(asyncio.Protocol):
         """Answer the current request with an OpenAI-style JSON error and finish it."""
         keep_alive = keep_alive and not self.server.draining
         if not self.closed:
-            self.transport.write(render_error(error, request_id, keep_alive))
+            self.transport.write(render_error(error, request_id, keep_alive, self.answering_head))
         self.finish(keep_alive)
 
     def _fail(self, error: RouterError) -> None:
@@ -462,13 +466,15 @@ class HttpConnection(asyncio.Protocol):
         Complete requests read before it (pipelined) are still answered, in order; the error comes
         after them, and nothing more is read meanwhile.
         """
+        # the request line was read (a head too large, a body refused): a HEAD one gets no body
+        head = bool(self._url) and self.parser.get_method() == b"HEAD"
         self.parser = httptools.HttpRequestParser(self)  # the old one is in an error state
         request_id = _client_request_id(self._headers)  # the head may be whole (413): keep its id
         self._begin()  # a refused body is not kept
         if self.closed:
             return
         if self.busy:  # earlier requests are being answered: the error waits for its turn
-            self._pending_error = (error, request_id)
+            self._pending_error = (error, request_id, head)
             if not self._reading_paused:
                 self._reading_paused = True
                 self.transport.pause_reading()
@@ -476,6 +482,7 @@ class HttpConnection(asyncio.Protocol):
         self.queue.clear()
         self._queued_bytes = 0
         self.busy = True
+        self.answering_head = head
         self.send_error(error, request_id, keep_alive=False)
 
     def close(self) -> None:
