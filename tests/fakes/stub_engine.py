@@ -45,6 +45,7 @@ class SeenRequest:
     query: bytes
     headers: dict[str, str]
     body: bytes
+    header_list: list[tuple[str, str]] = field(default_factory=list)  # as sent, repeats included
 
 
 async def receive_body(receive: Any) -> bytes | None:
@@ -126,8 +127,11 @@ class StubEngine:
         body = await receive_body(receive)
         if body is None:
             return
-        headers = {k.decode(): v.decode("latin-1") for k, v in scope["headers"]}
-        self.seen.append(SeenRequest(scope["method"], path, scope.get("query_string", b""), headers, body))
+        header_list = [(k.decode(), v.decode("latin-1")) for k, v in scope["headers"]]
+        headers = dict(header_list)
+        self.seen.append(
+            SeenRequest(scope["method"], path, scope.get("query_string", b""), headers, body, header_list)
+        )
         b = self.behaviour
         if b.fail_statuses:
             status = b.fail_statuses.pop(0)

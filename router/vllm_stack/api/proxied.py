@@ -110,9 +110,11 @@ def _retarget(
 
 
 def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) -> list[bytes]:
+    """The upstream header lines without ``drop``; a client ``X-Request-Id`` only when it is valid
+    (the same rule as the common path in :func:`handle`)."""
     parts: list[bytes] = []
     for name, value in headers:
-        if name not in drop:
+        if name not in drop and (name != b"x-request-id" or valid_request_id(value)):
             parts += (name, b": ", value, b"\r\n")
     return parts
 
@@ -150,6 +152,8 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         listed = connection_listed(request.headers)
         if listed:
             lines = _header_lines(request.headers, REQUEST_DROP | listed)
+            if b"x-request-id" in listed:  # the client's id was for this hop only: the router's own
+                request_id = None
     if request_id is None:
         request_id = new_request_id()
         lines += (b"x-request-id: ", request_id, b"\r\n")
