@@ -108,7 +108,7 @@ class SessionEngines:
             CHAT_MODEL,
             kv_events=False,
             enable_lora=False,
-            max_model_len=512,
+            max_model_len=4096,  # room for the long requests that hold its two sequences in a test
             extra_args=["--max-num-seqs", "2", "--scheduling-policy", "priority"],
         )
         self.priority = launch(priority, name="priority", cpu=self._cpus[0], log_dir=self.log_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.engine
 
 MODEL = "tiny-llama"
 PRIO = "x-request-priority"
+# Longer than the test needs them to run: the priority engine's --max-model-len is 4096.
+HELD_TOKENS = 4000
 
 
 def chat(max_tokens: int) -> dict[str, object]:
@@ -91,10 +94,26 @@ async def test_a_burst_larger_than_capacity_sheds_sheddable_and_drains_by_priori
     assert router.queue.length == 0
 
 
+async def held(h: httpx.AsyncClient, streaming: asyncio.Event) -> None:
+    """A request long enough to hold one of the engine's two sequences until the test cancels it
+    (the client leaves, the router closes its upstream connection, the engine aborts it); sets
+    ``streaming`` at its first byte of answer: it runs in the engine then, no longer waits there."""
+    async with h.stream("POST", "/v1/chat/completions", json=chat(HELD_TOKENS)) as r:
+        assert r.status_code == 200, await r.aread()
+        async for _ in r.aiter_bytes():
+            streaming.set()
+    raise AssertionError(f"a held request ended by itself ({HELD_TOKENS} tokens) before the test let it go")
+
+
 async def test_an_engine_scheduling_by_priority_gets_each_requests_priority(priority_engine: Engine) -> None:
     """With the router's own priority chains off, every request goes straight to the engine; the
     engine then runs critical requests (vLLM priority -1, written by the router) before standard
-    ones that were waiting there first, which it would not do had the field not reached it."""
+    ones that were waiting there first, which it would not do had the field not reached it.
+
+    The engine's two sequences are held by requests that end only when the test lets them go, once
+    its queue holds all six others: had they ended by their length (64 tokens took 0.8-2.6 s here,
+    0.07-0.5 s after the critical requests reached the queue), a standard request could take a freed
+    sequence before the critical ones arrived, and did on a loaded machine."""
     settings = {
         "models": [{"name": MODEL, "engine_priority": True}],
         "priority_scheduling": False,
@@ -103,16 +122,23 @@ async def test_an_engine_scheduling_by_priority_gets_each_requests_priority(prio
     environ = {"VLLM_STACK_PRIORITY_API_KEYS": "k"}
     async with running_router([priority_engine.url], environ=environ, **settings) as (url, router):
         engine = router.registry.engines()[0]
+
+        def waiting_there(n: int) -> Callable[[], bool]:
+            return lambda: (t := engine.fresh_telemetry()) is not None and t.waiting >= n
+
         async with httpx.AsyncClient(base_url=url, timeout=180, headers={"authorization": "Bearer k"}) as h:
-            running = [asyncio.create_task(streamed(h, chat(64), {})) for _ in range(2)]
-            await wait_for(lambda: engine.in_flight == 2, 30, "two running")
+            streaming = [asyncio.Event() for _ in range(2)]
+            holders = [asyncio.create_task(held(h, e)) for e in streaming]
+            await wait_for(lambda: all(e.is_set() for e in streaming), 60, "two held requests running")
             first_come = [asyncio.create_task(streamed(h, chat(8), {})) for _ in range(4)]
-            await wait_for(
-                lambda: (t := engine.fresh_telemetry()) is not None and t.waiting >= 4, 60, "four waiting"
-            )
+            await wait_for(waiting_there(4), 60, "four standard requests waiting in the engine")
             critical = [asyncio.create_task(streamed(h, chat(8), {PRIO: "critical"})) for _ in range(2)]
+            await wait_for(waiting_there(6), 60, "two critical requests waiting there too")
+            for holder in holders:
+                assert not holder.done(), holder.exception()
+                holder.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
             waited = [await t for t in first_come]
             urgent = [await t for t in critical]
-            assert [s for s, _ in await asyncio.gather(*running)] == [200, 200]
     assert [s for s, _ in waited + urgent] == [200] * 6
     assert max(t for _, t in urgent) < min(t for _, t in waited)
