@@ -51,6 +51,25 @@ from vllm_stack.telemetry.scraper import EngineScraper
 
 log = logging.getLogger(__name__)
 
+#: Settings a running router does not change: a reload that changes one says so (and why); the
+#: router keeps running with the value it started with. Every other setting takes effect on reload
+#: (tests/router/test_reload.py holds every RouterConfig field to one or the other).
+RESTART_ONLY: Mapping[str, str] = {
+    "host": "the listening socket is bound at start",
+    "port": "the listening socket is bound at start",
+    "shutdown_grace": "the server takes it at start",
+    "config_file": "the file watched is the one given at start",
+    "service_discovery": "the discovery source is built at start",
+    "k8s_namespace": "Kubernetes discovery's watch is built at start",
+    "k8s_label_selector": "Kubernetes discovery's watch is built at start",
+    "k8s_port": "Kubernetes discovery's watch is built at start",
+    "prefill_model_labels": "Kubernetes discovery reads engine roles with the labels given at start",
+    "decode_model_labels": "Kubernetes discovery reads engine roles with the labels given at start",
+    "disagg_protocol": "LMCache's notification socket is bound at start (or not)",
+    "disagg_notify_port": "LMCache's notification socket is bound at start",
+    "engine_ca_file": "the engines' TLS context (pooled connections, control session) is built at start",
+}
+
 
 def _static_models(config: RouterConfig) -> dict[str, tuple[str, ...]]:
     if not config.static_models:
@@ -85,12 +104,17 @@ class Router:
             success_threshold=config.health_success_threshold,
             breaker_failures=config.circuit_failure_threshold,
             breaker_open_seconds=config.circuit_open_seconds,
-            stale_after=max(3 * config.engine_scrape_interval, 2.0),
+            stale_after=_stale_after(config),
+            check_interval=config.health_check_interval,
             static_models=_static_models(config),
         )
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
         self.scraper = EngineScraper(
-            self.registry.engines, self._fetch_metrics, self.metrics, liveness=self.registry
+            self.registry.engines,
+            self._fetch_metrics,
+            self.metrics,
+            liveness=self.registry,
+            interval=config.engine_scrape_interval,
         )
         # https engines: verified against the system's CAs, or against engine_ca_file when given.
         self.engine_tls = (
@@ -239,29 +263,42 @@ class Router:
     def reload(self, config: RouterConfig) -> None:
         """Apply a new configuration without dropping requests (in-flight ones keep the old objects).
 
-        The scheduling is built first: a configuration whose plugins cannot be built raises
-        ``ConfigError`` and changes nothing. Plugin state (indexes) carries over to the new plugins.
+        The scheduling is built first: a configuration whose plugins cannot be built (or whose
+        log level is unknown) raises ``ConfigError`` and changes nothing. Plugin state (indexes)
+        carries over to the new plugins. Every setting takes effect (the intervals from the next
+        round, the thresholds and the connect timeout from the next outcome or connection) but those
+        in :data:`RESTART_ONLY`, whose change is logged as a warning naming it.
         """
         catalog = self._catalog(config)
         setup = self._build_scheduling(config)
+        level = _log_level(config)
         old = self.config
-        for name in (
-            "host",
-            "port",
-            "service_discovery",
-            "disagg_protocol",
-            "disagg_notify_port",
-            "k8s_namespace",
-            "k8s_label_selector",
-        ):
+        for name, why in RESTART_ONLY.items():
             if getattr(old, name) != getattr(config, name):
-                log.warning("config: %s changed; it takes effect after a restart", name)
+                log.warning("config: %s changed; it takes effect after a restart (%s)", name, why)
+        if config.disaggregated and config.disagg_protocol == "lmcache" and self.pd_notifications is None:
+            log.warning(
+                "config: disaggregation with the lmcache protocol takes effect after a restart "
+                "(its notification socket is bound at start); until then requests are served decode-only"
+            )
         self._apply_runtime(config, setup)
         self.adapters.load_timeout = config.lora_load_timeout
         self.queue.max_per_model = config.queue_max_per_model
         self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
-        self.registry.static_models = _static_models(config)
+        self.registry.set_static_models(_static_models(config))
+        self.registry.configure(
+            failure_threshold=config.health_failure_threshold,
+            success_threshold=config.health_success_threshold,
+            breaker_failures=config.circuit_failure_threshold,
+            breaker_open_seconds=config.circuit_open_seconds,
+            stale_after=_stale_after(config),
+            check_interval=config.health_check_interval,
+        )
+        self.scraper.interval = config.engine_scrape_interval
+        self.pools.set_connect_timeout(config.connect_timeout)
+        if config.log_level != old.log_level:
+            logging.getLogger().setLevel(level)  # process-wide, as the command line set it at start
         if isinstance(self.discovery, StaticDiscovery) and config.service_discovery == "static":
             self.discovery.update(config.static_backends, config.static_roles)
         log.info("configuration reloaded (routing_logic=%s)", config.routing_logic)
@@ -341,8 +378,8 @@ class Router:
         self._discovery_task = asyncio.ensure_future(self._run_discovery())
         self._tasks = [
             self._discovery_task,
-            asyncio.ensure_future(self.registry.run_health_checks(config.health_check_interval)),
-            asyncio.ensure_future(self.scraper.run(config.engine_scrape_interval)),
+            asyncio.ensure_future(self.registry.run_health_checks()),
+            asyncio.ensure_future(self.scraper.run()),
             asyncio.ensure_future(self.kv_feed.run()),
         ]
         if config.config_file:
@@ -398,6 +435,21 @@ class Router:
                     await self.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _stale_after(config: RouterConfig) -> float:
+    """How old an engine's scraped figures may be before they count as unknown: three scrapes."""
+    return max(3 * config.engine_scrape_interval, 2.0)
+
+
+def _log_level(config: RouterConfig) -> int:
+    """``log_level`` as :mod:`logging`'s number (``ConfigError`` for a name it does not know)."""
+    level = logging.getLevelNamesMapping().get(config.log_level.upper())
+    if level is None:
+        raise ConfigError(
+            f"log_level {config.log_level!r} is not one of debug, info, warning, error, critical"
+        )
+    return level
 
 
 def _mtime(path: str) -> float | None:

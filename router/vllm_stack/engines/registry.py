@@ -51,6 +51,7 @@ class EngineRegistry:
         breaker_failures: int = 5,
         breaker_open_seconds: float = 10.0,
         stale_after: float = 3.0,
+        check_interval: float = 5.0,
         static_models: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         self._fetch_models = fetch_models
@@ -60,6 +61,7 @@ class EngineRegistry:
         self.breaker_failures = breaker_failures
         self.breaker_open_seconds = breaker_open_seconds
         self.stale_after = stale_after
+        self.check_interval = check_interval  # seconds between full health-check rounds
         self.static_models = static_models or {}
         self._engines: dict[str, Engine] = {}
         self._by_model: dict[str, tuple[Engine, ...]] = {}
@@ -148,6 +150,43 @@ class EngineRegistry:
             engine.role = info.role or ROLE_BOTH
         self._rebuild()
 
+    def configure(
+        self,
+        *,
+        failure_threshold: int,
+        success_threshold: int,
+        breaker_failures: int,
+        breaker_open_seconds: float,
+        stale_after: float,
+        check_interval: float,
+    ) -> None:
+        """New limits (hot reload), for the engines known now as for those that join later: their
+        breakers keep their state and count, and judge the next outcome by the new thresholds."""
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self.breaker_failures = breaker_failures
+        self.breaker_open_seconds = breaker_open_seconds
+        self.stale_after = stale_after
+        self.check_interval = check_interval
+        for engine in self._engines.values():
+            engine.breaker.failure_threshold = breaker_failures
+            engine.breaker.open_seconds = breaker_open_seconds
+            engine.stale_after = stale_after
+
+    def set_static_models(self, static_models: dict[str, tuple[str, ...]]) -> None:
+        """A reload's ``static_models`` (engine URL -> models): engines known now serve their new
+        ones at once, beside what their ``/v1/models`` said; engines that join later get theirs then."""
+        self.static_models = static_models
+        changed = False
+        for engine in self._engines.values():
+            models = static_models.get(engine.url, ())
+            if models != engine.static_models:
+                engine.static_models = models
+                engine.models = frozenset(c["id"] for c in engine.model_cards) | frozenset(models)
+                changed = True
+        if changed:
+            self._rebuild()
+
     def _new_engine(self, info: EndpointInfo) -> Engine:
         url = info.url.rstrip("/")
         gauge = self._metrics.circuit_breaker_state.labels(info.name)
@@ -188,13 +227,15 @@ class EngineRegistry:
         if engines:
             await asyncio.gather(*(self.probe(e) for e in engines))
 
-    async def run_health_checks(self, interval: float) -> None:
-        """Check every engine every ``interval`` seconds, and unhealthy ones every
-        :data:`RECOVERY_INTERVAL` in between, until cancelled."""
-        tick = min(interval, RECOVERY_INTERVAL)
-        every = max(1, round(interval / tick))  # ticks per full round
+    async def run_health_checks(self) -> None:
+        """Check every engine every :attr:`check_interval` seconds, and unhealthy ones every
+        :data:`RECOVERY_INTERVAL` in between, until cancelled. The interval is read at every tick
+        (at most :data:`RECOVERY_INTERVAL` apart), so a reload's new one takes effect within one."""
         ticks = 0
         while True:
+            interval = self.check_interval
+            tick = min(interval, RECOVERY_INTERVAL)
+            every = max(1, round(interval / tick))  # ticks per full round
             await asyncio.sleep(tick)
             ticks += 1
             try:

@@ -318,6 +318,12 @@ class EnginePools:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
+    def set_connect_timeout(self, seconds: float) -> None:
+        """A reload's connect timeout: for every connection opened from now on, in every pool."""
+        self._connect_timeout = seconds
+        for pool in self._pools.values():
+            pool.connect_timeout = seconds
+
     def idle_connections(self, base_url: str) -> int:
         pool = self._pools.get(base_url)
         return len(pool.idle) if pool is not None else 0

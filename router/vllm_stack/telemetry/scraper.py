@@ -21,6 +21,8 @@ from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
+INTERVAL_READ = 0.5  # seconds: the longest wait before a changed scrape interval is seen
+
 #: Fetches an engine's ``/metrics`` text; raises on failure.
 MetricsFetcher = Callable[[Engine], Awaitable[str]]
 
@@ -123,7 +125,9 @@ class EngineScraper:
         fetch: MetricsFetcher,
         metrics: RouterMetrics,
         liveness: Liveness | None = None,
+        interval: float = 1.0,
     ) -> None:
+        self.interval = interval  # seconds between rounds (read at each round: a reload may change it)
         self._engines = engines
         self._fetch = fetch
         self._metrics = metrics
@@ -172,9 +176,12 @@ class EngineScraper:
         if engines:
             await asyncio.gather(*(self.scrape(e) for e in engines))
 
-    async def run(self, interval: float) -> None:
-        """Scrape every ``interval`` seconds until cancelled (a slow round delays, never overlaps, the next)."""
+    async def run(self) -> None:
+        """Scrape every :attr:`interval` seconds until cancelled (a slow round delays, never overlaps,
+        the next). The wait is read again every :data:`INTERVAL_READ` seconds at most, so a reload's
+        new interval applies within that, not after the old one."""
         while True:
             started = time.monotonic()
             await self.scrape_all()
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            while (left := self.interval - (time.monotonic() - started)) > 0:  # noqa: ASYNC110 - a number read twice a second, no event to wait for
+                await asyncio.sleep(min(left, INTERVAL_READ))
