@@ -100,13 +100,8 @@ class Router:
         self.registry = EngineRegistry(
             self._fetch_models,
             self.metrics,
-            failure_threshold=config.health_failure_threshold,
-            success_threshold=config.health_success_threshold,
-            breaker_failures=config.circuit_failure_threshold,
-            breaker_open_seconds=config.circuit_open_seconds,
-            stale_after=_stale_after(config),
-            check_interval=config.health_check_interval,
             static_models=_static_models(config),
+            **_registry_limits(config),
         )
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
         self.scraper = EngineScraper(
@@ -287,14 +282,7 @@ class Router:
         self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
         self.registry.set_static_models(_static_models(config))
-        self.registry.configure(
-            failure_threshold=config.health_failure_threshold,
-            success_threshold=config.health_success_threshold,
-            breaker_failures=config.circuit_failure_threshold,
-            breaker_open_seconds=config.circuit_open_seconds,
-            stale_after=_stale_after(config),
-            check_interval=config.health_check_interval,
-        )
+        self.registry.configure(**_registry_limits(config))
         self.scraper.interval = config.engine_scrape_interval
         self.pools.set_connect_timeout(config.connect_timeout)
         if config.log_level != old.log_level:
@@ -437,9 +425,17 @@ class Router:
                 return
 
 
-def _stale_after(config: RouterConfig) -> float:
-    """How old an engine's scraped figures may be before they count as unknown: three scrapes."""
-    return max(3 * config.engine_scrape_interval, 2.0)
+def _registry_limits(config: RouterConfig) -> dict[str, Any]:
+    """The registry's thresholds and intervals (:meth:`EngineRegistry.configure`'s arguments); an
+    engine's scraped figures count as unknown once older than three scrapes."""
+    return {
+        "failure_threshold": config.health_failure_threshold,
+        "success_threshold": config.health_success_threshold,
+        "breaker_failures": config.circuit_failure_threshold,
+        "breaker_open_seconds": config.circuit_open_seconds,
+        "stale_after": max(3 * config.engine_scrape_interval, 2.0),
+        "check_interval": config.health_check_interval,
+    }
 
 
 def _log_level(config: RouterConfig) -> int:
