@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.fakes.stub_engine import StubEngine, serve
 from vllm_stack.app import Router, build_router
@@ -29,6 +30,12 @@ async def wait_for(predicate: Callable[[], bool], within: float = 10.0, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> Callable[[], bool]:
+    """A :func:`wait_for` predicate: a record holding ``text`` was logged, e.g. the router's "config
+    reload rejected", the one sign of a reload that changed nothing."""
+    return lambda: any(text in record.getMessage() for record in caplog.records)
 
 
 @contextlib.asynccontextmanager

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import FAST, http, metric_value, running_router, serving, stubs, wait_for
+from tests.router.helpers import FAST, http, logged, metric_value, running_router, serving, stubs, wait_for
 from vllm_stack.app import build_router
 from vllm_stack.config import ConfigError, load_config
 from vllm_stack.router_cli import build_parser, main
@@ -90,7 +88,7 @@ def test_yaml_then_cli_precedence_and_validation(tmp_path) -> None:
         load_config({}, environ={})  # static discovery without backends
 
 
-async def test_yaml_hot_reload_changes_backends_and_strategy_without_dropping(tmp_path) -> None:
+async def test_yaml_hot_reload_changes_backends_and_strategy_without_dropping(tmp_path, caplog) -> None:
     a, b = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
     a.behaviour.token_delay_s = 0.1
     async with stubs(a, b) as (ua, ub):
@@ -123,7 +121,7 @@ async def test_yaml_hot_reload_changes_backends_and_strategy_without_dropping(tm
                 assert r.status_code == 200
             assert len({s.headers["x-request-id"] for s in b.seen}) in (0, 6)  # session: all on one engine
             f.write_text("static-backends: [not-a-url]\n")  # a bad file is rejected; the router keeps running
-            await asyncio.sleep(1.5)
+            await wait_for(logged(caplog, "config reload rejected"), what="the bad file rejected")
             assert router.config.routing_logic == "session"
             assert (
                 await h.post("/v1/chat/completions", json={"model": "stub-model", "messages": MSG})

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import FAST, http, running_router, serving, stubs, wait_for
+from tests.router.helpers import FAST, http, logged, running_router, serving, stubs, wait_for
 from vllm_stack.app import build_router
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
@@ -188,7 +188,9 @@ def test_configuration_errors_name_the_problem(tmp_path: Path) -> None:
         build_router({**FAST, "static_backends": "http://127.0.0.1:9", "routing_logic": "nope"}, environ={})
 
 
-async def test_plugin_state_survives_a_reload_and_goes_with_its_plugin_or_engine(tmp_path: Path) -> None:
+async def test_plugin_state_survives_a_reload_and_goes_with_its_plugin_or_engine(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     a, b = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
     async with stubs(a, b) as urls:
         tracked = scheduling(
@@ -222,7 +224,7 @@ async def test_plugin_state_survives_a_reload_and_goes_with_its_plugin_or_engine
             # A reload without the plugin drops its state; a rejected reload keeps everything.
             bad = scheduling({"type": "no-such-type"}, profile=["no-such-type"])
             write_config(tmp_path / "r.yaml", urls[:1], bad, retries=1)
-            await asyncio.sleep(1.5)
+            await wait_for(logged(caplog, "config reload rejected"), what="the bad reload rejected")
             assert ("test-indexing-tracker", "idx") in set(router.plugin_state)
             write_config(tmp_path / "r.yaml", urls[:1], None, retries=0)
             await wait_for(lambda: router.config.retries == 0, what="reload without the tracker")
@@ -354,6 +356,8 @@ async def test_an_awaiting_stage_resumes_and_a_client_leaving_cancels_it() -> No
             # 1. the request waits on the hook's future, then goes on when it resolves
             task = asyncio.ensure_future(h.post("/v1/chat/completions", json=BODY))
             await wait_for(lambda: len(gate.futures) == 1, what="hook called")
+            # Nothing may happen while the future is pending; 0.2 s is many times what a request takes
+            # to reach the stub in this loop (a few ms), so a director that did not wait would have sent it.
             await asyncio.sleep(0.2)
             assert not task.done() and not a.seen and engine.in_flight == 1
             gate.futures[0].set_result(None)

@@ -198,7 +198,8 @@ async def test_a_client_that_leaves_during_prefill_ends_it_there_and_reaches_no_
         engine = next(e for e in router.registry.engines() if e.role == "prefill")
         await wait_for(lambda: engine.in_flight == 0, within=2.0, what="the prefill leg's end")
         assert engine.prefill_tokens == 0
-        await asyncio.sleep(3.0)  # past the prefill engine's answer
+        # Past the prefill engine's answer (to the closed connection): nothing can start a decode leg.
+        await wait_for(lambda: prefill.completed == 1, within=10.0, what="the prefill engine's answer")
         assert not decode.seen
         assert router.pools.idle_connections(engine.url) == 0  # its connection was closed, not reused
 

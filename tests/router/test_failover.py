@@ -89,7 +89,7 @@ async def test_retry_on_connection_refused_and_passive_ejection() -> None:
 
 async def test_circuit_breaker_opens_then_half_open_probe_closes_it(two_stubs) -> None:
     engines, urls = two_stubs
-    async with running_router(urls, retries=0, circuit_failure_threshold=2, circuit_open_seconds=0.5) as (
+    async with running_router(urls, retries=0, circuit_failure_threshold=2, circuit_open_seconds=2.0) as (
         url,
         router,
     ):
@@ -105,7 +105,7 @@ async def test_circuit_breaker_opens_then_half_open_probe_closes_it(two_stubs) -
             for _ in range(4):
                 assert (await h.post("/v1/chat/completions", json=BODY)).status_code == 200
             assert requests_to(engines[0]) == before  # open: no traffic
-            await asyncio.sleep(0.6)
+            await wait_for(bad.breaker.available, what="the breaker's cool-down over")
             for _ in range(4):
                 assert (await h.post("/v1/chat/completions", json=BODY)).status_code == 200
             assert requests_to(engines[0]) > before  # the probe went through and closed it

@@ -57,7 +57,7 @@ async def test_twenty_concurrent_requests_wait_for_one_load_and_a_leaving_client
         await wait_for(lambda: all(e.max_loras for e in router.registry.engines()), what="slots scraped")
         async with http(url) as h:
             leaver = asyncio.ensure_future(complete(h, "ad1"))
-            await asyncio.sleep(0.1)
+            await wait_for(lambda: any(e.lora_loads for e in engines), what="the adapter's load under way")
             leaver.cancel()  # the first waiter leaves while the load runs
             results = await asyncio.gather(*(complete(h, "ad1") for _ in range(20)))
         assert [r.status_code for r in results] == [200] * 20
@@ -100,7 +100,11 @@ async def test_an_adapter_with_requests_running_is_never_unloaded() -> None:
         async with http(url) as h:
             assert (await complete(h, "c1")).status_code == 200
             e.running_by_model["c1"] += 1  # someone else's request runs c1 there
-            await asyncio.sleep(0.5)  # scraped
+            engine = router.registry.engines()[0]
+            await wait_for(
+                lambda: (t := engine.fresh_telemetry()) is not None and "c1" in (t.running_adapters or ()),
+                what="c1 scraped as running there",
+            )
             r = await complete(h, "c2")
             assert r.status_code == 200
         assert "c1" in e.cards and "c2" in e.cards  # loaded beyond the slots rather than unloading c1

@@ -19,7 +19,7 @@ import pytest
 import uvloop
 
 from tests.fakes.stub_engine import StubBehaviour, StubEngine
-from tests.router.helpers import running_router, stubs
+from tests.router.helpers import running_router, stubs, wait_for
 
 OK = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"max_tokens":3}'
 STREAM = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}'
@@ -64,7 +64,7 @@ KINDS: dict[str, Callable[[str], Awaitable[None]]] = {
 
 async def _cyclic_garbage_after(kind: str) -> list[object]:
     engine = StubEngine("s", ["stub-model"], StubBehaviour(token_delay_s=0.01))
-    async with stubs(engine) as urls, running_router(urls, max_body_bytes=10000) as (url, _):
+    async with stubs(engine) as urls, running_router(urls, max_body_bytes=10000) as (url, router):
         for _ in range(3):
             await _raw(url, _post(OK, b"Connection: close\r\n"))  # pools and caches warm
         gc.collect()
@@ -72,7 +72,11 @@ async def _cyclic_garbage_after(kind: str) -> list[object]:
         try:
             for _ in range(20):
                 await KINDS[kind](url)
-            await asyncio.sleep(0.3)
+            # Every request over (an aborted stream too), so that its objects are garbage or gone.
+            await wait_for(
+                lambda: engine.running == 0 and all(e.in_flight == 0 for e in router.registry.engines()),
+                what="every request over",
+            )
             gc.collect()
             ours = [o for o in gc.garbage if not type(o).__module__.startswith(FOREIGN)]
         finally:

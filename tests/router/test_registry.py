@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.router.helpers import wait_for
 from vllm_stack.engines.circuit import BreakerState, CircuitBreaker
 from vllm_stack.engines.discovery.base import EndpointInfo
 from vllm_stack.engines.discovery.static import StaticDiscovery, endpoint_name
@@ -153,9 +154,9 @@ async def test_static_discovery_reports_and_updates() -> None:
         seen.append(endpoints)
 
     task = asyncio.ensure_future(disc.run(sink))
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: len(seen) == 1, what="the first snapshot")
     disc.update(["http://h:8002"])
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: len(seen) == 2, what="the updated snapshot")
     task.cancel()
     assert [[e.name for e in s] for s in seen] == [["127.0.0.1:8001", "h:8002"], ["h:8002"]]
     assert seen[0][0].url == "http://127.0.0.1:8001"
