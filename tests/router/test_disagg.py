@@ -22,6 +22,7 @@ from kubernetes_asyncio.client import V1ObjectMeta, V1Pod, V1PodCondition, V1Pod
 from tests.fakes.stub_engine import StubBehaviour, StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 from vllm_stack.config import ConfigError, load_config
+from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.pd_notify import MAX_EARLY, PdNotifications
 from vllm_stack.engines.discovery.kubernetes import pod_endpoint
 
@@ -154,6 +155,62 @@ async def test_only_a_prefill_leg_sent_claims_the_prefill_engine(min_uncached: i
         else:
             assert blocks == 0 and shares == 0
             assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 1
+
+
+def test_the_decider_takes_an_uncached_part_of_exactly_the_threshold() -> None:
+    """``min_uncached_tokens`` is the least uncached part worth a prefill leg: reaching it is enough.
+
+    Kills: in ``director/disagg.py`` ``worth_it``, ``>=`` -> ``>``.
+    """
+    settings = DisaggSettings(min_uncached_tokens=256)
+    assert settings.worth_it(256) and settings.worth_it(257)
+    assert not settings.worth_it(255)
+    assert DisaggSettings(min_uncached_tokens=0).worth_it(0)
+
+
+async def test_the_prefill_leg_asks_for_one_choice_and_the_decode_leg_for_the_clients() -> None:
+    """The prefill leg computes the prompt's KV once: ``n`` 1 whatever the client asked (n choices
+    would prefill and sample n times, for one hand-over); the decode leg keeps the client's ``n``.
+
+    Kills: in ``director/disagg.py`` ``prefill_body``, removing ``out["n"] = 1``.
+    """
+    prefill = StubEngine("P", behaviour=StubBehaviour(kv_transfer_params=HANDOVER))
+    decode = StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, _):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body(n=3))
+            assert r.status_code == 200, r.text
+        (p,) = prefill.seen
+        (d,) = decode.seen
+        assert json.loads(p.body)["n"] == 1
+        assert json.loads(d.body)["n"] == 3
+
+
+async def test_the_decider_goes_by_the_uncached_part_of_the_prompt_not_the_body() -> None:
+    """The decider's input is the prompt tokens the prefill engine lacks, the prefix index's estimate:
+    a prompt sent again (its blocks now indexed on the prefill engine) has almost nothing uncached
+    and is served decode-only; a long non-prompt field (``user`` here) is no prompt to prefill.
+
+    Kills: in ``director/prefill_stage.py`` ``begin``, the decider given a count of the whole body
+    (``settings.worth_it(len(ctx.body) // 4)``) or the prompt's length without what is cached.
+    """
+    prefill = StubEngine("P", behaviour=StubBehaviour(kv_transfer_params=HANDOVER))
+    decode = StubEngine("D")
+    async with stubs(prefill, decode) as urls, running_router(urls, **pd_settings()) as (url, router):
+        async with http(url) as c:
+            for _ in range(2):  # the first is prefilled there, the second finds it cached
+                r = await c.post("/v1/chat/completions", json=body())
+                assert r.status_code == 200, r.text
+        assert len(prefill.seen) == 1
+        assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 1
+    # ~660 prompt tokens by the byte estimate, under the threshold; the body's 8 KB more are no prompt
+    settings = pd_settings(disagg_min_uncached_tokens=1000)
+    async with stubs(prefill, decode) as urls, running_router(urls, **settings) as (url, router):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body(user="u" * 8000))
+            assert r.status_code == 200, r.text
+        assert len(prefill.seen) == 1  # none more
+        assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 1
 
 
 @pytest.mark.parametrize("status", [500, 503, 400])
