@@ -265,6 +265,8 @@ async def test_engine_to_router(case: dict[str, Any]) -> None:
             assert answer.body == expect["body"].encode()
         for name in expect.get("client_lacks", ()):
             assert name not in answer.headers, f"{name} reached the client"
+        if "pooled" in expect:  # the exchange's connection went back to the pool, or was closed
+            assert router.pools.idle_connections(engine_url) == int(expect["pooled"])
         if expect.get("engine_healthy"):
             assert router.registry.candidates("stub-model"), "the engine was ejected"
             assert all(e.breaker.available() for e in router.registry.candidates("stub-model"))

@@ -13,6 +13,7 @@ from tests.fakes.stub_engine import StubBehaviour, StubEngine, serve
 from tests.router.helpers import FAST, client, http, metric_value, running_router, stubs, wait_for
 from vllm_stack.app import build_router
 from vllm_stack.engines.discovery.base import EndpointInfo
+from vllm_stack.relay.leg import chunked_end
 from vllm_stack.server import RouterServer
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -70,7 +71,7 @@ async def test_stop_lets_a_running_stream_finish_and_refuses_new_connections() -
                 json={"model": "stub-model", "messages": MSG, "stream": True, "max_tokens": 10},
             ) as resp:
                 stopping = asyncio.ensure_future(server.stop())
-                await asyncio.sleep(0.2)
+                await wait_for(lambda: server.draining, what="the stop under way (listener closed)")
                 with pytest.raises(OSError):
                     await asyncio.open_connection("127.0.0.1", port)
                 assert not stopping.done()
@@ -195,3 +196,51 @@ async def test_pipelined_bodies_beyond_one_body_limit_wait_and_are_all_answered(
             await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n\r\n0\r\n\r\n"), 10)
         writer.close()
     assert ids == [b"pipe-%d" % i for i in range(6)]
+
+
+def test_chunked_end_finds_where_a_chunked_body_ends() -> None:
+    """The end of a chunked body is found exactly, trailers included, whatever follows it."""
+    body = b"5\r\nhello\r\n0\r\nx-t: 1\r\n\r\n"
+    assert chunked_end(body) == len(body)
+    assert chunked_end(body + b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n") == len(body)
+    assert chunked_end(body + b"XXXX") == len(body)
+    assert chunked_end(b"5\r\nhel") is None  # not ended yet
+    assert chunked_end(b"lo\r\n0\r\n\r\n") is None  # starts inside a chunk: cannot be told
+
+
+async def test_bytes_past_a_stream_that_cannot_be_placed_end_it() -> None:
+    """Issue 29: an engine's stream whose last read starts inside a chunk and carries a second
+    answer after the last chunk: where the answer ends cannot be told from that read, so none of it
+    is forwarded; the client's connection is closed (no smuggled answer reaches it) and the upstream
+    connection is not pooled."""
+    forwarded = asyncio.Event()
+
+    async def answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        writer.write(b"e\r\ndata: [DO")
+        await writer.drain()
+        await forwarded.wait()  # the router forwarded the first part: the rest is a read of its own
+        writer.write(b"NE]\n\n\r\n0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    async with (
+        raw_engine(answer) as engine_url,
+        running_router([engine_url], health_check_interval=30) as (url, router),
+    ):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"model":"stub-model","stream":true,"messages":[{"role":"user","content":"h"}]}'
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        got = await asyncio.wait_for(reader.readuntil(b"data: [DO"), 5)
+        forwarded.set()
+        got += await asyncio.wait_for(reader.read(), 5)  # until the router closes
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 200 OK") and got.count(b"HTTP/1.1") == 1, got
+        assert b"NE]" not in got, got
+        assert router.pools.idle_connections(engine_url) == 0

@@ -15,7 +15,10 @@ Invariants:
 - a non-streamed answer is held until complete (up to ``BUFFER_LIMIT``) so that a break in it is
   still retryable; a stream (SSE) is forwarded as it arrives, and a break ends it with an SSE error
   event, never a silent cut;
-- a client that reads slowly pauses reading from the engine, so memory stays bounded.
+- a client that reads slowly pauses reading from the engine, so memory stays bounded;
+- bytes an engine sends after its answer's framing ended (a second answer in the same write) never
+  reach the client: only the answer's part of that read is forwarded (:meth:`Leg._framed_part`),
+  or, where that part cannot be told, the answer is broken off; that upstream connection is closed.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ _HOP_BY_HOP_HEADER = re.compile(
 )
 _SSE = re.compile(rb"\r\ncontent-type:[ \t]*text/event-stream")
 _CHUNKED = re.compile(rb"\r\ntransfer-encoding:[^\r]*chunked[ \t]*\r\n")
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]+)[ \t]*\r\n")
 
 
 def _without_hop_by_hop(status: int, head: bytes, drop: frozenset[bytes]) -> bytes:
@@ -93,6 +97,49 @@ class Dechunker:
         out = b"".join(self._parts)
         self._parts.clear()
         return out
+
+
+class _Ended:
+    """Parser callback of :func:`chunked_end`: whether the message ended."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def on_message_complete(self) -> None:
+        self.ended = True
+
+
+def _ends(body: bytes) -> bool:
+    sink = _Ended()
+    try:
+        httptools.HttpResponseParser(sink).feed_data(_CHUNKED_HEAD + body)
+    except httptools.HttpParserError:
+        pass  # what follows the end (after ``ended``), or no chunked body at all
+    return sink.ended
+
+
+_CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunked_end(body: bytes) -> int | None:
+    """Where the chunked body that ``body`` starts with ends (its last chunk and trailer section
+    included), or None when it does not end in ``body``.
+
+    Only for the rare read that carried bytes past an answer (the upstream parser does not say where
+    a message ended): a binary search over prefixes, each parsed afresh (the end is the shortest
+    prefix that is a whole message)."""
+    if not _ends(body):
+        return None
+    low, high = 1, len(body)
+    while low < high:
+        middle = (low + high) // 2
+        if _ends(body[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 class LegOwner(Protocol):
@@ -278,6 +325,11 @@ class Leg(PooledExchange):
         """
         now = time.perf_counter()
         self.last_activity = now
+        if complete and self.up is not None and self.up.overrun:  # the engine sent more than its answer
+            data = self._framed_part(data)
+            if data is None:
+                self._unframed()
+                return
         if data:
             if self.dechunker is not None:
                 data = self.dechunker.feed(data)
@@ -313,6 +365,31 @@ class Leg(PooledExchange):
             if up is not None:
                 up.release()
             self.owner.leg_complete(self)
+
+    def _framed_part(self, data: bytes) -> bytes | None:
+        """Of the read that ended the answer and carried more, the answer's own part: up to its
+        Content-Length, or to the end of its last chunk (found from the bytes held, or from this
+        read alone once some were forwarded). None when that cannot be told."""
+        if self.status in _NO_BODY_STATUS:
+            return b""
+        if not self.chunked:
+            match = _CONTENT_LENGTH.search(self.head.lower())
+            if match is None or self.committed:  # the bytes forwarded so far are not counted
+                return None
+            rest = int(match.group(1)) - self.held_size
+            return data[:rest] if 0 <= rest <= len(data) else None
+        prior = b"" if self.committed else b"".join(self.held)
+        end = chunked_end(prior + data)
+        return data[: end - len(prior)] if end is not None and end >= len(prior) else None
+
+    def _unframed(self) -> None:
+        """The engine sent more than its answer and where the answer ends cannot be told."""
+        message = f"engine {self.owner.engine_name()} sent bytes past the end of its answer"
+        if self.committed:
+            self.break_midway(message, message)
+            return
+        self.abort()
+        self.owner.leg_failed(self, message, "upstream_broken")
 
     def _observe_tokens(self, now: float, events: int) -> None:
         """TTFT at the first streamed event; an ITL sample per event (events read together: gap 0)."""

@@ -6,7 +6,9 @@ framing included (``on_head`` once, then ``on_read`` per socket read, to the rel
 leaves together in one write and no Python code runs per chunk. The parser has no body callback on
 purpose: it would cost a call per streamed token. A connection goes back to its pool only when its
 response was read to the end with keep-alive; any other end (client gone, error, timeout) closes
-it, which is how an engine learns to abort the request.
+it, which is how an engine learns to abort the request. Nor does one whose engine sent more bytes
+after the answer's framing ended (:attr:`UpstreamConnection.overrun`): those bytes are not the
+answer's, and the exchange forwards only what is (see the relay leg).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class UpstreamConnection(asyncio.Protocol):
         "head",
         "head_done",
         "interim",
+        "overrun",
     )
 
     def __init__(self, pool: EnginePool) -> None:
@@ -128,6 +131,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.head = b""  # the response head read so far (until the head is complete)
         self.head_done = False
         self.interim = False  # the head being parsed is an interim (1xx) one, skipped
+        # bytes followed the end of the answer in its last read: the exchange forwards only the
+        # answer's part, and the connection is closed, never pooled
+        self.overrun = False
 
     def send(self, exchange: Exchange, request: bytes) -> None:
         self.exchange = exchange
@@ -135,6 +141,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.got_bytes = False
         self.head = b""
         self.head_done = False
+        self.overrun = False
         self.transport.write(request)
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------
@@ -150,8 +157,10 @@ class UpstreamConnection(asyncio.Protocol):
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError as exc:
-                self._fail(exchange, exc)
-                return
+                if not self.complete:
+                    self._fail(exchange, exc)
+                    return
+                self._overran()  # the answer ended; what followed it is not HTTP
             if self.exchange is exchange:
                 exchange.on_read(data, self.complete)
             return
@@ -160,8 +169,10 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(exchange, exc)
-            return
+            if not self.complete:
+                self._fail(exchange, exc)
+                return
+            self._overran()
         if self.exchange is not exchange:  # the exchange let go of this response (a retry)
             return
         if not self.head_done:  # more head to come, but not without end
@@ -187,8 +198,18 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange = None
             exchange.upstream_failed(self, exc or ConnectionResetError("connection closed by the engine"))
 
+    def _overran(self) -> None:
+        self.overrun = True
+        self.keep_alive = False
+
     # ---- httptools callbacks (no per-header one: the exchange reads the raw head) -------------------------
+    def on_message_begin(self) -> None:
+        if self.complete:  # another message after the answer, in the same read
+            self._overran()
+
     def on_headers_complete(self) -> None:
+        if self.complete:  # the head of what followed the answer: not the exchange's
+            return
         status = self.parser.get_status_code()
         if status == 101:  # the router never offers an upgrade to an engine
             raise httptools.HttpParserError("unexpected 101 Switching Protocols")
