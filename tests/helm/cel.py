@@ -16,6 +16,7 @@ import celpy
 import yaml
 
 from tests.helm.chart import CRDS
+from tests.shared_data import require
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def crd_rules() -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> the version's openAPIV3Schema with compiled rules."""
     env = celpy.Environment()
     out = {}
-    for path in sorted(CRDS.glob("*.yaml")):
+    for path in sorted(require(CRDS).glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:

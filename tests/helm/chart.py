@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import shared_data
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm"
 EXAMPLES = CHART / "examples"
 TUTORIALS = ROOT / "tutorials"
-CRDS = ROOT.parent / "shared" / "crds"
+CRDS = shared_data.CRDS  # the upstream CRD schemas, in ../shared (read through shared_data.require)
 HELMS = {"helm3": ROOT / ".tools" / "helm3" / "helm", "helm4": ROOT / ".tools" / "helm4" / "helm"}
 RELEASE = "vllm-stack"
 NAMESPACE = "llm"

@@ -24,6 +24,7 @@ from tests.helm.chart import (
     values_file,
 )
 from tests.helm.test_production_stack_files import PS_DIR, compat_lines, load, manifest_and_notes
+from tests.shared_data import require
 from vllm_stack.router_cli import build_parser
 
 pytestmark = pytest.mark.helm
@@ -34,10 +35,7 @@ ROLE = "vllm-stack.io/role"
 
 
 def ps_path(name: str) -> Path:
-    path = PS_DIR / name
-    if not path.exists():
-        pytest.skip(f"{path} missing (production-stack's values files are test data outside the repository)")
-    return path
+    return require(PS_DIR / name)
 
 
 def pools(objs: list[dict]) -> tuple[dict, dict]:

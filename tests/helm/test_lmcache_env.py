@@ -15,6 +15,7 @@ import zipfile
 import pytest
 
 from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, one, render
+from tests.shared_data import PS_VALUES, require
 
 pytestmark = pytest.mark.helm
 
@@ -98,9 +99,7 @@ def test_pd_controller_and_p2p(lmcache_config, monkeypatch):
 
 def test_production_stacks_pre_05_pd_keys_reach_lmcache_05(lmcache_config, monkeypatch):
     """tutorials__values-16-disagg-prefill.yaml's nixl* keys, translated by the chart (vllm-stack.model.pd)."""
-    path = ROOT.parent / "shared" / "production-stack-values" / "tutorials__values-16-disagg-prefill.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} missing (production-stack's values files are test data outside the repository)")
+    path = require(PS_VALUES / "tutorials__values-16-disagg-prefill.yaml")
     pre = load(lmcache_config, path, "llama-prefill", monkeypatch)
     assert (pre.enable_pd, pre.pd_role, pre.pd_buffer_size, pre.pd_buffer_device) == (
         True,
@@ -122,9 +121,7 @@ def test_seed_file(lmcache_config, monkeypatch):
 def test_kvaware_engines_report_to_the_charts_controller(lmcache_config, monkeypatch):
     """tests__values-09-kvaware-routing.yaml: the controller settings pass LMCache 0.5.6's own checks
     (enable_controller needs an instance id, both URLs and worker ports)."""
-    path = ROOT.parent / "shared" / "production-stack-values" / "tests__values-09-kvaware-routing.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} missing (production-stack's values files are test data outside the repository)")
+    path = require(PS_VALUES / "tests__values-09-kvaware-routing.yaml")
     cfg = load(lmcache_config, path, "opt125m", monkeypatch)
     cfg.validate()
     assert (cfg.enable_controller, cfg.lmcache_instance_id) == (True, "engine-pod-0")

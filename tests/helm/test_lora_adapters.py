@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from tests.helm.chart import RELEASE, ROOT, container, env_of, flag, one, render, render_error, values_file
+from tests.shared_data import require
 from vllm_stack.config import load_config
 from vllm_stack.engines.adapters import AdapterCatalog
 
@@ -21,7 +22,7 @@ def router_config(objs: list[dict]) -> dict:
 
 
 def test_production_stacks_lora_file_registers_its_adapter_with_the_router(tmp_path) -> None:
-    objs = render([LORA_HELM])
+    objs = render([require(LORA_HELM)])
     config = router_config(objs)
     assert config["lora_adapters"] == [
         {

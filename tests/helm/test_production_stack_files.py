@@ -20,7 +20,6 @@ from tests.helm.chart import (
     CHART,
     NAMESPACE,
     RELEASE,
-    ROOT,
     container,
     env_of,
     find,
@@ -29,22 +28,19 @@ from tests.helm.chart import (
     one,
     values_file,
 )
+from tests.shared_data import PS_VALUES, require
 from vllm_stack.router_cli import build_parser
 
 pytestmark = pytest.mark.helm
 
-PS_DIR = ROOT.parent / "shared" / "production-stack-values"
+PS_DIR = PS_VALUES
 OUTCOMES = yaml.safe_load((Path(__file__).parent / "data" / "production_stack_outcomes.yaml").read_text())
 HELMS = ["helm3", "helm4"]
 NOTES_HEADER = "Production-stack values, and what this chart did with them:"
 
 
 def ps_files() -> list[Path]:
-    if not PS_DIR.is_dir():
-        pytest.skip(
-            f"{PS_DIR} missing (production-stack's values files are test data outside the repository)"
-        )
-    return sorted(PS_DIR.glob("*.yaml"))
+    return sorted(require(PS_DIR).glob("*.yaml"))
 
 
 def rendering() -> list[str]:
@@ -105,7 +101,7 @@ def names(lines: dict[tuple[str, ...], str], path: str) -> bool:
 
 
 def load(name: str) -> dict:
-    return yaml.safe_load((PS_DIR / name).read_text())
+    return yaml.safe_load(require(PS_DIR / name).read_text())
 
 
 # --- the outcome table ------------------------------------------------------------------------------------

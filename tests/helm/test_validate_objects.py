@@ -15,6 +15,7 @@ import yaml
 
 from tests.helm import cel
 from tests.helm.chart import CRDS, file_id, render, values_files
+from tests.shared_data import require
 
 pytestmark = pytest.mark.helm
 
@@ -54,7 +55,7 @@ def _strict(schema: dict) -> dict:
 @functools.cache
 def crd_schemas() -> dict[tuple[str, str], dict]:
     out = {}
-    for path in CRDS.glob("*.yaml"):
+    for path in require(CRDS).glob("*.yaml"):
         crd = yaml.safe_load(path.read_text())
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:
@@ -135,7 +136,7 @@ def test_every_cel_rule_of_the_crds_compiles():
             for v in node:
                 count(v)
 
-    for path in CRDS.glob("*.yaml"):
+    for path in require(CRDS).glob("*.yaml"):
         count(yaml.safe_load(path.read_text())["spec"]["versions"])
     assert total > 100 and cel.rule_count() == total
 

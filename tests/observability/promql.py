@@ -31,7 +31,6 @@ CHART_RULES = REPO / "helm" / "files" / "prometheus-rules.yaml"
 CHART_DASHBOARDS = REPO / "helm" / "files" / "dashboards"
 KEDA_EXAMPLE = OBS / "keda" / "scaledobject.yaml"
 ADAPTER_RULES = OBS / "prometheus-adapter" / "rules.yaml"
-CRDS = REPO.parent / "shared" / "crds"
 
 CHART = REPO / "helm"
 

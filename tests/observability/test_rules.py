@@ -10,9 +10,10 @@ import jsonschema
 import pytest
 import yaml
 
+from tests import shared_data
+
 from .promql import (
     CHART_RULES,
-    CRDS,
     KEDA_EXAMPLE,
     PROMTOOL,
     RULES,
@@ -63,12 +64,11 @@ def test_every_alert_has_a_unit_test_and_a_base_query() -> None:
 
 
 def _crd_schema(file: str) -> dict:
-    crd = yaml.safe_load((CRDS / file).read_text())
+    crd = yaml.safe_load(shared_data.require(shared_data.CRDS / file).read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v.get("storage")]
     return version["schema"]["openAPIV3Schema"]
 
 
-@pytest.mark.skipif(not CRDS.exists(), reason="../shared/crds not present")
 def test_prometheusrule_and_scaledobject_validate_against_crds() -> None:
     rule = {
         "apiVersion": "monitoring.coreos.com/v1",

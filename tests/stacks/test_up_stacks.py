@@ -26,6 +26,7 @@ from vllm_stack_dev.up.run import still_listening
 
 from tests.helm.chart import EXAMPLES, ROOT
 from tests.helm.test_production_stack_files import PS_DIR
+from tests.shared_data import require
 
 pytestmark = [pytest.mark.stacks, pytest.mark.engine, pytest.mark.helm]
 
@@ -80,8 +81,7 @@ def _ask(client: httpx.Client, stack: dict, model: str) -> None:
 
 @pytest.mark.parametrize("values", _cases())
 def test_stack_comes_up_answers_each_model_and_stops(values: Path, tmp_path: Path) -> None:
-    if not values.exists():
-        pytest.skip(f"{values} missing (production-stack's files are test data outside the repository)")
+    require(values)  # production-stack's files are in ../shared: missing, this fails, never skips
     log = tmp_path / "up.log"
     logs = tmp_path / "stack"
     command = [sys.executable, "-m", "vllm_stack_dev.cli", "up", "-f", str(values)]

@@ -28,6 +28,7 @@ from vllm_stack_dev.up.render import RenderError, render
 
 from tests.helm.chart import ROOT, values_files
 from tests.helm.test_production_stack_files import PS_DIR, rendering
+from tests.shared_data import require
 
 pytestmark = pytest.mark.helm
 
@@ -80,13 +81,13 @@ def _everything_said(plan: StackPlan) -> list[str]:
 
 def _cases() -> list[pytest.param]:
     cases = [pytest.param(path, id=str(path.relative_to(ROOT))) for path in values_files()]
-    if PS_DIR.is_dir():
-        cases += [pytest.param(PS_DIR / name, id=f"production-stack/{name}") for name in rendering()]
-    return cases
+    # production-stack's files are in ../shared: each case fails without them (require), never leaves
+    return cases + [pytest.param(PS_DIR / name, id=f"production-stack/{name}") for name in rendering()]
 
 
 @pytest.mark.parametrize("values", _cases())
 def test_what_the_chart_renders_is_what_runs(values: Path, tmp_path: Path) -> None:
+    require(values)
     try:
         plan, objects = _plan([values], tmp_path)
     except PlanError as error:  # a values file without an engine (router-only examples)
@@ -300,9 +301,7 @@ def test_dry_run_prints_the_substitutions_and_command_lines(tmp_path: Path) -> N
 
 
 def test_a_chat_template_from_the_image_becomes_the_models_own(tmp_path: Path) -> None:
-    values = PS_DIR / "tutorials__values-13-tool-enabled.yaml"
-    if not values.exists():
-        pytest.skip(f"{values} missing (production-stack's files are test data outside the repository)")
+    values = require(PS_DIR / "tutorials__values-13-tool-enabled.yaml")
     plan, _ = _plan([values], tmp_path)
     (engine,) = plan.engines
     assert "--chat-template" not in engine.argv and "--tool-call-parser" in engine.argv
