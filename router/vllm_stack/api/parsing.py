@@ -9,11 +9,14 @@ is not an object and a non-string ``model`` with a 400 in OpenAI's shape.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 import orjson
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from vllm_stack.errors import RouterError
 
@@ -134,31 +137,119 @@ def make_parser(name: str, prefix_bytes: int = 256) -> BodyParser:
     return OrjsonParser(prefix_bytes) if name == "orjson" else MsgspecParser(prefix_bytes)
 
 
-def multipart_field(body: bytes, content_type: bytes, field: bytes) -> str | None:
-    """The value of a small text field of a ``multipart/form-data`` body (e.g. ``model`` of a transcription).
+#: Starlette's form limits (``Request.form()``'s defaults, which vLLM's form endpoints keep): past them the
+#: engine refuses the form, so the router does too.
+MAX_FORM_PARTS = 1000  # fields, and files, each
+MAX_FIELD_BYTES = 1024 * 1024
 
-    Only the field's own part is looked at; file parts are not decoded or copied.
+
+class _FormFieldReader:
+    """python-multipart callbacks that read one text field of a form as Starlette's ``MultiPartParser``
+    (vLLM's form parser, through FastAPI) does: a part is a file when its Content-Disposition has a
+    ``filename`` parameter, names are decoded with the form's charset, the last part of a name wins.
+    File parts' data is neither decoded nor kept."""
+
+    def __init__(self, name: str, charset: str) -> None:
+        self.name = name
+        self.charset = charset
+        self.value: str | None = None
+        self.is_file = False  # the last part of that name is a file
+        self._fields = self._files = 0
+        self._header_name = bytearray()
+        self._header_value = bytearray()
+        self._disposition = b""
+        self._wanted = False  # the current part is a text field of that name
+        self._data = bytearray()
+
+    def callbacks(self) -> dict[str, Any]:
+        return {
+            "on_part_begin": self.on_part_begin,
+            "on_part_data": self.on_part_data,
+            "on_part_end": self.on_part_end,
+            "on_header_field": self.on_header_field,
+            "on_header_value": self.on_header_value,
+            "on_header_end": self.on_header_end,
+            "on_headers_finished": self.on_headers_finished,
+        }
+
+    def on_part_begin(self) -> None:
+        self._disposition = b""
+        self._wanted = False
+        self._data = bytearray()
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def on_header_end(self) -> None:
+        if self._header_name.lower() == b"content-disposition":
+            self._disposition = bytes(self._header_value)
+        self._header_name = bytearray()
+        self._header_value = bytearray()
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        if b"name" not in options:
+            raise _bad_form('A multipart part\'s Content-Disposition has no "name".')
+        named = _safe_decode(options[b"name"], self.charset) == self.name
+        if b"filename" in options:
+            self._files += 1
+            if named:
+                self.is_file, self.value = True, None
+        else:
+            self._fields += 1
+            self._wanted = named
+        if self._files > MAX_FORM_PARTS or self._fields > MAX_FORM_PARTS:
+            raise _bad_form(f"A multipart body may have at most {MAX_FORM_PARTS} fields and files.")
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._wanted:
+            self._data += data[start:end]
+            if len(self._data) > MAX_FIELD_BYTES:
+                raise _bad_form(f"A multipart field is longer than {MAX_FIELD_BYTES} bytes.")
+
+    def on_part_end(self) -> None:
+        if self._wanted:
+            self.is_file, self.value = False, _safe_decode(self._data, self.charset)
+
+
+def _safe_decode(data: bytes | bytearray, charset: str) -> str:
+    try:
+        return data.decode(charset)
+    except (UnicodeDecodeError, LookupError):
+        return data.decode("latin-1")
+
+
+def _bad_form(message: str) -> RouterError:
+    return RouterError(400, message, code="invalid_multipart")
+
+
+def multipart_field(body: bytes, content_type: bytes, field: bytes) -> str | None:
+    """The value of a small text field of a ``multipart/form-data`` body (e.g. ``model`` of a
+    transcription), read exactly as the engine's form parser reads it (see :class:`_FormFieldReader`;
+    the same library, python-multipart): None when absent or empty (FastAPI's rule for a form
+    field), a 400 when that name's last part is a file or the form is malformed or past the limits.
     """
-    boundary = None
-    for param in content_type.split(b";")[1:]:
-        key, _, value = param.strip().partition(b"=")
-        if key.lower() == b"boundary":
-            boundary = value.strip(b'"')
+    _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
     if not boundary:
-        raise RouterError(400, "multipart body without a boundary", code="invalid_multipart")
-    delimiter = b"--" + boundary
-    for part in body.split(delimiter):
-        head, sep, value = part.partition(b"\r\n\r\n")
-        if not sep:
-            continue
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-disposition:") and (
-                b'name="' + field + b'"' in line
-                or b"name=" + field + b";" in line
-                or line.endswith(b"name=" + field)
-            ):
-                try:
-                    return value.removesuffix(b"\r\n").decode()
-                except UnicodeDecodeError:
-                    raise RouterError(400, f"multipart field {field.decode()!r} is not UTF-8") from None
-    return None
+        raise _bad_form("multipart body without a boundary")
+    charset = params.get(b"charset", b"utf-8").decode("latin-1")
+    try:
+        charset = codecs.lookup(charset).name
+    except LookupError:
+        charset = "latin-1"
+    reader = _FormFieldReader(field.decode("latin-1"), charset)
+    try:
+        parser = MultipartParser(boundary, reader.callbacks())
+        parser.write(body)
+        parser.finalize()
+    except MultipartParseError:
+        raise _bad_form("Invalid multipart data.") from None
+    if reader.is_file:
+        raise RouterError(
+            400, f"The form's {field.decode()!r} is a file, not a text field.", param=field.decode()
+        )
+    return reader.value or None
