@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import ssl
@@ -19,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from vllm_stack.api import proxied, routes
+from vllm_stack.api import head, proxied, routes
 from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser, make_parser
@@ -143,6 +144,8 @@ class Router:
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
         self.registry.on_rebuilt.append(self.queue.kick_all)
         self._apply_runtime(config, setup)
+        # What the server asks of each request's head (api.head.refusal), bound once: a call less
+        self.check_head = functools.partial(head.refusal, self)
         # The hot path's check: None when no adapter or weighted name is configured.
         self.catalog: AdapterCatalog | None = self.adapters.catalog if self.adapters.catalog else None
         self.control_session: aiohttp.ClientSession | None = None
@@ -224,6 +227,9 @@ class Router:
     # ---- what the server asks (vllm_stack.server.serve.ServedApp) --------------------------------------
     def body_limit(self) -> int:
         return self.max_body_bytes
+
+    def buffer_limit(self) -> int:
+        return self.config.max_buffered_body_bytes
 
     def connection_limit(self) -> int:
         return self.config.max_connections

@@ -124,6 +124,9 @@ class RouterConfig:
     connect_timeout: float = 5.0
     engine_ca_file: str | None = None  # CA bundle that signs https engines' certificates (default: system)
     max_body_bytes: int = 32 * 1024 * 1024
+    # request bodies all client connections together may hold (arriving, queued or being answered);
+    # a request whose body would pass it gets 503 with Retry-After (server/http1.py)
+    max_buffered_body_bytes: int = 256 * 1024 * 1024
     max_connections: int = 10_000  # client connections held at once; more are answered 503 and closed
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None
@@ -187,6 +190,8 @@ class RouterConfig:
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
         if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
             raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ConfigError("max_buffered_body_bytes must be >= max_body_bytes (one largest body must fit)")
         if self.max_connections <= 0:
             raise ConfigError("max_connections must be > 0")
         if self.engine_scrape_interval <= 0 or self.health_check_interval <= 0:

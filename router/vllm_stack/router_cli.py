@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-interval", type=float, help="seconds between health checks (default 5)")
     p.add_argument("--request-timeout", type=float, help="seconds an engine may stay silent (default 600)")
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 32 MiB)")
+    p.add_argument(
+        "--max-buffered-body-bytes",
+        type=int,
+        help="request bodies all connections together may hold; past it 503 + Retry-After (default 256 MiB)",
+    )
     p.add_argument("--engine-ca-file", help="CA bundle for https engines (default: the system's)")
     p.add_argument("--api-keys-file", help="client API keys, one per line (or env VLLM_STACK_API_KEYS)")
     p.add_argument(

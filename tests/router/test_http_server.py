@@ -664,3 +664,104 @@ async def test_h2c_upgrade_request_is_answered_over_http11(router2) -> None:
     (seen,) = seen_with_id(engines, "h2c-1")
     assert "upgrade" not in seen.headers
     assert "http2-settings" not in seen.headers
+
+
+# ---- the bodies all connections hold together -------------------------------------------------------
+@contextlib.asynccontextmanager
+async def budget_server(**settings: object) -> AsyncIterator[tuple[str, object]]:
+    """A router over one stub on a server the test can read (its ``buffered_body_bytes``)."""
+    from vllm_stack.app import build_router
+    from vllm_stack.server import RouterServer
+
+    async with stubs(StubEngine("e", ["stub-model"])) as urls:
+        router = build_router(
+            {
+                "static_backends": urls[0],
+                "routing_logic": "roundrobin",
+                "health_check_interval": 0.2,
+                **settings,
+            },
+            environ={},
+        )
+        server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=2.0)
+        await server.start()
+        try:
+            await wait_for(lambda: router.registry.healthy_count == 1)
+            yield server.url, server
+        finally:
+            await server.stop()
+
+
+def padded_chat(size: int) -> bytes:
+    """A chat completion body of exactly ``size`` bytes (padding in an ignored field)."""
+    body = chat()
+    return body[:-1] + b',"pad":"' + b"x" * (size - len(body) - 9) + b'"}'
+
+
+async def test_bodies_past_the_buffer_budget_get_503_with_retry_after() -> None:
+    """Issue 29: past max_buffered_body_bytes (here two bodies' worth) a request whose declared body
+    would not fit is refused at once with 503 and Retry-After, before its body is read; the budget
+    comes back as the held bodies are answered (then the same request goes through), and nothing of
+    it is left held afterwards."""
+    mib = 1 << 20
+    async with budget_server(max_body_bytes=mib, max_buffered_body_bytes=2 * mib) as (url, server):
+        body = padded_chat(mib)
+        half = post_chat(body)[: -mib // 2]
+        async with connect(url) as (r1, w1), connect(url) as (r2, w2), connect(url) as (r3, w3):
+            w1.write(half)
+            w2.write(half)
+            await wait_for(lambda: server.buffered_body_bytes == 2 * mib, what="two bodies reserved")
+            w3.write(post_chat(body)[: -mib // 2])
+            refused = await read_final(r3)
+            assert_openai_error(refused, 503, "body_buffers_full")
+            assert refused.header("retry-after") == "1"
+            assert await closed_by_peer(r3)
+            w1.write(body[-mib // 2 :])
+            w2.write(body[-mib // 2 :])
+            assert_chat(await read_final(r1, "POST"), 3)
+            assert_chat(await read_final(r2, "POST"), 3)
+        async with connect(url) as (reader, writer):
+            writer.write(post_chat(body))
+            assert_chat(await read_final(reader, "POST"), 3)
+        await wait_for(lambda: server.buffered_body_bytes == 0, what="the budget given back")
+
+
+async def test_chunked_bodies_count_against_the_buffer_budget_as_they_arrive() -> None:
+    """A chunked body reserves the budget as its chunks arrive: the one that would pass it is a 503
+    mid-body (and the connection closed); what it had reserved is given back."""
+    mib = 1 << 20
+    async with budget_server(max_body_bytes=mib, max_buffered_body_bytes=mib) as (url, server):
+        async with connect(url) as (r1, w1), connect(url) as (r2, w2):
+            w1.write(post_chat(padded_chat(mib))[:-1000])  # holds the whole budget but 1000 bytes
+            await wait_for(lambda: server.buffered_body_bytes == mib, what="the first body reserved")
+            chunk = b"x" * 4096
+            w2.write(post_chat(b"", [("Transfer-Encoding", "chunked")]))
+            w2.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            assert_openai_error(await read_final(r2), 503, "body_buffers_full")
+            assert await closed_by_peer(r2)
+        await wait_for(lambda: server.buffered_body_bytes == 0, what="the budget given back")
+
+
+async def test_budget_is_given_back_on_every_exit() -> None:
+    """Pipelined bodies, bodies refused for size, clients that leave mid-body: the budget's count
+    is back at 0 once their connections are gone."""
+    async with budget_server(max_body_bytes=64 * 1024) as (url, server):
+        async with connect(url) as (reader, writer):
+            writer.write(post_chat(chat()) * 3)
+            for _ in range(3):
+                assert_chat(await read_final(reader, "POST"), 3)
+        given_back = lambda: server.buffered_body_bytes == 0  # noqa: E731
+        async with connect(url) as (reader, writer):
+            writer.write(post_chat(padded_chat(60_000))[:-10_000])
+            await wait_for(lambda: server.buffered_body_bytes == 60_000, what="a body reserved")
+        await wait_for(given_back, what="the left body given back")
+        async with connect(url) as (reader, writer):
+            writer.write(post_chat(b"", [("Transfer-Encoding", "chunked")]) + b"8000\r\n" + b"y" * 0x8000)
+            await wait_for(lambda: server.buffered_body_bytes == 0x8000, what="chunks reserved")
+        await wait_for(given_back, what="the left chunks given back")
+        async with connect(url) as (reader, writer):
+            writer.write(post_chat(padded_chat(100_000)))
+            assert_openai_error(await read_final(reader), 413, "body_too_large")
+        await wait_for(
+            lambda: server.buffered_body_bytes == 0 and not server.connections, what="all given back"
+        )

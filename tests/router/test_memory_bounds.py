@@ -83,8 +83,9 @@ class RouterProcess:
         return held
 
 
-@pytest.fixture(scope="module")
-def router_process() -> Iterator[RouterProcess]:
+@contextlib.contextmanager
+def _router_process(*flags: str, environ: dict[str, str] | None = None) -> Iterator[RouterProcess]:
+    """The router as its own process (its entry point) over a fast stub of its own."""
     stub_port, router_port = _free_port(), _free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -114,9 +115,9 @@ def router_process() -> Iterator[RouterProcess]:
                 "127.0.0.1",
                 "--log-level",
                 "error",
-                "--max-body-bytes",
-                str(8 << 20),
+                *flags,
             ],
+            env={**os.environ, **(environ or {})},
         )
         procs.append(router)
         _wait_port(router_port, router)
@@ -132,6 +133,24 @@ def router_process() -> Iterator[RouterProcess]:
                 proc.wait()
 
 
+@pytest.fixture(scope="module")
+def router_process() -> Iterator[RouterProcess]:
+    with _router_process("--max-body-bytes", str(8 << 20)) as router:
+        yield router
+
+
+KEY = "memory-test-key"
+BUDGET_MB = 64
+
+
+@pytest.fixture(scope="module")
+def keyed_router_process() -> Iterator[RouterProcess]:
+    """With an API key, the default 32 MiB body limit and a 64 MiB budget for all bodies together."""
+    flags = ("--max-buffered-body-bytes", str(BUDGET_MB << 20))
+    with _router_process(*flags, environ={"VLLM_STACK_API_KEYS": KEY}) as router:
+        yield router
+
+
 async def _connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", port)
 
@@ -143,11 +162,14 @@ def _post(body: bytes, path: str = "/v1/chat/completions") -> bytes:
     )
 
 
-async def _until_answered(port: int, n: int = 5) -> None:
+async def _until_answered(port: int, n: int = 5, key: str | None = None) -> None:
     """A few plain requests: the router is serving (and has warmed its pools)."""
     reader, writer = await _connect(port)
+    request = _post(CHAT)
+    if key:
+        request = request.replace(b"Host: r\r\n", b"Host: r\r\nAuthorization: Bearer %s\r\n" % key.encode())
     for _ in range(n):
-        writer.write(_post(CHAT))
+        writer.write(request)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 200"), head
         length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
@@ -346,3 +368,98 @@ def test_an_unterminated_trailer_field_is_refused_early(router_process: RouterPr
     assert answer.startswith(b"HTTP/1.1 431"), answer[:80]
     assert watch.peak_rss - watch.base_rss < 5, (watch.base_rss, watch.peak_rss)
     assert watch.health_ms and max(watch.health_ms) < 100, watch.health_ms
+
+
+async def _big_body(
+    port: int, key: str | None, declared: int, send: int, hold: asyncio.Event, at_hold: asyncio.Queue[int]
+) -> bytes:
+    """A request declaring ``declared`` body bytes that sends up to ``send`` of them in 1 MiB writes
+    (fewer if the router answers first), then waits for ``hold`` and leaves; returns the start of
+    the router's answer (b"" when it had none: the body was being taken)."""
+    reader, writer = await _connect(port)
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n%bContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (auth, declared)
+    )
+    answer = asyncio.create_task(reader.read(65536))
+    block = b"x" * (1 << 20)
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        while sent < send and not answer.done():
+            writer.write(block[: min(len(block), send - sent)])
+            await writer.drain()
+            sent += len(block)
+    try:
+        # A refusal is written as soon as the head arrives, before the first MiB is read: by now it
+        # is in this socket's buffer, and 0.5 s is ample for the loop to hand it over. A body being
+        # taken gets no answer until it is whole (never, here).
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(asyncio.shield(answer), 0.5 if key == KEY else 10)
+        at_hold.put_nowait(port)
+        await hold.wait()
+        return answer.result() if answer.done() and not answer.exception() else b""
+    finally:
+        answer.cancel()
+        writer.transport.abort()
+
+
+KEYLESS = 20
+LARGE = (32 << 20) - 10  # issue 29: 32 MiB minus 10 bytes, under the default body limit
+
+
+def test_keyless_connections_cost_under_one_megabyte_each(keyed_router_process: RouterProcess) -> None:
+    """Issue 29: bodies without a valid key are refused on their head (401, closed), never buffered:
+    20 connections each sending a 32 MiB body cost under 1 MB of router memory each, at the peak."""
+    router = keyed_router_process
+    asyncio.run(_until_answered(router.port, 2, KEY))
+    watch = Watch(router)
+
+    async def attack() -> list[bytes]:
+        hold = asyncio.Event()
+        hold.set()
+        keys = [None, "wrong-key"] * (KEYLESS // 2)
+        return await asyncio.gather(
+            *(_big_body(router.port, key, LARGE, LARGE, hold, asyncio.Queue()) for key in keys)
+        )
+
+    answers = asyncio.run(watch.run(attack()))
+    per_connection = (watch.peak_rss - watch.base_rss) / KEYLESS
+    print(
+        f"RSS {watch.base_rss:.1f} -> peak {watch.peak_rss:.1f} MB: {per_connection:.2f} MB per keyless connection"
+    )
+    assert all(a.startswith(b"HTTP/1.1 401") for a in answers), [a[:40] for a in answers]
+    assert per_connection < 1, (watch.base_rss, watch.peak_rss)
+
+
+def test_keyed_and_keyless_bodies_together_stay_within_the_budget(
+    keyed_router_process: RouterProcess,
+) -> None:
+    """Issue 29: keyed clients holding large bodies half-sent take the body budget (64 MiB here)
+    and no more: past it they get 503; keyless ones alongside cost nothing; the router's peak RSS
+    stays within the budget plus 50 MB."""
+    router = keyed_router_process
+    asyncio.run(_until_answered(router.port, 2, KEY))
+    watch = Watch(router)
+    declared = 16 << 20
+
+    async def attack() -> list[bytes]:
+        hold, at_hold = asyncio.Event(), asyncio.Queue()
+        keyed = [_big_body(router.port, KEY, declared, declared - (1 << 20), hold, at_hold) for _ in range(8)]
+        keyless = [_big_body(router.port, None, LARGE, LARGE, hold, at_hold) for _ in range(10)]
+        tasks = [asyncio.create_task(c) for c in keyed + keyless]
+        for _ in tasks:  # every body is sent (a keyed one but its last MiB) or refused: then all leave
+            await asyncio.wait_for(at_hold.get(), 60)
+        hold.set()
+        return await asyncio.gather(*tasks)
+
+    answers = asyncio.run(watch.run(attack()))
+    keyed, keyless = answers[:8], answers[8:]
+    print(
+        f"RSS {watch.base_rss:.1f} -> peak {watch.peak_rss:.1f} MB; keyed held {keyed.count(b'')},"
+        f" refused {sum(a.startswith(b'HTTP/1.1 503') for a in keyed)}"
+    )
+    assert all(a.startswith(b"HTTP/1.1 401") for a in keyless), [a[:40] for a in keyless]
+    assert keyed.count(b"") == BUDGET_MB // 16, [a[:40] for a in keyed]
+    assert all(a.startswith(b"HTTP/1.1 503") for a in keyed if a), [a[:40] for a in keyed]
+    assert watch.peak_rss <= watch.base_rss + BUDGET_MB + SLACK_MB, (watch.base_rss, watch.peak_rss)

@@ -138,6 +138,7 @@ PROBES: dict[str, Probe] = {
     "request_timeout": Probe(300.0, lambda r: r.request_timeout()),
     "connect_timeout": Probe(2.5, lambda r: r.pools.get(BACKEND).connect_timeout),
     "max_body_bytes": Probe(1000, lambda r: r.body_limit()),
+    "max_buffered_body_bytes": Probe(64 << 20, lambda r: r.buffer_limit()),
     "max_connections": Probe(10, lambda r: r.connection_limit()),
     "retries": Probe(0, lambda r: r.director.settings.retries),
     "api_keys_file": Probe(keys_file, lambda r: r.auth.enabled, True),

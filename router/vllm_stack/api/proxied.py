@@ -1,6 +1,6 @@
 """The hot path's entry: one proxied OpenAI/vLLM request, from the parsed request to the director.
 
-authenticate -> parse only the routing fields -> resolve the model (400 / 404) and the priority
+(authenticated on its head: :mod:`.head`) -> parse only the routing fields -> resolve the model (400 / 404) and the priority
 (:mod:`.priority`: 400 / 403) -> build the upstream request once -> hand over to the director (:mod:`vllm_stack.director`), which admits, schedules,
 relays, retries and accounts (a model that exists but has no engine now is its 503). The server
 already bounded the body (413) before this is called.
@@ -158,9 +158,7 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         request_id = new_request_id()
         lines += (b"x-request-id: ", request_id, b"\r\n")
     path = request.path
-    try:
-        if not router.auth.check(request.headers):
-            raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
+    try:  # the API key was checked on the head (api.head), before the body was read
         if path in MULTIPART_PATHS:
             if not content_type.startswith(b"multipart/form-data"):
                 raise RouterError(

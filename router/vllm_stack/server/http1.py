@@ -10,9 +10,18 @@ upstream read with one write and no task at all.
 What the connection guarantees, whatever the handler:
 - requests on one connection are answered in order (pipelined ones wait in a bounded queue, and
   reading pauses while it is full);
+- a request is judged on its head before any byte of its body is read (:meth:`ServerContext.check_head`:
+  a missing or wrong API key, an unknown path, a wrong method): a refused request's body is never
+  buffered (a small one is read and dropped, so the connection is kept; a large one, or one that
+  waits for ``100 Continue``, is answered at once and the connection closed);
 - a body over the limit is refused with 413 as soon as its declared or received size passes it,
   without reading the rest; request lines and headers are bounded too (431);
-- ``Expect: 100-continue`` is answered when the request's turn comes;
+- the bodies held by all connections together (arriving, queued behind a pipelined request, or of a
+  request being answered) stay within the server's buffer budget (:meth:`ServerContext.buffer_limit`):
+  a request whose body would pass it gets 503 with ``Retry-After`` at once (a declared length is
+  reserved from the head on, a chunked body as it arrives). Refusing rather than pausing: bodies still
+  arriving hold the budget, and pausing them all would wait forever;
+- ``Expect: 100-continue`` is answered when the request's turn comes, and only once its head passed;
 - only the request head carries headers: chunked trailer fields are read and discarded, never
   merged into the head (a credential or routing header sent as a trailer would otherwise slip past
   any front proxy that checks headers), and bounded with the head (431 once they pass it, however
@@ -49,6 +58,9 @@ RESERVED_WAIT = 0.5  # seconds such a connection may take to start its request; 
 MAX_PIPELINED = 16  # parsed requests waiting behind the one being answered (and their bodies: one limit)
 LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is read and dropped
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
+#: A request refused on its head with a body of at most this many bytes has the body read and
+#: dropped (the connection is kept); a larger one is answered at once and the connection closed.
+DISCARD_BYTES = 256 * 1024
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Headers the connection itself acts on.
@@ -59,30 +71,49 @@ _DECLINED_OFFER = frozenset({b"upgrade", b"connection", b"http2-settings"})
 class HttpRequest:
     """One complete request as received (header names lower-cased, body whole and bounded)."""
 
-    __slots__ = ("method", "target", "path", "query", "headers", "body", "keep_alive", "http_10", "expect")
+    __slots__ = (
+        "method",
+        "target",
+        "path",
+        "query",
+        "headers",
+        "body",
+        "keep_alive",
+        "http_10",
+        "expect",
+        "refusal",
+    )
 
     def __init__(
         self,
         method: str,
-        target: bytes,
+        target: tuple[bytes, str, bytes],
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         keep_alive: bool,
         http_10: bool,
         expect: bool,
+        refusal: RouterError | None = None,
     ) -> None:
         self.method = method
-        self.target = target  # raw request target: path and query as the client sent them
-        path, _, self.query = target.partition(b"?")
-        if path[:1] != b"/" and b"://" in path:  # absolute form (RFC 9112 3.2.2): only the path routes
-            path = b"/" + path.partition(b"://")[2].partition(b"/")[2]
-            self.target = path + (b"?" + self.query if self.query else b"")
-        self.path = path.decode("latin-1")
+        # the request target as :func:`split_target` gives it: path and query, the path alone, the query
+        self.target, self.path, self.query = target
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
         self.http_10 = http_10
         self.expect = expect
+        self.refusal = refusal  # refused on its head (its body was dropped): answered with this error
+
+
+def split_target(target: bytes) -> tuple[bytes, str, bytes]:
+    """The request target as routed: path and query, the path (text), the query. Of an absolute-form
+    target (RFC 9112 3.2.2) only the path and query route."""
+    path, _, query = target.partition(b"?")
+    if path[:1] != b"/" and b"://" in path:
+        path = b"/" + path.partition(b"://")[2].partition(b"/")[2]
+        target = path + (b"?" + query if query else b"")
+    return target, path.decode("latin-1"), query
 
 
 class Handler(Protocol):
@@ -103,8 +134,23 @@ class ServerContext(Protocol):
     connections: set[HttpConnection]
     draining: bool
     reserved_paths: frozenset[str]  # answered even on a connection past the limit (probes)
+    buffered_body_bytes: int  # request body bytes all connections hold (or reserved) together
 
     def body_limit(self) -> int: ...
+
+    def buffer_limit(self) -> int:
+        """The most body bytes all connections together may hold (see ``buffered_body_bytes``)."""
+        ...
+
+    def check_head(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
+        """The refusal of a request judged on its head alone (before its body is read), or None.
+
+        The seam for bodies that should not be buffered at all (a batch file upload streamed to
+        disk): a decision made here, before the first body byte, about where the body goes; the
+        bytes themselves pass through :meth:`HttpConnection._more_body`, the only place a body
+        beyond its reservation is taken, which would hand them to such a sink instead of ``_body``
+        (and outside the buffer budget)."""
+        ...
 
     def connection_limit(self) -> int: ...
 
@@ -151,6 +197,11 @@ class HttpConnection(asyncio.Protocol):
         "_head_raw",
         "_in_chunks",
         "_hosts",
+        "_target",
+        "_method",
+        "_reserved",
+        "_current",
+        "_refusal",
         "_pending_error",
         "restricted",
         "answering_head",
@@ -177,9 +228,15 @@ class HttpConnection(asyncio.Protocol):
         self._pending_error: tuple[RouterError, bytes, bool] | None = None
         self.restricted = False  # past the connection limit: only the reserved paths are answered
         self.answering_head = False  # the request being answered is a HEAD one: no body in the answer
+        self._reserved = 0  # buffer budget held for the body being received (see _reserve)
+        self._current = 0  # ... and by the body of the request being answered
         self._begin()
 
     def _begin(self) -> None:
+        if self._reserved:  # a body given up half-way (refused, or its connection gone)
+            self.server.buffered_body_bytes -= self._reserved
+            self._reserved = 0
+        self._refusal: RouterError | None = None
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
@@ -263,7 +320,8 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
         self.server.connections.discard(self)
         self.queue.clear()
-        self._queued_bytes = 0
+        self.server.buffered_body_bytes -= self._queued_bytes + self._current
+        self._queued_bytes = self._current = 0
         # The parser holds this protocol (a reference cycle): cut it, with what a request left behind,
         # so the memory goes back now rather than at a rare full collection.
         self.parser = None  # type: ignore[assignment]
@@ -339,7 +397,7 @@ class HttpConnection(asyncio.Protocol):
             )
         self._in_chunks = self._declared is None  # no length: chunked, or no body at all (completes now)
         self._head_raw = 0
-        limit = self._limit = self.server.body_limit()
+        declared = 0
         if self._declared is not None:
             try:
                 declared = int(self._declared)
@@ -347,17 +405,58 @@ class HttpConnection(asyncio.Protocol):
                 raise _Reject(
                     RouterError(400, "Invalid Content-Length header.", code="invalid_content_length")
                 ) from None
+        server = self.server
+        method = self._method = self.parser.get_method().decode("latin-1")
+        target = self._target = split_target(self._url)
+        refusal = server.check_head(method, target[1], self._headers)
+        if refusal is not None:
+            self._refuse(refusal, declared)
+            return
+        limit = self._limit = server.body_limit()
+        if declared:
             if declared > limit:
                 raise _Reject(_too_large(limit, declared))
+            self._reserve(declared)
         if self._expect and not self.busy and not self.queue:
             self._expect = False
             self.transport.write(_CONTINUE)
 
+    def _refuse(self, refusal: RouterError, declared: int) -> None:
+        """A request refused on its head: its body is dropped as it arrives, never buffered.
+
+        A small one is read to its end, so the connection stays usable (the error is answered in
+        turn); one declared larger, or one that waits for ``100 Continue`` (whose client may never
+        send the body), is answered now and the connection closed (as Go's net/http and nginx do)."""
+        if declared > DISCARD_BYTES or (self._expect and (declared or self._in_chunks)):
+            raise _Reject(refusal)
+        self._refusal = refusal
+        self._expect = False
+
+    def _reserve(self, size: int) -> None:
+        """Take ``size`` more bytes of the buffer budget for the body being received, or refuse it."""
+        server = self.server
+        if server.buffered_body_bytes + size > server.buffer_limit():
+            raise _Reject(_buffers_full())
+        server.buffered_body_bytes += size
+        self._reserved += size
+
     def on_body(self, body: bytes) -> None:
-        self._body_size += len(body)
-        if self._body_size > self._limit:
-            raise _Reject(_too_large(self._limit))
+        size = self._body_size = self._body_size + len(body)
+        if size > self._reserved and not self._more_body(size):  # never for a declared length
+            return
         self._body.append(body)
+
+    def _more_body(self, size: int) -> bool:
+        """A body past what was reserved for it: a chunked one (within the body limit and the buffer
+        budget; True: keep it), or a refused request's, dropped (False) up to DISCARD_BYTES."""
+        if self._refusal is not None:
+            if size > DISCARD_BYTES:
+                raise _Reject(self._refusal)
+            return False
+        if size > self._limit:
+            raise _Reject(_too_large(self._limit))
+        self._reserve(size - self._reserved)
+        return True
 
     def on_message_complete(self) -> None:
         parser = self.parser
@@ -377,18 +476,20 @@ class HttpConnection(asyncio.Protocol):
         self._in_chunks = False
         parts = self._body
         request = HttpRequest(
-            parser.get_method().decode("latin-1"),
-            self._url,
+            self._method,
+            self._target,
             self._headers,
             parts[0] if len(parts) == 1 else b"".join(parts),
             parser.should_keep_alive(),
             parser.get_http_version() == "1.0",
             self._expect,
+            self._refusal,
         )
         self._body = []
         self.head_started = 0.0
-        if self.closed:
+        if self.closed:  # its reservation goes with the connection (connection_lost)
             return
+        self._reserved = 0  # the request's body holds it now (queued or answered: see finish)
         if self.busy:
             self.queue.append(request)
             self._queued_bytes += len(request.body)
@@ -404,9 +505,13 @@ class HttpConnection(asyncio.Protocol):
             return
         self.busy = True
         self.idle_since = 0.0
+        self._current = len(request.body)
         self.answering_head = request.method == "HEAD"
         if self.restricted and request.path not in self.server.reserved_paths:
             self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
+            return
+        if request.refusal is not None:
+            self.send_error(request.refusal, _client_request_id(request.headers), request.keep_alive)
             return
         if request.expect:
             self.transport.write(_CONTINUE)
@@ -429,6 +534,9 @@ class HttpConnection(asyncio.Protocol):
         """The current response was completely written: answer the next request or close."""
         self.handler = None
         self.busy = False
+        if self._current:  # its body's share of the buffer budget is given back
+            self.server.buffered_body_bytes -= self._current
+            self._current = 0
         if self.closed:
             return
         if not keep_alive or self.server.draining:
@@ -480,6 +588,7 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.pause_reading()
             return
         self.queue.clear()
+        self.server.buffered_body_bytes -= self._queued_bytes
         self._queued_bytes = 0
         self.busy = True
         self.answering_head = head
@@ -515,6 +624,15 @@ def _client_request_id(headers: list[tuple[bytes, bytes]]) -> bytes:
 def _too_many_connections() -> RouterError:
     return RouterError(
         503, "Too many connections.", code="too_many_connections", headers=[(b"retry-after", b"1")]
+    )
+
+
+def _buffers_full() -> RouterError:
+    return RouterError(
+        503,
+        "The router holds as many request bodies as it may (max_buffered_body_bytes); retry shortly.",
+        code="body_buffers_full",
+        headers=[(b"retry-after", b"1")],
     )
 
 

@@ -19,6 +19,7 @@ import signal
 import time
 from typing import Protocol
 
+from vllm_stack.errors import RouterError
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.server.memory import Allocator
 
@@ -36,6 +37,12 @@ class ServedApp(Protocol):
     """What the server needs of the application it serves."""
 
     def body_limit(self) -> int: ...
+
+    def buffer_limit(self) -> int: ...
+
+    def check_head(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> RouterError | None: ...
 
     def connection_limit(self) -> int: ...
 
@@ -70,16 +77,25 @@ class RouterServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.reserved_paths = RESERVED_PATHS
+        self.buffered_body_bytes = 0  # request bodies all connections hold (HttpConnection._reserve)
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         # The application's own methods, bound here: one call less per request than delegating.
         self.dispatch = router.dispatch  # type: ignore[method-assign]
         self.body_limit = router.body_limit  # type: ignore[method-assign]
+        self.check_head = router.check_head  # type: ignore[method-assign]
 
     # ---- ServerContext ---------------------------------------------------------------------------------
     def body_limit(self) -> int:
         """Replaced in ``__init__`` by the application's own ``body_limit``."""
         return self.router.body_limit()
+
+    def buffer_limit(self) -> int:
+        return self.router.buffer_limit()
+
+    def check_head(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
+        """Replaced in ``__init__`` by the application's own ``check_head``."""
+        return self.router.check_head(method, path, headers)
 
     def connection_limit(self) -> int:
         return self.router.connection_limit()
