@@ -36,6 +36,7 @@ HANDOVER = {
     "remote_port": 5600,
 }
 DISAGG = "vllm_stack_router_disagg_requests_total"
+PREDICTIONS = "vllm_stack_router_prefix_predictions_total"
 
 
 def body(content: str = LONG, **extra: object) -> dict[str, object]:
@@ -150,10 +151,14 @@ async def test_only_a_prefill_leg_sent_claims_the_prefill_engine(min_uncached: i
         engine = next(e for e in router.registry.engines() if e.role == "prefill")
         blocks = picker.index.blocks_of(engine.name)
         (shares,) = picker.shares_for("stub-model").counts([engine])
+        predictions = sum(
+            metric_value(router, PREDICTIONS, mode="characters", outcome=outcome)
+            for outcome in ("exact", "over", "under", "unreported")
+        )
         if prefilled:
-            assert blocks > 0 and shares == 1
-        else:
-            assert blocks == 0 and shares == 0
+            assert blocks > 0 and shares == 1 and predictions == 1
+        else:  # nor is the prefill pick's prediction compared with what the decode engine cached
+            assert blocks == 0 and shares == 0 and predictions == 0
             assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 1
 
 

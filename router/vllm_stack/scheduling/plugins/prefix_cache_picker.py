@@ -274,14 +274,16 @@ class PrefixCachePicker:
         engine = engines[chosen]
         block_tokens = engine.kv_block_size or DEFAULT_BLOCK_TOKENS
         keys = self._keys(ctx, block_tokens)
-        ctx.cycle[self._predicted_key] = (cached[chosen], block_tokens)
         ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
-        deferred = ctx.cycle.get(DEFERRED_CLAIMS)
+        predicted = (cached[chosen], block_tokens)
+        cycle = ctx.cycle
+        deferred = cycle.get(DEFERRED_CLAIMS)
         if deferred is None:  # inline: the common path, one call less than self.claim
+            cycle[self._predicted_key] = predicted
             index.record(engine.name, keys, engine.kv_blocks)
             recent.add(engine.name)
         else:
-            deferred.append(functools.partial(self._record, engine, keys, recent))
+            deferred.append(functools.partial(self._record, ctx, engine, keys, recent, predicted))
         if new_prefix:
             return engine, "prefix_miss" if most == 0 else "prefix_spread"
         if cached[chosen] < most:
@@ -298,11 +300,22 @@ class PrefixCachePicker:
         recent = self.shares_for(ctx.model)
         deferred = ctx.cycle.get(DEFERRED_CLAIMS)
         if deferred is None:
-            self._record(engine, keys, recent)
+            self._record(ctx, engine, keys, recent, None)
         else:
-            deferred.append(functools.partial(self._record, engine, keys, recent))
+            deferred.append(functools.partial(self._record, ctx, engine, keys, recent, None))
 
-    def _record(self, engine: Engine, keys: list[int], recent: RecentShares) -> None:
+    def _record(
+        self,
+        ctx: RequestContext,
+        engine: Engine,
+        keys: list[int],
+        recent: RecentShares,
+        predicted: tuple[int, int] | None,
+    ) -> None:
+        """The claim: the blocks, the decision, and (a placement of this picker's own) the cached
+        tokens it predicts there, which response-complete compares with the engine's count."""
+        if predicted is not None:
+            ctx.cycle[self._predicted_key] = predicted
         self.index.record(engine.name, keys, engine.kv_blocks)
         recent.add(engine.name)
 
