@@ -236,7 +236,9 @@ async def test_an_unreachable_prefill_engine_falls_back_and_is_ejected() -> None
     async with stubs(decode) as (decode_url,):
         async with stubs(prefill) as (prefill_url,):
             pass  # its port is closed now
-        settings = pd_settings(health_check_interval=30.0)
+        # Neither health checks nor scrapes (whose refused connection ejects it too) run between the
+        # engine made healthy below and the request: only the prefill leg's connect can eject it.
+        settings = pd_settings(health_check_interval=30.0, engine_scrape_interval=30.0)
         async with running_router([prefill_url, decode_url], wait_healthy=1, **settings) as (url, router):
             engine = next(e for e in router.registry.engines() if e.url == prefill_url)
             engine.healthy = True  # as it was until it died, between two health checks
