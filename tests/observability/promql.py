@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -228,6 +229,13 @@ class Target:
     labels: dict[str, str]
 
 
+def rfc3339_seconds(stamp: str) -> float:
+    """Unix time of Prometheus' RFC 3339 time stamp (nanosecond digits cut to the microseconds
+    ``datetime`` holds)."""
+    whole, _, rest = stamp.removesuffix("Z").partition(".")
+    return datetime.fromisoformat(whole + "+00:00").timestamp() + float("0." + (rest[:6] or "0"))
+
+
 class Prometheus:
     """A real Prometheus (Debian package) in a temporary directory, scraping the given targets and
     evaluating ``rule_files`` every ``interval`` (scrape timeout = interval: a vLLM engine's /metrics
@@ -312,6 +320,20 @@ class Prometheus:
                 return now
             if time.monotonic() > deadline:
                 raise AssertionError(f"prometheus did not reach {exprs}: {got}\n{self.diagnostics()}")
+            time.sleep(0.5)
+
+    def wait_rules_evaluated_after(self, after: float, timeout: float = 60) -> None:
+        """Until every rule group's last evaluation is later than ``after`` (Unix time): the groups
+        are evaluated one run after another, so every recorded sample up to ``after`` is written."""
+        deadline = time.monotonic() + timeout
+        while True:
+            groups = self.client.get("/api/v1/rules").json()["data"]["groups"]
+            if groups and all(rfc3339_seconds(g["lastEvaluation"]) > after for g in groups):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"rules not evaluated after {after}: {[g['lastEvaluation'] for g in groups]}"
+                )
             time.sleep(0.5)
 
     def rule_health(self) -> dict[str, str]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -181,6 +182,16 @@ LONG_PROMPT = " ".join(
 )
 
 
+def queue_length(router_url: str, model: str) -> float:
+    """The router's gauge of the requests waiting in its queue for ``model`` (0 when it has none)."""
+    found = re.search(
+        rf'^vllm_stack_router_queue_length{{model="{re.escape(model)}"}} (\S+)$',
+        httpx.get(router_url + "/metrics", timeout=10).text,
+        re.MULTILINE,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
 def drive_traffic(router_url: str) -> dict[str, int]:
     """Send the test's traffic through the router; returns status counts per kind of request."""
     statuses: dict[str, int] = {}
@@ -219,7 +230,10 @@ def drive_traffic(router_url: str) -> dict[str, int]:
                 waiting.submit(chat, "cold", body(f"Wake up {i}.", model=COLD_MODEL, max_tokens=8))
                 for i in range(2)
             ]
-            time.sleep(QUEUE_TIMEOUT / 2)  # both are queued by now
+            deadline = time.monotonic() + 30
+            while queue_length(router_url, COLD_MODEL) < 2:  # both wait in the router's queue
+                assert time.monotonic() < deadline, "the cold model's requests were not queued"
+                time.sleep(0.05)
             chat(
                 "shed", body("Shed me.", model=COLD_MODEL, max_tokens=8), {"x-request-priority": "sheddable"}
             )
@@ -258,21 +272,23 @@ def stack(engines, tmp_path_factory) -> Iterator[dict]:
     ] + [Target("vllm-stack-router", f"127.0.0.1:{router.port}", {"namespace": NAMESPACE, "pod": "router-0"})]
     prom = Prometheus(targets, [RULES], log_dir)
     try:
-        time.sleep(3)  # a few scrapes before the traffic, so that counters start from their idle values
+        # Two scrapes of every target before the traffic, so that counters start from their idle values.
+        prom.wait_for({"count(count_over_time(up[1m]) >= 2)": len(targets)})
         started = time.time()
         statuses = drive_traffic(router.url)
         ended = time.time()
-        # Every query is evaluated at one instant `at`, when the last scrape of every target succeeded
-        # (a failed scrape would mark its series stale) and the rules have been evaluated since.
-        time.sleep(3)
+        # Every query is evaluated at one instant `at`, when every target has been scraped since the
+        # traffic ended and its last scrape succeeded (a failed scrape would mark its series stale),
+        # once every rule group has been evaluated since.
         at = prom.wait_for(
             {
+                f"count(timestamp(up) > {ended:.3f})": len(targets),
                 'count(up{job="vllm-stack-engine"} == 1)': len(engines),
                 'count(up{job="vllm-stack-router"} == 1)': 1,
                 f'count(vllm:num_requests_running{{namespace="{NAMESPACE}"}})': len(engines),
             }
         )
-        time.sleep(2)
+        prom.wait_rules_evaluated_after(at)
         yield {
             "at": at,
             "prom": prom,

@@ -261,7 +261,10 @@ async def test_tool_call_then_engine_killed_mid_stream_and_before_responding(eng
         pending = asyncio.ensure_future(c.with_options(timeout=600).completions.create(**long))  # -> killable
         killable_engine = router.registry.get(killable.address)
         await wait_for(lambda: killable_engine.in_flight == 2, what="two requests on the killable engine")
-        await asyncio.sleep(0.5)
+        await wait_for(  # and both inside it (its scheduler runs them), not only sent by the router
+            lambda: (t := killable_engine.fresh_telemetry()) is not None and t.running >= 2,
+            what="two requests running in the killable engine",
+        )
         killable.kill()  # the non-streamed request has no answer yet: retried on the other engine
         with pytest.raises(openai.APIError, match="failed mid-stream"):
             async for event in stream:

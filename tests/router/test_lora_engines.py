@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,7 +101,16 @@ async def test_a_full_engine_unloads_its_least_recently_used_adapter(
         await wait_for(lambda: router.registry.engines()[0].max_loras == 4, what="slots scraped")
         assert adapters_on(engine) == set(NAMES[:4])
         assert (await chat(h, "ad2")).status_code == 200  # ad1 is now the least recently used
-        await asyncio.sleep(1.5)  # a scrape after the last answer: nothing runs there any more
+        answered, seen = time.monotonic(), router.registry.engines()[0]
+        await wait_for(  # a scrape after the last answer: nothing runs or waits there any more
+            lambda: (
+                (t := seen.fresh_telemetry()) is not None
+                and t.scraped_at > answered
+                and t.running_adapters == frozenset()
+                and t.waiting_adapters == frozenset()
+            ),
+            what="a scrape with no adapter busy there",
+        )
         r = await chat(h, "ad5")
         assert r.status_code == 200, r.text
         assert adapters_on(engine) == {"ad2", "ad3", "ad4", "ad5"}
