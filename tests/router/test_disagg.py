@@ -36,6 +36,7 @@ HANDOVER = {
     "remote_port": 5600,
 }
 DISAGG = "vllm_stack_router_disagg_requests_total"
+SCRAPE_ERRORS = "vllm_stack_router_engine_scrape_errors_total"
 PREDICTIONS = "vllm_stack_router_prefix_predictions_total"
 
 
@@ -241,6 +242,10 @@ async def test_an_unreachable_prefill_engine_falls_back_and_is_ejected() -> None
         settings = pd_settings(health_check_interval=30.0, engine_scrape_interval=30.0)
         async with running_router([prefill_url, decode_url], wait_healthy=1, **settings) as (url, router):
             engine = next(e for e in router.registry.engines() if e.url == prefill_url)
+            # The scraper's first round (at the start) has failed there: the next one is 30 s away.
+            await wait_for(
+                lambda: metric_value(router, SCRAPE_ERRORS, engine=engine.name) >= 1, what="the first scrape"
+            )
             engine.healthy = True  # as it was until it died, between two health checks
             engine.models = frozenset({"stub-model"})
             router.registry._rebuild()  # noqa: SLF001 - what a passed probe does
