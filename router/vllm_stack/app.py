@@ -237,6 +237,9 @@ class Router:
     def request_timeout(self) -> float:
         return self.director.settings.request_timeout
 
+    def head_timeout(self) -> float:
+        return self.config.request_head_timeout
+
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
         """Proxied paths to the hot path; everything else to the control endpoints' ASGI app."""
         if request.method == "POST" and request.path in proxied.PROXIED_PATHS:

@@ -122,6 +122,10 @@ class RouterConfig:
     circuit_open_seconds: float = 10.0
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
+    # seconds a client's request head may take to arrive whole (slowloris); then 408 and close.
+    # Well-kept proxies close within 60 s (nginx's client_header_timeout); a real client's head
+    # takes milliseconds.
+    request_head_timeout: float = 30.0
     engine_ca_file: str | None = None  # CA bundle that signs https engines' certificates (default: system)
     max_body_bytes: int = 32 * 1024 * 1024
     # request bodies all client connections together may hold (arriving, queued or being answered);
@@ -188,6 +192,8 @@ class RouterConfig:
         for backend in self.static_backends:
             if not backend.startswith(("http://", "https://")):
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
+        if self.request_head_timeout <= 0:
+            raise ConfigError("request_head_timeout must be > 0")
         if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
             raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
         if self.max_buffered_body_bytes < self.max_body_bytes:

@@ -26,13 +26,16 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     502: "upstream_error",
     503: "service_unavailable",
+    501: "invalid_request_error",
     504: "timeout_error",
+    505: "invalid_request_error",
 }
 
 

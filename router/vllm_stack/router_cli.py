@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--health-check-interval", type=float, help="seconds between health checks (default 5)")
     p.add_argument("--request-timeout", type=float, help="seconds an engine may stay silent (default 600)")
+    p.add_argument(
+        "--request-head-timeout",
+        type=float,
+        help="seconds a request head may take to arrive; then 408 and close (default 30)",
+    )
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 32 MiB)")
     p.add_argument(
         "--max-buffered-body-bytes",

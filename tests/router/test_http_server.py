@@ -415,7 +415,7 @@ async def test_body_over_max_body_bytes_is_413_without_reading_it(two_stubs) -> 
 MALFORMED = [
     ("tls", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40) + b"\r\n\r\n", ()),
     ("not-http", b"THIS IS NOT HTTP\r\n\r\n", ()),
-    ("no-version", b"GET /health\r\n\r\n", (200,)),  # an HTTP/0.9 simple request may be served
+    ("no-version", b"GET /health\r\n\r\n", (505,)),  # an HTTP/0.9 simple request: 505 (RFC 9110 15.6.6)
     ("bad-header", b"GET /health HTTP/1.1\r\nHost: x\r\nno colon in this header\r\n\r\n", ()),
     (
         "bad-content-length",
@@ -505,10 +505,11 @@ async def test_head_health_has_no_body(router2) -> None:
     ("path", "headers", "status"),
     [
         ("/no/such/path", [("Authorization", "Bearer k1")], 404),
+        ("/v1/chat/completions", [("Authorization", "Bearer k1")], 405),
         ("/v1/models", [], 401),
         ("/v1/models", [("Authorization", "Bearer wrong")], 401),
     ],
-    ids=["404", "401-missing", "401-wrong"],
+    ids=["404", "405", "401-missing", "401-wrong"],
 )
 async def test_head_errors_have_no_body(path: str, headers: list[tuple[str, str]], status: int) -> None:
     """RFC 9110 9.3.2: an error answer to HEAD carries the GET's headers (its Content-Length too)
@@ -765,3 +766,38 @@ async def test_budget_is_given_back_on_every_exit() -> None:
         await wait_for(
             lambda: server.buffered_body_bytes == 0 and not server.connections, what="all given back"
         )
+
+
+# ---- RFC 9110 / 9112 conformance beyond the corpus --------------------------------------------------
+async def test_a_probe_past_the_connection_limit_is_answered_then_closed_without_a_503() -> None:
+    """Issue 29: a connection past max_connections may still reach /health; once that is answered
+    the connection is closed (``connection: close``), never sent an unsolicited 503 later."""
+    async with (
+        stubs(StubEngine("e", ["stub-model"])) as urls,
+        running_router(urls, max_connections=1) as (url, _),
+        connect(url) as _held,
+        connect(url) as (reader, writer),
+    ):
+        writer.write(request("GET", "/health"))
+        answer = await read_final(reader)
+        assert answer.status == 200 and answer.header("connection") == "close", answer
+        rest = await asyncio.wait_for(reader.read(), TIMEOUT)  # until the router closes
+        assert rest == b"", rest
+
+
+async def test_a_slow_request_head_gets_408_and_a_close() -> None:
+    """Issue 29: a head still arriving after request_head_timeout (0.3 s here; default 30 s) is
+    answered 408 and the connection closed, not held for minutes."""
+    async with (
+        stubs(StubEngine("e", ["stub-model"])) as urls,
+        running_router(urls, request_head_timeout=0.3) as (url, router),
+        connect(url) as (reader, writer),
+    ):
+        started = time.monotonic()
+        writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\nX-Slow: 1\r\n")  # and never the end
+        answer = await read_final(reader)
+        assert_openai_error(answer, 408, "request_timeout")
+        assert answer.header("connection") == "close"
+        assert await closed_by_peer(reader)
+        assert time.monotonic() - started < 3, "408 well after the timeout"
+        assert router.head_timeout() == 0.3

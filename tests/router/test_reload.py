@@ -139,6 +139,7 @@ PROBES: dict[str, Probe] = {
     "connect_timeout": Probe(2.5, lambda r: r.pools.get(BACKEND).connect_timeout),
     "max_body_bytes": Probe(1000, lambda r: r.body_limit()),
     "max_buffered_body_bytes": Probe(64 << 20, lambda r: r.buffer_limit()),
+    "request_head_timeout": Probe(10.0, lambda r: r.head_timeout()),
     "max_connections": Probe(10, lambda r: r.connection_limit()),
     "retries": Probe(0, lambda r: r.director.settings.retries),
     "api_keys_file": Probe(keys_file, lambda r: r.auth.enabled, True),

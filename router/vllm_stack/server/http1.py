@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import time
 from typing import Protocol
 
@@ -64,7 +65,10 @@ DISCARD_BYTES = 256 * 1024
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Headers the connection itself acts on.
-_NOTED = frozenset({b"content-length", b"expect", b"upgrade", b"host"})
+_NOTED = frozenset({b"content-length", b"expect", b"upgrade", b"host", b"transfer-encoding"})
+#: RFC 9112 3.2: Host = uri-host [ ":" port ] (RFC 3986: an IP literal, or a reg-name, which an IPv4
+#: address is too; a port of digits); empty is allowed. No userinfo, no path.
+_valid_host = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]*)(?::[0-9]*)?").fullmatch
 _DECLINED_OFFER = frozenset({b"upgrade", b"connection", b"http2-settings"})
 
 
@@ -197,6 +201,7 @@ class HttpConnection(asyncio.Protocol):
         "_head_raw",
         "_in_chunks",
         "_hosts",
+        "_codings",
         "_target",
         "_method",
         "_reserved",
@@ -248,6 +253,7 @@ class HttpConnection(asyncio.Protocol):
         self._declared: bytes | None = None
         self._head_done = False  # headers complete: header callbacks from here on are trailers
         self._hosts = 0  # Host headers seen
+        self._codings: bytes | None = None  # the Transfer-Encoding field values, combined
         self._head_raw = 0  # bytes of reads that carried only an unfinished head or trailer (data_received)
         self._in_chunks = False  # a chunked body is being read (its trailer fields may follow)
 
@@ -383,15 +389,26 @@ class HttpConnection(asyncio.Protocol):
                 self._expect = value.lower() == b"100-continue"
             elif name == b"host":
                 self._hosts += 1
+                if not _valid_host(value):
+                    raise _Reject(RouterError(400, "Invalid Host header.", code="bad_request"))
+            elif name == b"transfer-encoding":
+                self._codings = value if self._codings is None else self._codings + b"," + value
             else:
                 self._upgrade_offer = True
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._head_done = True
+        version = self.parser.get_http_version()
+        if version[:2] != "1.":  # RFC 9110 15.6.6: a major version this server does not speak
+            raise _Reject(
+                RouterError(505, f"HTTP/{version} is not supported.", code="http_version_not_supported")
+            )
         if len(self._headers) > MAX_HEADERS:  # counted once here: MAX_HEAD_BYTES bounds them meanwhile
             raise _Reject(RouterError(431, "Too many request headers.", code="headers_too_large"))
-        if self._hosts != 1 and self.parser.get_http_version() != "1.0":
+        if self._codings is not None:
+            _check_codings(self._codings)
+        if self._hosts != 1 and version != "1.0":
             raise _Reject(  # RFC 9112 3.2: an HTTP/1.1 request has exactly one Host
                 RouterError(400, "An HTTP/1.1 request needs exactly one Host header.", code="bad_request")
             )
@@ -507,9 +524,11 @@ class HttpConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self._current = len(request.body)
         self.answering_head = request.method == "HEAD"
-        if self.restricted and request.path not in self.server.reserved_paths:
-            self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
-            return
+        if self.restricted:  # past the connection limit: a probe is answered, then the connection closed
+            if request.path not in self.server.reserved_paths:
+                self.send_error(_too_many_connections(), new_request_id(), keep_alive=False)
+                return
+            request.keep_alive = False
         if request.refusal is not None:
             self.send_error(request.refusal, _client_request_id(request.headers), request.keep_alive)
             return
@@ -523,6 +542,18 @@ class HttpConnection(asyncio.Protocol):
                 self.send_error(
                     RouterError(500, "Internal router error.", code="internal_error"), None, False
                 )
+
+    def check_slow_head(self, now: float, limit: float) -> None:
+        """A request head still arriving ``limit`` seconds after its first byte (slowloris) gets 408
+        and the connection is closed (RFC 9110 15.5.9)."""
+        if (
+            self.head_started
+            and not self._head_done
+            and not self.closed
+            and self._pending_error is None
+            and now - self.head_started > limit
+        ):
+            self._fail(RouterError(408, "The request head took too long to arrive.", code="request_timeout"))
 
     def _refuse_if_idle(self) -> None:
         """A connection past the limit that has not started a request by now gets the 503."""
@@ -611,6 +642,20 @@ class HttpConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)
         else:
             transport.close()
+
+
+def _check_codings(value: bytes) -> None:
+    """A request's Transfer-Encoding: chunked alone. Chunked not last is 400 (RFC 9112 6.3, the
+    length cannot be known: httptools says so too); any other coding before it is 501 (RFC 9112 6.1)."""
+    codings = [coding.strip().lower() for coding in value.split(b",")]
+    if codings[-1] == b"chunked" and len(codings) > 1:
+        raise _Reject(
+            RouterError(
+                501,
+                "Transfer codings other than chunked are not supported.",
+                code="transfer_coding_not_supported",
+            )
+        )
 
 
 def _client_request_id(headers: list[tuple[bytes, bytes]]) -> bytes:

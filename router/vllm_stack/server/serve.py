@@ -26,7 +26,7 @@ from vllm_stack.server.memory import Allocator
 log = logging.getLogger(__name__)
 
 KEEP_ALIVE_TIMEOUT = 75.0  # idle keep-alive connections are closed after this (above common LB idle timeouts)
-REQUEST_READ_TIMEOUT = 300.0  # a request still arriving after this (slowloris) is dropped
+REQUEST_READ_TIMEOUT = 300.0  # a request (its body) still arriving after this is dropped
 SWEEP_INTERVAL = 1.0
 #: Answered even on connections past the connection limit: the probes must not fail under a flood.
 RESERVED_PATHS = frozenset({"/health", "/ready"})
@@ -47,6 +47,10 @@ class ServedApp(Protocol):
     def connection_limit(self) -> int: ...
 
     def request_timeout(self) -> float: ...
+
+    def head_timeout(self) -> float:
+        """Seconds a request head may take to arrive whole; then 408 and close."""
+        ...
 
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None: ...
 
@@ -125,7 +129,8 @@ class RouterServer:
         and, every few sweeps, free heap pages handed back (see :mod:`.memory`)."""
         sweeps = 0
         while True:
-            await asyncio.sleep(min(SWEEP_INTERVAL, self.router.request_timeout() / 4))
+            head_timeout = self.router.head_timeout()
+            await asyncio.sleep(min(SWEEP_INTERVAL, self.router.request_timeout() / 4, head_timeout / 4))
             sweeps += 1
             if self.allocator is not None and sweeps % TRIM_EVERY == 0:
                 self.allocator.trim()
@@ -137,8 +142,10 @@ class RouterServer:
                     handler.check_timeout(tick)
                 elif conn.idle_since and not conn.busy and now - conn.idle_since > self.keep_alive_timeout:
                     conn.close()
-                if conn.head_started and now - conn.head_started > REQUEST_READ_TIMEOUT:
-                    conn.close()
+                if conn.head_started:
+                    conn.check_slow_head(now, head_timeout)
+                    if now - conn.head_started > REQUEST_READ_TIMEOUT:
+                        conn.close()
 
     async def stop(self) -> None:
         """Stop accepting, let answers under way finish within the grace period, then stop the router."""
