@@ -13,14 +13,13 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from tests.helm.chart import CHART, ROOT, file_id, render, run_helm, values_file, values_files
+from tests.helm.chart import CHART, file_id, render, run_helm, values_file, values_files
+from tests.shared_data import PS_CHART, PS_VALUES, require
 
 pytestmark = pytest.mark.helm
 
 TABLE_PATH = CHART / "files" / "vllm-flags.yaml"
 TABLE = yaml.safe_load(TABLE_PATH.read_text())
-PS_VALUES = ROOT.parent / "shared" / "production-stack-values"
-PS_CHART = ROOT.parent / "shared" / "production-stack-chart" / "helm"
 OUTCOMES = yaml.safe_load((Path(__file__).parent / "data" / "production_stack_outcomes.yaml").read_text())
 PS_RENDERING = sorted(name for name, outcome in OUTCOMES.items() if outcome == "renders")
 
@@ -186,10 +185,8 @@ def rendered_sources() -> list:
 def test_every_flag_the_chart_renders_is_in_the_table(source, tmp_path):
     if isinstance(source, dict):
         source = values_file(tmp_path, source)
-    elif not source.exists():
-        pytest.skip(
-            f"{source} missing (production-stack's values files are test data outside the repository)"
-        )
+    else:
+        require(source)  # production-stack's files are in ../shared
     flags = engine_flags(render([source]))  # none for files without an enabled model
     missing = sorted(flags - set(TABLE["flags"]))
     assert not missing, (
@@ -216,9 +213,8 @@ def test_the_schema_keys_reach_the_engine(tmp_path):
 def test_production_stack_chart_flags_are_in_the_table(name):
     """What production-stack's own chart renders for its files (so the differential tests compare flags the
     table knows), RayCluster engine scripts included."""
-    if not PS_CHART.is_dir() or not PS_VALUES.is_dir():
-        pytest.skip("production-stack's chart or values files missing (test data outside the repository)")
-    proc = run_helm("helm4", "template", "ps", ".", "-f", str(PS_VALUES / name), chart=PS_CHART)
+    require(PS_CHART)
+    proc = run_helm("helm4", "template", "ps", ".", "-f", str(require(PS_VALUES / name)), chart=PS_CHART)
     assert proc.returncode == 0, proc.stderr
     objs = [d for d in yaml.safe_load_all(proc.stdout) if isinstance(d, dict)]
     missing = sorted(engine_flags(objs) - set(TABLE["flags"]))
@@ -248,21 +244,22 @@ def unparsable(name: str) -> list[str]:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="chart gating pending"))
+        # raises: the assertion below is what is expected to fail; missing ../shared data is a failure
+        pytest.param(
+            n, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="chart gating pending")
+        )
         if n in GATING_PENDING
         else n
         for n in PS_RENDERING
     ],
 )
 def test_production_stack_engines_get_only_flags_their_vllm_parses(name):
-    if not PS_VALUES.is_dir():
-        pytest.skip(f"{PS_VALUES} missing (test data outside the repository)")
+    require(PS_VALUES / name)
     assert unparsable(name) == []
 
 
 def test_the_pending_files_fail_for_the_flag_the_issue_names():
     """What the xfail above stands for today: v0.8.5 and --kv-events-config, nothing else."""
-    if not PS_VALUES.is_dir():
-        pytest.skip(f"{PS_VALUES} missing (test data outside the repository)")
     for name in sorted(GATING_PENDING):
+        require(PS_VALUES / name)
         assert set(unparsable(name)) <= {"vllm/vllm-openai:v0.8.5: --kv-events-config"}, name
