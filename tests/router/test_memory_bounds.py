@@ -22,6 +22,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from vllm_stack_dev.waiting import wait_http_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 SLACK_MB = 50
@@ -120,7 +121,9 @@ def _router_process(*flags: str, environ: dict[str, str] | None = None) -> Itera
             env={**os.environ, **(environ or {})},
         )
         procs.append(router)
-        _wait_port(router_port, router)
+        # Serving once it has a healthy engine (/ready needs no key), not once it listens: before its
+        # first health check it answers 503 no_healthy_engine, which failed a test's first request.
+        wait_http_ok(f"http://127.0.0.1:{router_port}/ready", 30, router)
         yield RouterProcess(router.pid, router_port)
     finally:
         for proc in reversed(procs):
