@@ -1,9 +1,11 @@
 {{/* ---------------------------------------------------------------------------------------------
-What the chart did with production-stack keys it honours differently or ignores, one line each,
-printed by NOTES.txt: "<key path>[, <key path>...]: <what was done>". A path names the key and
-everything under it; tests/helm/test_production_stack_files.py reads these lines.
+The deviations: every key the chart honours differently from what it asks (or from production-stack),
+substitutes or ignores, one line each: "<key path>[, <key path>...]: <what was done>". A path names the
+key and everything under it. Computed here once, as a YAML list: NOTES.txt prints it, `strict: true`
+(validate.yaml) refuses a render with any, and `vllm-stack check` prints it (from NOTES);
+tests/helm/test_production_stack_files.py reads these lines.
 --------------------------------------------------------------------------------------------- */}}
-{{- define "vllm-stack.compat.notes" -}}
+{{- define "vllm-stack.deviations" -}}
 {{- $v := .Values -}}
 {{- $r := $v.routerSpec -}}
 {{- $n := list -}}
@@ -13,6 +15,7 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- end -}}
 {{- if eq (toString $r.routingLogic) "disaggregated_prefill_orchestrated" }}{{ $n = append $n "routerSpec.routingLogic: disaggregated_prefill_orchestrated rendered as disaggregated_prefill: this router orchestrates every disaggregated request itself (the prefill leg on a prefill engine, then the decode leg on a decode engine)" }}{{ end -}}
 {{- if and $r.enableRouter (eq (toString $r.enablePD) "true") }}{{ $n = append $n (printf "routerSpec.enablePD: the router runs with --disaggregation%s" (ternary " (the prefill-role models would turn it on anyway)" "" (eq (include "vllm-stack.disagg.prefill" .) "true"))) }}{{ end -}}
+{{- if $r.enableRouter }}{{ range (include "vllm-stack.router.extraArgs" . | fromYaml).dropped }}{{ $n = append $n (printf "routerSpec.extraArgs: %s" .) }}{{ end }}{{ end -}}
 {{- if hasKey $r "requestStatsWindow" }}{{ $n = append $n "routerSpec.requestStatsWindow: ignored: the vllm-stack router takes its load signals from the engines' /metrics every engineScrapeInterval, not from a window of its own requests" }}{{ end -}}
 {{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
 {{- with $r.otel }}{{ $n = append $n (printf "routerSpec.otel: the vllm-stack router has no tracing yet: no spans are sent%s (the engines' own OTEL_* env, if any, is passed through)" (ternary (printf " to %s" .endpoint) "" (not (empty .endpoint)))) }}{{ end -}}
@@ -33,6 +36,10 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $anyModel = true }}{{ if not .runtimeClassName }}{{ $ownRuntime = false }}{{ end }}{{ end }}{{ end -}}
 {{- if and $anyModel $ownRuntime $v.servingEngineSpec.runtimeClassName }}{{ $n = append $n "servingEngineSpec.runtimeClassName: not used: every deployed model sets its own runtimeClassName, which wins" }}{{ end -}}
 {{- with $v.servingEngineSpec.sidecar }}{{ $n = append $n "servingEngineSpec.sidecar: production-stack's LoRA sidecar is not shipped: register adapters in loraAdapters (the router loads them where they are requested) or use vllmConfig.loraModules" }}{{ end -}}
+{{- $csc := $v.servingEngineSpec.containerSecurityContext | default dict -}}
+{{- $pdNixl := false -}}
+{{- range $v.servingEngineSpec.modelSpec }}{{ $c := dict "root" $ "model" . }}{{ if and (eq (include "vllm-stack.model.enabled" $c) "true") (include "vllm-stack.model.pd" $c) }}{{ $pdNixl = true }}{{ end }}{{ end -}}
+{{- if and $pdNixl (has "ALL" ((($csc.capabilities | default dict).drop) | default list)) (not (has "IPC_LOCK" ((($csc.capabilities | default dict).add) | default list))) }}{{ $n = append $n "servingEngineSpec.containerSecurityContext: the engines drop every Linux capability (this chart's default; production-stack keeps the runtime's): NIXL over RDMA pins memory and needs IPC_LOCK, so add it (capabilities.add: [IPC_LOCK]) where the KV caches move over InfiniBand or RoCE" }}{{ end -}}
 {{- $deployed := false -}}
 {{- range $v.servingEngineSpec.modelSpec }}{{ if eq (include "vllm-stack.model.enabled" (dict "root" $ "model" .)) "true" }}{{ $deployed = true }}{{ end }}{{ end -}}
 {{- if and $v.servingEngineSpec.modelSpec (not $deployed) }}{{ $n = append $n "servingEngineSpec: no model is deployed (every modelSpec entry is disabled), so its engine-wide settings render nothing" }}{{ end -}}
@@ -45,15 +52,27 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- $vc := $m.vllmConfig | default dict -}}
 {{- $size := include "vllm-stack.engine.sizing" $ctx | fromYaml -}}
 {{- if and (hasKey $m "replicaCount") (eq (include "vllm-stack.model.kedaEnabled" $ctx) "true") }}{{ $n = append $n (printf "%s.replicaCount: not rendered: the keda block is on, so KEDA owns the replica count (between minReplicaCount and maxReplicaCount), as in production-stack" $p) }}{{ end -}}
+{{- if eq (include "vllm-stack.model.kedaEnabled" $ctx) "true" -}}
+{{- $given := $m.keda.triggers | default $v.keda.triggers -}}
+{{- if kindIs "map" $given }}{{ $given = list $given }}{{ end -}}
+{{- range $t := $given }}{{ with ($t.metadata | default dict).query }}{{ if and (eq (toString $t.type) "prometheus") (regexMatch "^[a-zA-Z_:][a-zA-Z0-9_:]*$" (toString .)) }}{{ $n = append $n (printf "%s.keda.triggers: the query %s is rendered as sum(%s{model_name=%q,namespace=%q}): a bare metric name would add up every model's series (and KEDA wants one element)" $p . . (include "vllm-stack.model.servedName" $ctx) $.Release.Namespace) }}{{ end }}{{ end }}{{ end -}}
+{{- end -}}
+{{- $sel := include "vllm-stack.engine.selectorLabels" $ctx | fromYaml -}}
+{{- range $block := list "labels" "podLabels" }}{{ range $k, $val := (get $m $block | default dict) }}{{ if and (hasKey $sel $k) (ne (toString $val) (get $sel $k)) -}}
+{{- $n = append $n (printf "%s.%s.%s: not rendered: %s is a selector label (production-stack's), whose value stays %s: the Deployment's selector cannot change" $p $block $k $k (get $sel $k)) -}}
+{{- end }}{{ end }}{{ end -}}
 {{- with $size.memoryRaised }}{{ $n = append $n (printf "%s.requestMemory: %s" $p .) }}{{ end -}}
 {{- with $size.cpuRaised }}{{ $n = append $n (printf "%s.requestCPU: %s; a CPU quota below them throttles the engine every 100 ms CFS period" $p .) }}{{ end -}}
 {{- $g := include "vllm-stack.str" ($m.requestGPU | default 0) -}}
 {{- if ne $g (include "vllm-stack.engine.gpus" $ctx) -}}
 {{- $n = append $n (printf "%s.requestGPU: %s rendered as %s: %s (extended resources are whole numbers; production-stack requests no GPU for a fraction). Several engines share a GPU only where the device plugin shares GPUs (NVIDIA time-slicing or MPS replicas), each nvidia.com/gpu then being a share; keep vllmConfig.gpuMemoryUtilization (or --gpu-memory-utilization) within it" $p $g ($m.requestGPUType | default "nvidia.com/gpu") (include "vllm-stack.engine.gpus" $ctx)) -}}
 {{- end -}}
-{{- if hasKey $vc "v0" }}{{ $n = append $n (printf "%s.vllmConfig.v0: ignored: vLLM 0.32 has only the V1 engine, which runs (production-stack would set VLLM_USE_V1=0)" $p) }}{{ end -}}
+{{- $gated := include "vllm-stack.engine.gated" $ctx | fromYaml -}}
+{{- if eq $gated.source "unknown" }}{{ $n = append $n (printf "%s.tag: the vLLM release of %s is unknown (only vllm/vllm-openai tags name theirs), so it counts as the newest the chart knows, %s: its flags are rendered for that; give vllmVersion (the model's, or servingEngineSpec.vllmVersion) if the image runs another" $p $gated.image $gated.version) }}{{ end -}}
+{{- range $gated.notes }}{{ $n = append $n (printf "%s.%s: %s" $p (ternary "vllmVersion" "tag" (eq $gated.source "vllmVersion")) .) }}{{ end -}}
+{{- if and (include "vllm-stack.model.asksV0" $ctx) (not (include "vllm-stack.model.v0" $ctx)) }}{{ $n = append $n (printf "%s.vllmConfig.%s: ignored: vLLM %s has only the V1 engine (V0 was removed in 0.11.0), which runs; production-stack would set VLLM_USE_V1=0, which that vLLM refuses at start" $p (ternary "v0" "v1" (hasKey $vc "v0")) $gated.version) }}{{ end -}}
 {{- if and $m.vllmConfig (not (hasKey $vc "enablePrefixCaching")) }}{{ $n = append $n (printf "%s.vllmConfig.enablePrefixCaching: not given, so vLLM's default (on); production-stack renders --no-enable-prefix-caching here" $p) }}{{ end -}}
-{{- if and (hasKey $vc "v1") (not (has (toString $vc.v1) (list "0" "false"))) }}{{ $n = append $n (printf "%s.vllmConfig.v1: nothing to set: vLLM 0.32 has only the V1 engine" $p) }}{{ end -}}
+{{- if and (hasKey $vc "v1") (not (has (toString $vc.v1) (list "0" "false"))) (not (include "vllm-stack.model.v1" $ctx)) }}{{ $n = append $n (printf "%s.vllmConfig.v1: nothing to set: vLLM %s runs the V1 engine by default" $p $gated.version) }}{{ end -}}
 {{- if and $vc.maxLoras (not (or $vc.enableLoRA $m.enableLoRA)) }}{{ $n = append $n (printf "%s.vllmConfig.maxLoras: --enable-lora added (vLLM ignores --max-loras without it; production-stack passes --max_loras alone)" $p) }}{{ end -}}
 {{- if and $m.enableLoRA $m.pvcStorage }}{{ $n = append $n (printf "%s.enableLoRA: --enable-lora; production-stack would also add its LoRA sidecar here (enableLoRA with pvcStorage), which is not shipped: register adapters in loraAdapters (the router loads them) or use vllmConfig.loraModules" $p) }}{{ end -}}
 {{- with ($m.lmcacheConfig | default dict).cudaVisibleDevices }}{{ $n = append $n (printf "%s.lmcacheConfig.cudaVisibleDevices: not set as CUDA_VISIBLE_DEVICES (%q): each pod gets its own GPUs from the device plugin (requestGPU), numbered from 0 inside the pod, so a node-wide index such as \"1\" would hide a one-GPU pod's only GPU%s" $p (toString .) (ternary "; this model requests none: give it requestGPU: 1" "" (eq (include "vllm-stack.engine.gpus" $ctx) "0"))) }}{{ end -}}
@@ -83,7 +102,9 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- end -}}
 {{- if hasKey $lc "nixlEnableGc" }}{{ $n = append $n (printf "%s.lmcacheConfig.nixlEnableGc: ignored: LMCache 0.5 has no such setting" $p) }}{{ end -}}
 {{- end -}}
+{{- if and (hasKey $lc "workerHeartbeatTime") (not (or (eq (include "vllm-stack.model.chartController" $ctx) "true") $lc.enableController)) }}{{ $n = append $n (printf "%s.lmcacheConfig.workerHeartbeatTime: not rendered: without an LMCache controller the engine's LMCache worker sends no heartbeats (routingLogic kvaware, or enableController with controllerPullUrl, gives it one)" $p) }}{{ end -}}
 {{- if eq (toString $lc.enablePD) "true" -}}
+{{- if not $m.hostIPC }}{{ $n = append $n (printf "%s.lmcacheConfig.enablePD: production-stack runs this engine with hostIPC and hostPID and UCX_TLS=cuda_ipc,cuda_copy,tcp (CUDA IPC between pods on one node); here the pod keeps its own IPC and PID namespaces and UCX picks among the transports it finds; give the model hostIPC: true (and UCX_TLS in its env) for CUDA IPC between pods" $p) }}{{ end -}}
 {{- $role := include "vllm-stack.model.role" $ctx -}}
 {{- $n = append $n (printf "%s.lmcacheConfig.enablePD: implied by the model's role (%s: the vllm-stack.io/role label, kv_role %s%s); not a setting of its own" $p $role (get (dict "prefill" "kv_producer" "decode" "kv_consumer" "both" "kv_both") $role) (ternary (printf ", LMCache pd_role %s" ((include "vllm-stack.model.pd" $ctx | fromYaml).role | default "")) "" (not (empty (include "vllm-stack.model.pd" $ctx))))) -}}
 {{- end -}}
@@ -105,7 +126,5 @@ everything under it; tests/helm/test_production_stack_files.py reads these lines
 {{- end }}{{ end -}}
 {{- if and (include "vllm-stack.router.loraAdapters" $) (not $v.servingEngineSpec.vllmApiKey) (not (and $v.networkPolicy $v.networkPolicy.enabled)) }}{{ $n = append $n "loraAdapters: their base models' engines accept POST /v1/load_lora_adapter (runtime LoRA updating) from anything that reaches them; set servingEngineSpec.vllmApiKey or networkPolicy.enabled so only the router can load adapters" }}{{ end -}}
 {{- with $v.loraController }}{{ $n = append $n "loraController: not deployed: the router loads, places and unloads the adapters of loraAdapters itself" }}{{ end -}}
-{{- range $n }}
-  {{ . }}
-{{- end }}
+{{- toYaml $n -}}
 {{- end -}}

@@ -1,9 +1,82 @@
 {{/* ---------------------------------------------------------------------------------------------
-The vLLM command line (vLLM 0.32 flag names) and the engine environment.
+The vLLM command line and the engine environment, for the vLLM release the model's image runs
+(_vllm_version.tpl): the chart's flags that release does not parse are left out (or given in the
+spelling it has), said in NOTES; vllmConfig.extraArgs it cannot parse are refused.
 Call with (dict "root" $ "model" $modelSpec).
 --------------------------------------------------------------------------------------------- */}}
 
 {{- define "vllm-stack.engine.args" -}}
+{{- $gated := include "vllm-stack.engine.gated" . | fromYaml -}}
+{{- $args := $gated.args -}}
+{{- $where := printf "servingEngineSpec.modelSpec (%s)" (toString .model.name) -}}
+{{- range ((.model.vllmConfig | default dict).extraArgs | default list) -}}
+{{- $w := include "vllm-stack.str" . -}}
+{{- if and (hasPrefix "--" $w) (not (include "vllm-stack.vllm.parses" (dict "root" $.root "version" $gated.version "flag" (regexReplaceAll "=.*$" $w "")))) -}}
+{{- fail (printf "%s: vllmConfig.extraArgs %s: vLLM %s (%s) does not parse it (%s), so the engine would exit at start; remove it, or give the model's vllmVersion if its image runs another vLLM" $where $w $gated.version $gated.image (include "vllm-stack.vllm.flagRange" (dict "root" $.root "version" $gated.version "flag" (regexReplaceAll "=.*$" $w "")))) -}}
+{{- end -}}
+{{- $args = append $args $w -}}
+{{- end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* The chart's own flags for the model's vLLM: {args, version, image, source, notes: [what was left out or
+     spelt otherwise, and why]}. */}}
+{{- define "vllm-stack.engine.gated" -}}
+{{- $root := .root -}}
+{{- $rel := include "vllm-stack.model.vllmRelease" . | fromYaml -}}
+{{- $v := $rel.version -}}
+{{- $all := include "vllm-stack.engine.chartArgs" . | fromYamlArray -}}
+{{- $args := list (first $all) -}}
+{{- $notes := list -}}
+{{- $skip := false -}}
+{{- range $i, $w := rest $all -}}
+{{- if $skip }}{{ $skip = false }}{{ continue }}{{ end -}}
+{{- $next := "" -}}
+{{- $hasValue := and (lt (add1 (add1 $i)) (len $all)) (not (hasPrefix "--" (index $all (add1 (add1 $i))))) -}}
+{{- if $hasValue }}{{ $next = index $all (add1 (add1 $i)) }}{{ $skip = true }}{{ end -}}
+{{- if or (not (hasPrefix "--" $w)) (include "vllm-stack.vllm.parses" (dict "root" $root "version" $v "flag" $w)) -}}
+{{- $args = append $args $w -}}{{- if $hasValue }}{{ $args = append $args $next }}{{ end -}}
+{{- else if eq $w "--no-enable-chunked-prefill" -}}
+{{- /* before 0.8.5 the flag takes a value */ -}}
+{{- $args = concat $args (list "--enable-chunked-prefill" "false") -}}
+{{- else if has $w (list "--no-enable-prefix-caching" "--no-enforce-eager" "--no-trust-remote-code") -}}
+{{- /* before these releases the positive flag is a switch, off unless given: leaving it out says no */ -}}
+{{- else if eq $w "--kv-events-config" -}}
+{{- $notes = append $notes (printf "--kv-events-config not rendered: vLLM %s does not parse it (%s), so its engines publish no KV events; prefixaware routing places this model's requests by the router's own record of the prompts it sent where (the model's tokenizer blocks, or prompt characters without one), which does not see evictions or other clients' requests" $v (include "vllm-stack.vllm.flagRange" (dict "root" $root "version" $v "flag" $w))) -}}
+{{- else -}}
+{{- $entry := get (include "vllm-stack.vllm.table" $root | fromYaml).flags $w | default dict -}}
+{{- $notes = append $notes (printf "%s%s not rendered: vLLM %s does not parse it (%s%s)" $w (ternary (printf " %s" $next) "" $hasValue) $v (include "vllm-stack.vllm.flagRange" (dict "root" $root "version" $v "flag" $w)) (ternary (printf "; %s" $entry.note) "" (not (empty $entry.note)))) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (dict "args" $args "version" $v "image" $rel.image "source" $rel.source "notes" $notes) -}}
+{{- end -}}
+
+{{/* "true" when the model's engines publish KV events: the chart turns them on (prefixaware, or
+     servingEngineSpec.kvEvents.enabled) and the model's vLLM parses --kv-events-config. */}}
+{{- define "vllm-stack.model.kvEvents" -}}
+{{- if eq (include "vllm-stack.kvEvents.enabled" .root) "true" -}}
+{{- if include "vllm-stack.vllm.parses" (dict "root" .root "version" (include "vllm-stack.model.vllmRelease" . | fromYaml).version "flag" "--kv-events-config") }}true{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the values ask for vLLM's V0 engine (production-stack's vllmConfig.v0: "1", or v1: 0) and the
+     model's vLLM has it: VLLM_USE_V1=0 and LMCache's V0 connector. */}}
+{{- define "vllm-stack.model.v0" -}}
+{{- if and (include "vllm-stack.model.asksV0" .) (include "vllm-stack.vllm.hasV0" (include "vllm-stack.model.vllmRelease" . | fromYaml)) }}true{{ end -}}
+{{- end -}}
+
+{{- define "vllm-stack.model.asksV0" -}}
+{{- $vc := .model.vllmConfig | default dict -}}
+{{- if or (and (hasKey $vc "v0") (eq (toString $vc.v0) "1")) (and (hasKey $vc "v1") (has (toString $vc.v1) (list "0" "false"))) }}true{{ end -}}
+{{- end -}}
+
+{{/* "true" when vllmConfig.v1 asks for the V1 engine of a vLLM that runs V0 by default (before 0.8.0). */}}
+{{- define "vllm-stack.model.v1" -}}
+{{- $vc := .model.vllmConfig | default dict -}}
+{{- if and (hasKey $vc "v1") (not (has (toString $vc.v1) (list "0" "false"))) (semverCompare "<0.8.0" (include "vllm-stack.model.vllmRelease" . | fromYaml).version) }}true{{ end -}}
+{{- end -}}
+
+{{- define "vllm-stack.engine.chartArgs" -}}
 {{- $root := .root -}}
 {{- $m := .model -}}
 {{- $vc := $m.vllmConfig | default dict -}}
@@ -31,6 +104,7 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- with $m.toolCallParser }}{{ $args = append (append $args "--tool-call-parser") . }}{{ end -}}
 {{- with (include "vllm-stack.engine.chatTemplatePath" .) }}{{ $args = append (append $args "--chat-template") . }}{{ end -}}
 {{- if eq (include "vllm-stack.kvEvents.enabled" $root) "true" -}}
+{{- /* The gating drops it again where the model's vLLM does not parse it (vllm-stack.engine.gated). */ -}}
 {{- $kv := dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $root.Values.servingEngineSpec.kvEvents.port)) -}}
 {{- with $root.Values.servingEngineSpec.kvEvents.replayPort }}{{ $_ := set $kv "replay_endpoint" (printf "tcp://*:%d" (int .)) }}{{ end -}}
 {{- $args = append (append $args "--kv-events-config") (toJson $kv) -}}
@@ -42,14 +116,14 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" -}}
 {{- /* kv_role follows the model's role (its pd.role, or production-stack's kvRole, when `role` is not given). */ -}}
 {{- $role := get (dict "prefill" "kv_producer" "decode" "kv_consumer" "both" "kv_both") (include "vllm-stack.model.role" .) -}}
-{{- $args = append (append $args "--kv-transfer-config") (toJson (dict "kv_connector" "LMCacheConnectorV1" "kv_role" $role)) -}}
+{{- /* LMCache's V0 connector with vLLM's V0 engine (production-stack's vllmConfig.v0, where the model's vLLM has V0). */ -}}
+{{- $args = append (append $args "--kv-transfer-config") (toJson (dict "kv_connector" (ternary "LMCacheConnector" "LMCacheConnectorV1" (eq (include "vllm-stack.model.v0" .) "true")) "kv_role" $role)) -}}
 {{- end -}}
 {{- /* modelSpec.schedulingPolicy, unless extraArgs gives --scheduling-policy itself (then once, as written). */ -}}
 {{- $policy := include "vllm-stack.model.schedulingPolicy" . -}}
 {{- if and $policy (not (include "vllm-stack.model.extraArgsSchedulingPolicy" .)) -}}
 {{- $args = append (append $args "--scheduling-policy") $policy -}}
 {{- end -}}
-{{- range $vc.extraArgs }}{{ $args = append $args (include "vllm-stack.str" .) }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
 
@@ -80,11 +154,12 @@ secretKeyRef:
 - name: LMCACHE_CHUNK_SIZE
   value: {{ . | quote }}
 {{- end }}
+{{- $cpuBuffer := include "vllm-stack.model.cpuBuffer" . }}
 - name: LMCACHE_LOCAL_CPU
-  value: {{ ternary "true" "false" (and (not (kindIs "invalid" $lc.cpuOffloadingBufferSize)) (ne (toString $lc.cpuOffloadingBufferSize) "0") (ne (toString $lc.cpuOffloadingBufferSize) "")) | quote }}
-{{- with $lc.cpuOffloadingBufferSize }}
+  value: {{ ternary "true" "false" (and (ne $cpuBuffer "0") (ne $cpuBuffer "")) | quote }}
+{{- with $cpuBuffer }}
 - name: LMCACHE_MAX_LOCAL_CPU_SIZE
-  value: {{ include "vllm-stack.str" . | quote }}
+  value: {{ . | quote }}
 {{- end }}
 {{- with $lc.diskOffloadingBufferSize }}
 - name: LMCACHE_LOCAL_DISK
@@ -94,7 +169,7 @@ secretKeyRef:
 {{- end }}
 {{- $remote := $lc.remoteUrl -}}
 {{- if and (not $remote) (eq (include "vllm-stack.cacheserver.enabled" $root) "true") -}}
-{{- $remote = printf "lm://%s:%d" (include "vllm-stack.cacheserver.fullname" $root) (int $root.Values.cacheserverSpec.servicePort) -}}
+{{- $remote = printf "lm://%s:%d" (include "vllm-stack.cacheserver.objectName" (dict "root" $root "kind" "Service")) (int $root.Values.cacheserverSpec.servicePort) -}}
 {{- end }}
 {{- with $remote }}
 - name: LMCACHE_REMOTE_URL
@@ -179,7 +254,7 @@ secretKeyRef:
 {{- /* The sender notifies the PD proxy when a KV cache is sent: this release's router, which orchestrates
      the hand-over (--disagg-protocol lmcache), unless proxyHost names another one. */}}
 - name: LMCACHE_PD_PROXY_HOST
-  value: {{ .proxyHost | default (ternary (include "vllm-stack.router.fullname" $root) "" (eq (toString $root.Values.routerSpec.enableRouter) "true")) | required "lmcacheConfig.pd.proxyHost is required for pd.role sender when the router is not deployed" | quote }}
+  value: {{ .proxyHost | default (ternary (include "vllm-stack.router.serviceName" $root) "" (eq (toString $root.Values.routerSpec.enableRouter) "true")) | required "lmcacheConfig.pd.proxyHost is required for pd.role sender when the router is not deployed" | quote }}
 - name: LMCACHE_PD_PROXY_PORT
   value: {{ include "vllm-stack.str" (.proxyPort | default 7500) | quote }}
 {{- else }}
@@ -194,7 +269,13 @@ secretKeyRef:
 {{- end }}
 {{- end -}}
 
+{{/* The engine container's env: the chart's entries (vllm-stack.engine.chartEnv), then production-stack's
+     servingEngineSpec.env and the model's env, one entry per name (a user's entry replaces the chart's). */}}
 {{- define "vllm-stack.engine.env" -}}
+{{- include "vllm-stack.env.merged" (list (include "vllm-stack.engine.chartEnv" . | fromYamlArray) .root.Values.servingEngineSpec.env .model.env) -}}
+{{- end -}}
+
+{{- define "vllm-stack.engine.chartEnv" -}}
 {{- $root := .root -}}
 {{- $m := .model -}}
 {{- $vc := $m.vllmConfig | default dict -}}
@@ -202,10 +283,15 @@ secretKeyRef:
   value: {{ include "vllm-stack.str" $root.Values.servingEngineSpec.pythonHashSeed | quote }}
 - name: HF_HOME
   value: {{ ternary "/data/shared-pvc-storage" $root.Values.servingEngineSpec.modelCacheMountPath (and $root.Values.sharedPvcStorage $root.Values.sharedPvcStorage.enabled) | quote }}
+{{- /* production-stack's: the pod IP, for scripts and settings of the user's that name $(POD_IP) */}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
 {{- with $m.hf_token }}{{ if or (kindIs "string" .) .secretName }}
 - name: HF_TOKEN
   valueFrom:
-    {{- include "vllm-stack.secretKeyRef" (dict "root" $root "value" . "key" (printf "hfToken-%s" $m.name)) | nindent 4 }}
+    {{- include "vllm-stack.secretKeyRef" (dict "root" $root "value" . "key" (include "vllm-stack.secret.hfTokenKey" $m.name)) | nindent 4 }}
 {{- end }}{{ end }}
 {{- with (include "vllm-stack.vllmApiKeyRef" $root) }}
 - name: VLLM_API_KEY
@@ -221,8 +307,16 @@ secretKeyRef:
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" }}
 {{ include "vllm-stack.engine.lmcacheEnv" . }}
 {{- end }}
-{{- with $m.env }}
-{{ toYaml . }}
+{{- if eq (include "vllm-stack.model.v0" .) "true" }}
+- name: VLLM_USE_V1
+  value: "0"
+{{- else if eq (include "vllm-stack.model.v1" .) "true" }}
+- name: VLLM_USE_V1
+  value: "1"
+{{- end }}
+{{- with $vc.prometheusMultiprocDir }}
+- name: PROMETHEUS_MULTIPROC_DIR
+  value: {{ . | quote }}
 {{- end }}
 {{- end -}}
 

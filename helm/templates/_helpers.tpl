@@ -1,97 +1,140 @@
 {{/* ---------------------------------------------------------------------------------------------
-Names, labels and selectors (Bitnami / prometheus-community style).
+Names, labels and selectors: production-stack's (README "Coming from production-stack"), so that
+`helm upgrade <release> ./helm` from production-stack's chart keeps every Service, claim and Secret key,
+and every Deployment's selector (immutable: an upgrade that changes it fails). This chart's own labels
+are only added next to them (`vllm-stack.io/model`, `vllm-stack.io/role`, `helm.sh/chart`, ...), never
+put in a selector. Objects production-stack does not have follow its pattern: `<release>-<what>`.
 --------------------------------------------------------------------------------------------- */}}
 
 {{- define "vllm-stack.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The prefix of every object name: the release name, as in production-stack (fullnameOverride replaces it). */}}
 {{- define "vllm-stack.fullname" -}}
-{{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
-{{- else -}}
-{{- $name := default .Chart.Name .Values.nameOverride -}}
-{{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
-{{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | default .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
-{{- end -}}
+
+{{/* `<prefix>-<suffix>`. Call with (dict "root" $ "suffix" S). */}}
+{{- define "vllm-stack.objectName" -}}
+{{- printf "%s-%s" (include "vllm-stack.fullname" .root) .suffix | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "vllm-stack.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Selector labels shared by every component: stable across upgrades. */}}
+{{/* Selector labels of this chart's own components (the LMCache controller, ...): stable across upgrades. */}}
 {{- define "vllm-stack.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "vllm-stack.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* Labels every object of the release carries besides its selector labels. `managed-by` is spelt as
+     production-stack spells it (its selectors have it), so that one value holds across the release. */}}
+{{- define "vllm-stack.extraLabels" -}}
+{{- $out := dict "helm.sh/chart" (include "vllm-stack.chart" .) "app.kubernetes.io/version" (toString .Chart.AppVersion) "app.kubernetes.io/managed-by" "helm" "app.kubernetes.io/part-of" .Chart.Name -}}
+{{- toYaml (merge $out (.Values.commonLabels | default dict)) -}}
+{{- end -}}
+
 {{- define "vllm-stack.labels" -}}
-helm.sh/chart: {{ include "vllm-stack.chart" . }}
-{{ include "vllm-stack.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-app.kubernetes.io/part-of: vllm-stack
-{{- with .Values.commonLabels }}
-{{ toYaml . }}
-{{- end }}
+{{ toYaml (merge (include "vllm-stack.selectorLabels" . | fromYaml) (include "vllm-stack.extraLabels" . | fromYaml)) }}
 {{- end -}}
 
-{{/* Engines: call with (dict "root" $ "model" $modelSpec). */}}
-{{- define "vllm-stack.engine.fullname" -}}
-{{- printf "%s-%s" (include "vllm-stack.fullname" .root) .model.name | trunc 63 | trimSuffix "-" -}}
+{{/* production-stack's standard labels of a component: (dict "root" $ "name" N "component" C "labels" L),
+     L being the component's own labels (servingEngineSpec.labels, routerSpec.labels, ...), which
+     production-stack puts into the selector too. */}}
+{{- define "vllm-stack.psSelector" -}}
+{{- $std := dict "app.kubernetes.io/name" (toString .name) "app.kubernetes.io/instance" .root.Release.Name "app.kubernetes.io/component" .component "app.kubernetes.io/part-of" .root.Chart.Name "app.kubernetes.io/managed-by" "helm" -}}
+{{- $out := dict -}}
+{{- range $k, $v := (.labels | default dict) }}{{ $_ := set $out $k (toString $v) }}{{ end -}}
+{{- toYaml (merge $std (.extra | default dict) $out) -}}
 {{- end -}}
 
+{{/* Selector and labels with extras: the selector's values always win (a pod must match its Deployment). */}}
+{{- define "vllm-stack.withExtras" -}}
+{{- $out := deepCopy (.selector | fromYaml) -}}
+{{- range $extra := .extras }}{{ range $k, $v := ($extra | default dict) }}{{ if not (hasKey $out $k) }}{{ $_ := set $out $k (toString $v) }}{{ end }}{{ end }}{{ end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* Engines: call with (dict "root" $ "model" $modelSpec [+ "kind" K]).
+     production-stack's object names, by kind; the InferencePool/Objective are this chart's own. */}}
+{{- define "vllm-stack.engine.objectName" -}}
+{{- $suffix := get (dict "Deployment" "deployment-vllm" "Service" "engine-service" "PersistentVolumeClaim" "storage-claim" "PodDisruptionBudget" "pdb-vllm" "ScaledObject" "scaledobject" "ConfigMap" "chat-templates" "InferencePool" "inference-pool" "InferenceObjective" "inference-objective") .kind -}}
+{{- printf "%s-%s-%s" (include "vllm-stack.fullname" .root) .model.name (required (printf "no engine object name for kind %s" .kind) $suffix) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The engine pods' selector: production-stack's `model` and `helm-release-name`, its standard labels
+     (`app.kubernetes.io/name` is the model, the component `serving-engine`) and servingEngineSpec.labels. */}}
 {{- define "vllm-stack.engine.selectorLabels" -}}
-{{ include "vllm-stack.selectorLabels" .root }}
-app.kubernetes.io/component: engine
-vllm-stack.io/model: {{ .model.name }}
+{{- include "vllm-stack.psSelector" (dict "root" .root "name" .model.name "component" "serving-engine" "labels" .root.Values.servingEngineSpec.labels "extra" (dict "model" (toString .model.name) "helm-release-name" .root.Release.Name)) -}}
 {{- end -}}
 
+{{/* Engine object labels: the selector, then this chart's (`vllm-stack.io/model`, chart, version, commonLabels). */}}
 {{- define "vllm-stack.engine.labels" -}}
-{{ include "vllm-stack.labels" .root }}
-app.kubernetes.io/component: engine
-vllm-stack.io/model: {{ .model.name }}
+{{- include "vllm-stack.withExtras" (dict "selector" (include "vllm-stack.engine.selectorLabels" .) "extras" (list (dict "vllm-stack.io/model" (toString .model.name)) (include "vllm-stack.extraLabels" .root | fromYaml) (.more | default dict))) -}}
+{{- end -}}
+
+{{/* Every engine of this release (any model): what the router discovers, ServiceMonitors and NetworkPolicies select. */}}
+{{- define "vllm-stack.engines.selectorLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: serving-engine
 {{- end -}}
 
 {{/* The label selector the router discovers engines with: this release's engines only. */}}
 {{- define "vllm-stack.engine.discoverySelector" -}}
-{{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/component=engine" .Release.Name -}}
+{{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/component=serving-engine" .Release.Name -}}
 {{- end -}}
 
-{{- define "vllm-stack.router.fullname" -}}
-{{- printf "%s-router" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{/* Router objects, by kind: production-stack's names; the ConfigMap, NetworkPolicy and test Pod are this chart's. */}}
+{{- define "vllm-stack.router.objectName" -}}
+{{- $suffix := get (dict "Deployment" "deployment-router" "Service" "router-service" "ServiceAccount" "router-service-account" "Role" "reader" "RoleBinding" "deployment-access-binding" "HorizontalPodAutoscaler" "router-hpa" "PodDisruptionBudget" "pdb-router" "Ingress" "ingress-router" "HTTPRoute" "router" "ServiceMonitor" "router-servicemonitor" "ConfigMap" "router-config" "NetworkPolicy" "router" "Pod" "router-test") .kind -}}
+{{- include "vllm-stack.objectName" (dict "root" .root "suffix" (required (printf "no router object name for kind %s" .kind) $suffix)) -}}
+{{- end -}}
+
+{{/* The router Service's name: what clients, Ingresses, routes and the LMCache PD senders address. */}}
+{{- define "vllm-stack.router.serviceName" -}}
+{{- include "vllm-stack.router.objectName" (dict "root" . "kind" "Service") -}}
 {{- end -}}
 
 {{- define "vllm-stack.router.selectorLabels" -}}
-{{ include "vllm-stack.selectorLabels" . }}
+{{- include "vllm-stack.psSelector" (dict "root" . "name" "router" "component" "router" "labels" .Values.routerSpec.labels) -}}
+{{- end -}}
+
+{{/* The router pods of this release, as a peer of NetworkPolicies. */}}
+{{- define "vllm-stack.router.peerLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: router
 {{- end -}}
 
 {{- define "vllm-stack.router.labels" -}}
-{{ include "vllm-stack.labels" . }}
-app.kubernetes.io/component: router
+{{- include "vllm-stack.withExtras" (dict "selector" (include "vllm-stack.router.selectorLabels" .) "extras" (list (include "vllm-stack.extraLabels" . | fromYaml))) -}}
 {{- end -}}
 
-{{- define "vllm-stack.cacheserver.fullname" -}}
-{{- printf "%s-cache-server" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{/* Cache server objects: production-stack's `<release>-deployment-cache-server` and `<release>-cache-server-service`. */}}
+{{- define "vllm-stack.cacheserver.objectName" -}}
+{{- $suffix := get (dict "Deployment" "deployment-cache-server" "Service" "cache-server-service" "NetworkPolicy" "cache-server") .kind -}}
+{{- include "vllm-stack.objectName" (dict "root" .root "suffix" (required (printf "no cache server object name for kind %s" .kind) $suffix)) -}}
 {{- end -}}
 
 {{- define "vllm-stack.cacheserver.selectorLabels" -}}
-{{ include "vllm-stack.selectorLabels" . }}
-app.kubernetes.io/component: cache-server
+{{- include "vllm-stack.psSelector" (dict "root" . "name" "cache-server" "component" "cache-server" "labels" .Values.cacheserverSpec.labels) -}}
 {{- end -}}
 
 {{- define "vllm-stack.cacheserver.labels" -}}
-{{ include "vllm-stack.labels" . }}
-app.kubernetes.io/component: cache-server
+{{- include "vllm-stack.withExtras" (dict "selector" (include "vllm-stack.cacheserver.selectorLabels" .) "extras" (list (include "vllm-stack.extraLabels" . | fromYaml))) -}}
 {{- end -}}
 
+{{/* production-stack's one Secret (`<release>-secrets`), always rendered with the engines as there. */}}
 {{- define "vllm-stack.secret.fullname" -}}
-{{- printf "%s-secrets" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- include "vllm-stack.objectName" (dict "root" . "suffix" "secrets") -}}
+{{- end -}}
+
+{{/* Keys of that Secret: production-stack's `hf_token_<model>`; the router's token (production-stack
+     renders it as a plain env value) under `router_hf_token`. */}}
+{{- define "vllm-stack.secret.hfTokenKey" -}}
+{{- printf "hf_token_%s" . -}}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------------------------------------
@@ -193,13 +236,13 @@ Decisions shared by several templates.
 {{- define "vllm-stack.router.hfTokenRef" -}}
 {{- $r := .Values.routerSpec -}}
 {{- if $r.hf_token -}}
-{{- include "vllm-stack.secretKeyRef" (dict "root" . "value" $r.hf_token "key" "hfToken-router") -}}
+{{- include "vllm-stack.secretKeyRef" (dict "root" . "value" $r.hf_token "key" "router_hf_token") -}}
 {{- else -}}
 {{- $root := . -}}
 {{- $found := "" -}}
 {{- range $m := .Values.servingEngineSpec.modelSpec -}}
 {{- if and (not $found) $m.hf_token (eq (include "vllm-stack.model.enabled" (dict "root" $root "model" $m)) "true") (or (kindIs "string" $m.hf_token) $m.hf_token.secretName) -}}
-{{- $found = include "vllm-stack.secretKeyRef" (dict "root" $root "value" $m.hf_token "key" (printf "hfToken-%s" $m.name)) -}}
+{{- $found = include "vllm-stack.secretKeyRef" (dict "root" $root "value" $m.hf_token "key" (include "vllm-stack.secret.hfTokenKey" $m.name)) -}}
 {{- end -}}
 {{- end -}}
 {{- $found -}}
@@ -276,7 +319,8 @@ key: {{ required "routerSpec.vllmApiKey.secretKey is required with secretName" $
 {{- define "vllm-stack.router.hpa" -}}
 {{- $r := .Values.routerSpec -}}
 {{- if and $r.autoscaling $r.autoscaling.enabled -}}
-{{- toYaml (merge (dict) $r.autoscaling (dict "targetMemoryUtilizationPercentage" nil)) -}}
+{{- /* production-stack's defaults for what its block leaves out (min 1, max 3, 80% CPU) */ -}}
+{{- toYaml (merge (dict) $r.autoscaling (dict "minReplicas" 1 "maxReplicas" 3 "targetCPUUtilizationPercentage" 80 "targetMemoryUtilizationPercentage" nil)) -}}
 {{- else -}}
 {{- toYaml $r.hpa -}}
 {{- end -}}
@@ -288,6 +332,48 @@ key: {{ required "routerSpec.vllmApiKey.secretKey is required with secretName" $
 {{- if regexMatch "^[0-9]+$" $v }}{{ $v }}{{ else }}{{ $v | quote }}{{ end -}}
 {{- end -}}
 
+{{/* production-stack's shared claim, `<release>-shared-pvc-storage-claim`, and its PersistentVolume `<release>-shared-pvc-storage`. */}}
 {{- define "vllm-stack.sharedPvc.fullname" -}}
-{{- printf "%s-shared-pvc-storage" (include "vllm-stack.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- include "vllm-stack.objectName" (dict "root" . "suffix" "shared-pvc-storage-claim") -}}
+{{- end -}}
+
+{{- define "vllm-stack.sharedPv.fullname" -}}
+{{- include "vllm-stack.objectName" (dict "root" . "suffix" "shared-pvc-storage") -}}
+{{- end -}}
+
+{{/* One env entry per name (Helm 4's server-side apply refuses a container with two): the chart's entries
+     first, then the user's (`env` lists, in order), a later entry of a name replacing the earlier one in
+     its place. Call with a list of env lists; renders a YAML list. */}}
+{{- define "vllm-stack.env.merged" -}}
+{{- $order := list -}}
+{{- $byName := dict -}}
+{{- range $entries := . -}}
+{{- range $e := ($entries | default list) -}}
+{{- $name := toString $e.name -}}
+{{- if not (hasKey $byName $name) }}{{ $order = append $order $name }}{{ end -}}
+{{- $_ := set $byName $name $e -}}
+{{- end -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $order }}{{ $out = append $out (get $byName .) }}{{ end -}}
+{{- with $out }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* What `helm test` asks a model (tests/test-router-models.yaml): its helmTestRequest; else an embedding
+     (embed) or a listing (pooling) for pooling runners; a chat completion when it has a chatTemplate; a
+     completion when its modelURL is a base model without a chat template (helmTest.completionModels: the
+     engine would answer a chat request with 400); else a chat completion. */}}
+{{- define "vllm-stack.model.testRequest" -}}
+{{- $m := .model -}}
+{{- $vc := $m.vllmConfig | default dict -}}
+{{- $given := get (dict "chat" "chat" "completion" "completion" "embedding" "embed" "list" "pooling") (toString ($m.helmTestRequest | default "")) -}}
+{{- $url := toString ($m.modelURL | default $m.name) -}}
+{{- $base := false -}}
+{{- range (.root.Values.helmTest.completionModels | default list) }}{{ if regexMatch . $url }}{{ $base = true }}{{ end }}{{ end -}}
+{{- if $given }}{{ $given }}
+{{- else if eq (toString $vc.runner) "pooling" }}{{ ternary "embed" "pooling" (has (toString $vc.convert) (list "embed" "token_embed" "<nil>")) }}
+{{- else if $m.chatTemplate }}chat
+{{- else if $base }}completion
+{{- else }}chat
+{{- end -}}
 {{- end -}}

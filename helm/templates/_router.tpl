@@ -30,12 +30,12 @@
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
 {{- if $r.adminApiKeysSecret }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}
 {{- if ($r.priority | default dict).apiKeysSecret }}{{ $args = concat $args (list "--priority-api-keys-file" "/etc/vllm-stack/priority-keys/keys") }}{{ end -}}
-{{- range $r.extraArgs }}{{ $args = append $args (toString .) }}{{ end -}}
+{{- $args = concat $args (include "vllm-stack.router.extraArgs" . | fromYaml).args -}}
 {{- toYaml $args -}}
 {{- end -}}
 
 {{- define "vllm-stack.router.serviceAccountName" -}}
-{{- .Values.routerSpec.serviceAccountName | default (include "vllm-stack.router.fullname" .) -}}
+{{- .Values.routerSpec.serviceAccountName | default (include "vllm-stack.router.objectName" (dict "root" . "kind" "ServiceAccount")) -}}
 {{- end -}}
 
 {{/*
@@ -202,4 +202,64 @@ The registry's own resolution of baseModel (vllm-stack.router.loraAdapters), not
 {{- if eq .base_model $served }}true{{ end -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The router container's env before routerSpec.env (vllm-stack.env.merged: one entry per name). */}}
+{{- define "vllm-stack.router.chartEnv" -}}
+- name: TMPDIR
+  value: /tmp
+{{- with (include "vllm-stack.router.vllmApiKeyRef" .) }}
+- name: VLLM_API_KEY
+  valueFrom:
+    secretKeyRef:
+      {{- . | nindent 6 }}
+{{- end }}
+{{- if contains "=hf:" (include "vllm-stack.router.tokenizers" .) }}
+{{- /* Tokenizer files fetched from the Hub for prefix routing (vllm_stack.scheduling.index.tokenizer_source). */}}
+- name: VLLM_STACK_CACHE_DIR
+  value: /tmp/vllm-stack
+{{- with (include "vllm-stack.router.hfTokenRef" .) }}
+- name: HF_TOKEN
+  valueFrom:
+    {{- . | nindent 4 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+routerSpec.extraArgs as this router takes them (files/router-flags.yaml): a flag of this router passes as
+given; production-stack's router flags are rendered as ours (`as`), dropped with a reason (`drop`, a
+deviation NOTES lists) or refused (`refuse`, the render fails with the reason); anything else is refused as
+unknown, since the router would exit on it (argparse). Renders {args: [...], dropped: ["FLAG: reason"]}.
+*/}}
+{{- define "vllm-stack.router.extraArgs" -}}
+{{- $table := .Files.Get "files/router-flags.yaml" | fromYaml -}}
+{{- $words := list -}}
+{{- range .Values.routerSpec.extraArgs }}{{ $words = append $words (include "vllm-stack.str" .) }}{{ end -}}
+{{- $args := list -}}
+{{- $dropped := list -}}
+{{- $skip := false -}}
+{{- range $i, $w := $words -}}
+{{- if $skip }}{{ $skip = false }}{{ continue }}{{ end -}}
+{{- if not (hasPrefix "--" $w) }}{{ fail (printf "routerSpec.extraArgs: %q is not a flag (a value must follow the flag that takes it)" $w) }}{{ end -}}
+{{- $name := regexReplaceAll "=.*$" $w "" -}}
+{{- $inline := ne $name $w -}}
+{{- $ours := get $table.ours $name -}}
+{{- $ps := get $table.productionStack $name | default dict -}}
+{{- $takes := $ours | default ($ps.takes | default "") -}}
+{{- $value := "" -}}
+{{- $words2 := list $w -}}
+{{- if $inline }}{{ $value = trimPrefix (printf "%s=" $name) $w }}
+{{- else if and (eq $takes "value") (lt (add1 $i) (len $words)) (not (hasPrefix "--" (index $words (add1 $i)))) }}{{ $value = index $words (add1 $i) }}{{ $words2 = append $words2 $value }}{{ $skip = true }}{{ end -}}
+{{- $said := printf "%s%s" $name (ternary (printf " %s" $value) "" (ne $value "")) -}}
+{{- if $ps.as }}{{ $args = concat $args (ternary (list (printf "%s=%s" $ps.as $value)) (list $ps.as $value) $inline) }}
+{{- else if hasKey ($ps.refuseValues | default dict) $value }}{{ fail (printf "routerSpec.extraArgs: %s is production-stack's router flag: %s" $said (get $ps.refuseValues $value)) }}
+{{- else if hasKey ($ps.dropValues | default dict) $value }}{{ $dropped = append $dropped (printf "%s not rendered: %s" $said (get $ps.dropValues $value)) }}
+{{- else if $ps.refuse }}{{ fail (printf "routerSpec.extraArgs: %s is production-stack's router flag, not this router's: %s" $said $ps.refuse) }}
+{{- else if $ps.drop }}{{ $dropped = append $dropped (printf "%s not rendered: %s" $said $ps.drop) }}
+{{- else if $ours }}{{ $args = concat $args $words2 }}
+{{- else }}{{ fail (printf "routerSpec.extraArgs: %s is not a flag of this router (vllm-stack router --help lists them) nor one of production-stack's router that the chart knows; the router would exit on it: remove it" $name) }}
+{{- end -}}
+{{- end -}}
+{{- toYaml (dict "args" $args "dropped" $dropped) -}}
 {{- end -}}

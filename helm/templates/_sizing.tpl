@@ -36,6 +36,33 @@ from it (README "Engine memory and CPU"). Call with (dict "root" $ "model" $mode
 {{- ceil (float64 (include "vllm-stack.str" $g)) | int64 -}}
 {{- end -}}
 
+{{/* The GPUs the pod gets: requestGPU (whole), or with a full `resources` block its GPU resource (a key naming
+     a GPU or MIG slice, not HAMi's gpumem/gpucores), limits before requests. */}}
+{{- define "vllm-stack.engine.gpuCount" -}}
+{{- if .model.resources -}}
+{{- $count := 0 -}}
+{{- range $side := list "requests" "limits" -}}
+{{- range $k, $v := (get ($.model.resources | default dict) $side | default dict) -}}
+{{- if and (regexMatch "(^|/)(gpu|mig-.*)$" $k) }}{{ $count = ceil (float64 (include "vllm-stack.str" $v)) | int }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- $count -}}
+{{- else -}}
+{{- include "vllm-stack.engine.gpus" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* LMCache's max_local_cpu_size (GiB) as rendered: lmcacheConfig.cpuOffloadingBufferSize, else "0" for
+     production-stack's PD engines (lmcacheConfig.enablePD, which it renders with LMCACHE_MAX_LOCAL_CPU_SIZE=0:
+     their KV caches go to the peer, not to a CPU buffer), else empty (LMCache's default, 5). */}}
+{{- define "vllm-stack.model.cpuBuffer" -}}
+{{- $lc := .model.lmcacheConfig | default dict -}}
+{{- if and (not (kindIs "invalid" $lc.cpuOffloadingBufferSize)) (ne (toString $lc.cpuOffloadingBufferSize) "") -}}
+{{- include "vllm-stack.str" $lc.cpuOffloadingBufferSize -}}
+{{- else if eq (toString $lc.enablePD) "true" -}}0
+{{- end -}}
+{{- end -}}
+
 {{/*
 The sizing of one engine as YAML: what it holds at start and the requests/limits rendered.
   bufferMi     LMCache's pinned CPU buffer: LMCache 0.5.6 allocates max_local_cpu_size GiB (default 5)
@@ -59,10 +86,10 @@ The sizing of one engine as YAML: what it holds at start and the requests/limits
 {{- if $lm -}}
 {{- $lc := $m.lmcacheConfig -}}
 {{- $gib := 5.0 -}}
-{{- if not (kindIs "invalid" $lc.cpuOffloadingBufferSize) }}{{ if ne (toString $lc.cpuOffloadingBufferSize) "" }}{{ $gib = float64 (include "vllm-stack.str" $lc.cpuOffloadingBufferSize) }}{{ end }}{{ end -}}
+{{- with (include "vllm-stack.model.cpuBuffer" .) }}{{ $gib = float64 . }}{{ end -}}
 {{- /* Each GPU worker (tensor x pipeline parallel rank) runs its own LMCache engine with its own buffer. */ -}}
 {{- $bufferMi = mul (ceil (mulf $gib 1024) | int64) $parallel -}}
-{{- $source := printf "lmcacheConfig.cpuOffloadingBufferSize%s" (ternary "" ", LMCache's default 5" (hasKey $lc "cpuOffloadingBufferSize")) -}}
+{{- $source := printf "lmcacheConfig.cpuOffloadingBufferSize%s" (ternary "" ", LMCache's default 5" (ne (include "vllm-stack.model.cpuBuffer" .) "")) -}}
 {{- if gt $parallel 1 }}{{ $source = printf "%s, %s per GPU worker x %d workers" $source (include "vllm-stack.quantityMi" (ceil (mulf $gib 1024) | int64)) $parallel }}{{ end -}}
 {{- if $bufferMi }}{{ $bufferWhat = append $bufferWhat (printf "%s LMCache CPU buffer (%s)" (include "vllm-stack.quantityMi" $bufferMi) $source) }}{{ end -}}
 {{- with (include "vllm-stack.model.pd" . | fromYaml) }}{{ if and .role (eq (.bufferDevice | default "cuda") "cpu") -}}

@@ -26,6 +26,52 @@ RELEASE = "vllm-stack"
 NAMESPACE = "llm"
 
 
+# Object names: production-stack's (helm/templates/_helpers.tpl), by kind.
+ENGINE_SUFFIX = {
+    "Deployment": "deployment-vllm",
+    "Service": "engine-service",
+    "PersistentVolumeClaim": "storage-claim",
+    "PodDisruptionBudget": "pdb-vllm",
+    "ScaledObject": "scaledobject",
+    "ConfigMap": "chat-templates",
+    "InferencePool": "inference-pool",
+    "InferenceObjective": "inference-objective",
+}
+ROUTER_SUFFIX = {
+    "Deployment": "deployment-router",
+    "Service": "router-service",
+    "ServiceAccount": "router-service-account",
+    "Role": "reader",
+    "RoleBinding": "deployment-access-binding",
+    "HorizontalPodAutoscaler": "router-hpa",
+    "PodDisruptionBudget": "pdb-router",
+    "Ingress": "ingress-router",
+    "HTTPRoute": "router",
+    "ServiceMonitor": "router-servicemonitor",
+    "ConfigMap": "router-config",
+    "NetworkPolicy": "router",
+    "Pod": "router-test",
+}
+CACHE_SERVER_SUFFIX = {
+    "Deployment": "deployment-cache-server",
+    "Service": "cache-server-service",
+    "NetworkPolicy": "cache-server",
+}
+
+
+def engine_name(model: str, kind: str = "Deployment", release: str = RELEASE) -> str:
+    """The name the chart gives a model's object of this kind (production-stack's)."""
+    return f"{release}-{model}-{ENGINE_SUFFIX[kind]}"
+
+
+def router_name(kind: str = "Deployment", release: str = RELEASE) -> str:
+    return f"{release}-{ROUTER_SUFFIX[kind]}"
+
+
+def cache_server_name(kind: str = "Deployment", release: str = RELEASE) -> str:
+    return f"{release}-{CACHE_SERVER_SUFFIX[kind]}"
+
+
 def helm_path(name: str) -> Path:
     path = HELMS[name]
     if not path.exists():

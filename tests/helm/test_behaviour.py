@@ -12,12 +12,15 @@ from tests.helm.chart import (
     EXAMPLES,
     NAMESPACE,
     RELEASE,
+    cache_server_name,
     container,
+    engine_name,
     env_of,
     find,
     flag,
     one,
     render,
+    router_name,
     values_file,
 )
 
@@ -28,7 +31,7 @@ SEED_KEDA = EXAMPLES / "seed-keda.yaml"
 
 
 def engine(objs, model):
-    return one(objs, "Deployment", f"{RELEASE}-{model}")
+    return one(objs, "Deployment", engine_name(model, "Deployment"))
 
 
 # --- the user's production-stack values file -------------------------------------------------------------
@@ -59,7 +62,7 @@ def test_seed_engine_env_resources_volumes_probes():
     d = engine(render([SEED]), "mistral")
     c = container(d)
     env = env_of(c)
-    assert env["PYTHONHASHSEED"]["value"] == "0"
+    assert env["PYTHONHASHSEED"]["value"] == "123"  # production-stack's seed
     assert env["LMCACHE_TRACK_USAGE"]["value"] == "false"
     assert env["LMCACHE_LOCAL_CPU"]["value"] == "true"
     assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"]["value"] == "30"
@@ -75,11 +78,13 @@ def test_seed_engine_env_resources_volumes_probes():
     assert c["livenessProbe"]["failureThreshold"] == 3
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
-    assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == f"{RELEASE}-mistral"
+    assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == engine_name(
+        "mistral", "PersistentVolumeClaim"
+    )
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts == {"model-cache": "/data", "dshm": "/dev/shm"}
-    pvc = one(render([SEED]), "PersistentVolumeClaim", f"{RELEASE}-mistral")
+    pvc = one(render([SEED]), "PersistentVolumeClaim", engine_name("mistral", "PersistentVolumeClaim"))
     assert pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
     assert d["spec"]["replicas"] == 1
 
@@ -88,16 +93,26 @@ def test_seed_names_labels_selectors():
     objs = render([SEED])
     d = engine(objs, "mistral")
     sel = d["spec"]["selector"]["matchLabels"]
+    # production-stack's selector (its chart's defaults for servingEngineSpec.labels included): an upgrade
+    # from its chart keeps it; ours is only added to the pods (vllm-stack.io/model).
     assert sel == {
-        "app.kubernetes.io/name": "vllm-stack",
+        "model": "mistral",
+        "helm-release-name": RELEASE,
+        "app.kubernetes.io/name": "mistral",
         "app.kubernetes.io/instance": RELEASE,
-        "app.kubernetes.io/component": "engine",
-        "vllm-stack.io/model": "mistral",
+        "app.kubernetes.io/component": "serving-engine",
+        "app.kubernetes.io/part-of": "vllm-stack",
+        "app.kubernetes.io/managed-by": "helm",
+        "environment": "test",
+        "release": "test",
     }
-    assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
-    svc = one(objs, "Service", f"{RELEASE}-mistral")
+    pod_labels = d["spec"]["template"]["metadata"]["labels"]
+    assert sel.items() <= pod_labels.items() and pod_labels["vllm-stack.io/model"] == "mistral"
+    svc = one(objs, "Service", engine_name("mistral", "Service"))
     assert svc["spec"]["selector"] == sel
-    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert (
+        svc["spec"]["ports"][0]["targetPort"] == "http" and svc["spec"]["ports"][0]["name"] == "service-port"
+    )
     for o in objs:
         assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE, o["metadata"]["name"]
         assert o["metadata"].get("namespace") == NAMESPACE
@@ -105,7 +120,7 @@ def test_seed_names_labels_selectors():
 
 def test_router_args_follow_the_contract():
     objs = render([SEED])
-    d = one(objs, "Deployment", f"{RELEASE}-router")
+    d = one(objs, "Deployment", router_name("Deployment"))
     c = container(d)
     assert "command" not in c  # the image's entrypoint is `vllm-stack router`
     assert c["image"] == "ghcr.io/vllm-stack/router:0.1.0"  # production-stack's image takes other flags
@@ -119,7 +134,7 @@ def test_router_args_follow_the_contract():
         "--k8s-namespace",
         NAMESPACE,
         "--k8s-label-selector",
-        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=engine",
+        f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=serving-engine",
         "--k8s-port",
         "8000",
         "--routing-logic",
@@ -146,24 +161,32 @@ def test_router_args_follow_the_contract():
 def test_router_stops_gracefully_within_the_pod_grace_period(tmp_path):
     """SIGTERM handling fits Kubernetes: a preStop sleep while the pod leaves the Service, then the
     router's own drain (--shutdown-grace) ends before the kubelet's kill."""
-    d = one(render([SEED]), "Deployment", f"{RELEASE}-router")
+    d = one(render([SEED]), "Deployment", router_name("Deployment"))
     pod = d["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] == 60
     assert container(d)["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
     vf = values_file(
         tmp_path, {"routerSpec": {"terminationGracePeriodSeconds": 300, "preStopSleepSeconds": 0}}
     )
-    d = one(render([SEED, str(vf)]), "Deployment", f"{RELEASE}-router")
+    d = one(render([SEED, str(vf)]), "Deployment", router_name("Deployment"))
     assert "lifecycle" not in container(d)
     assert flag(container(d)["args"], "--shutdown-grace") == "295"
 
 
 def test_two_releases_never_see_each_others_engines():
     a, b = render([SEED], release="team-a"), render([SEED], release="team-b")
-    sel_a = flag(container(one(a, "Deployment", "team-a-vllm-stack-router"))["args"], "--k8s-label-selector")
-    sel_b = flag(container(one(b, "Deployment", "team-b-vllm-stack-router"))["args"], "--k8s-label-selector")
-    labels_b = one(b, "Deployment", "team-b-vllm-stack-mistral")["spec"]["template"]["metadata"]["labels"]
-    labels_a = one(a, "Deployment", "team-a-vllm-stack-mistral")["spec"]["template"]["metadata"]["labels"]
+    sel_a = flag(
+        container(one(a, "Deployment", router_name(release="team-a")))["args"], "--k8s-label-selector"
+    )
+    sel_b = flag(
+        container(one(b, "Deployment", router_name(release="team-b")))["args"], "--k8s-label-selector"
+    )
+    labels_b = one(b, "Deployment", engine_name("mistral", release="team-b"))["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    labels_a = one(a, "Deployment", engine_name("mistral", release="team-a"))["spec"]["template"]["metadata"][
+        "labels"
+    ]
 
     def matches(selector, labels):
         return all(labels.get(k) == v for k, v in (kv.split("=") for kv in selector.split(",")))
@@ -177,7 +200,7 @@ def test_two_releases_never_see_each_others_engines():
 
 def test_router_security_rbac_and_service():
     objs = render([SEED])
-    d = one(objs, "Deployment", f"{RELEASE}-router")
+    d = one(objs, "Deployment", router_name("Deployment"))
     pod = d["spec"]["template"]["spec"]
     c = container(d)
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -188,15 +211,20 @@ def test_router_security_rbac_and_service():
         "/tmp": False,
         "/etc/vllm-stack/router": True,
     }
-    assert pod["serviceAccountName"] == f"{RELEASE}-router" and pod["automountServiceAccountToken"] is True
-    role = one(objs, "Role", f"{RELEASE}-router")
+    assert (
+        pod["serviceAccountName"] == router_name("ServiceAccount")
+        and pod["automountServiceAccountToken"] is True
+    )
+    role = one(objs, "Role", router_name("Role"))
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    rb = one(objs, "RoleBinding", f"{RELEASE}-router")
+    rb = one(objs, "RoleBinding", router_name("RoleBinding"))
     assert rb["roleRef"]["name"] == role["metadata"]["name"]
-    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-router", "namespace": NAMESPACE}]
+    assert rb["subjects"] == [
+        {"kind": "ServiceAccount", "name": router_name("ServiceAccount"), "namespace": NAMESPACE}
+    ]
     assert not find(objs, "ClusterRole") and not find(objs, "ClusterRoleBinding")
-    assert one(objs, "PodDisruptionBudget", f"{RELEASE}-router")["spec"]["maxUnavailable"] == 1
-    assert one(objs, "Service", f"{RELEASE}-router")["spec"]["ports"][0]["port"] == 80
+    assert one(objs, "PodDisruptionBudget", router_name("PodDisruptionBudget"))["spec"]["maxUnavailable"] == 1
+    assert one(objs, "Service", router_name("Service"))["spec"]["ports"][0]["port"] == 80
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
@@ -212,14 +240,14 @@ def test_static_discovery_has_no_rbac_and_no_token(tmp_path):
         },
     )
     objs = render([v])
-    c = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    c = container(one(objs, "Deployment", router_name("Deployment")))
     assert flag(c["args"], "--service-discovery") == "static"
     assert flag(c["args"], "--static-backends") == "http://a:8000,http://b:8000"
     assert flag(c["args"], "--static-models") == "m"
     assert "--k8s-label-selector" not in c["args"]
     assert not find(objs, "Role") and not find(objs, "RoleBinding")
     assert (
-        one(objs, "Deployment", f"{RELEASE}-router")["spec"]["template"]["spec"][
+        one(objs, "Deployment", router_name("Deployment"))["spec"]["template"]["spec"][
             "automountServiceAccountToken"
         ]
         is False
@@ -270,7 +298,7 @@ def test_multi_model_secrets_api_key_and_kv_events():
     llama, qwen = engine(objs, "llama3"), engine(objs, "qwen")
     secret = one(objs, "Secret", f"{RELEASE}-secrets")
     assert set(secret["data"]) == {"vllmApiKey"}  # hf_token of llama3 is an existing Secret reference
-    for d in (llama, qwen, one(objs, "Deployment", f"{RELEASE}-router")):
+    for d in (llama, qwen, one(objs, "Deployment", router_name("Deployment"))):
         ref = env_of(container(d))["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": f"{RELEASE}-secrets", "key": "vllmApiKey"}
     assert env_of(container(llama))["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
@@ -292,7 +320,7 @@ def test_multi_model_secrets_api_key_and_kv_events():
         assert {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"} in c["ports"]
         assert c["args"].count("--enable-prompt-tokens-details") == 1
     # ... and gives the router each Hub model's tokenizer, fetched with the first model's token.
-    router_c = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    router_c = container(one(objs, "Deployment", router_name("Deployment")))
     assert flag(router_c["args"], "--tokenizers") == (
         "meta-llama/Llama-3.1-8B-Instruct=hf:meta-llama/Llama-3.1-8B-Instruct,qwen-small=hf:Qwen/Qwen2.5-1.5B-Instruct"
     )
@@ -305,14 +333,19 @@ def test_multi_model_secrets_api_key_and_kv_events():
     assert container(qwen)["image"] == "vllm/vllm-openai:v0.32.0"
     vols = {v["name"]: v for v in qwen["spec"]["template"]["spec"]["volumes"]}
     assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == "shared-models"
-    assert not find(objs, "PersistentVolumeClaim", f"{RELEASE}-qwen")
+    assert not find(objs, "PersistentVolumeClaim", engine_name("qwen", "PersistentVolumeClaim"))
     assert llama["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
     terms = llama["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]["nodeSelectorTerms"]
     assert terms[0]["matchExpressions"][0]["key"] == "nvidia.com/gpu.product"
-    assert one(objs, "PodDisruptionBudget", f"{RELEASE}-llama3")["spec"]["maxUnavailable"] == "25%"
-    router = one(objs, "Deployment", f"{RELEASE}-router")
+    assert (
+        one(objs, "PodDisruptionBudget", engine_name("llama3", "PodDisruptionBudget"))["spec"][
+            "maxUnavailable"
+        ]
+        == "25%"
+    )
+    router = one(objs, "Deployment", router_name("Deployment"))
     assert "replicas" not in router["spec"]  # the HPA owns it
     assert one(objs, "HorizontalPodAutoscaler")["spec"]["maxReplicas"] == 6
     args = container(router)["args"]
@@ -329,16 +362,24 @@ def test_round_robin_engines_publish_no_kv_events():
     assert [p["name"] for p in c["ports"]] == ["http"]
 
 
-def test_disabled_model_renders_nothing():
+def test_disabled_model_keeps_only_its_service_and_claim():
+    """As production-stack renders them: the claim keeps the downloaded weights while the model is off, and
+    an upgrade from production-stack's chart neither deletes it nor the Service; nothing runs for the model."""
     objs = render([EXAMPLES / "disabled-model.yaml"])
     assert engine(objs, "active")
-    for o in objs:
-        assert o["metadata"]["labels"].get("vllm-stack.io/model") != "parked", (
-            o["kind"],
-            o["metadata"]["name"],
-        )
-        assert "parked" not in o["metadata"]["name"]
-    assert not find(objs, "Secret")  # the disabled model's token is not stored either
+    parked = [
+        (o["kind"], o["metadata"]["name"])
+        for o in objs
+        if o["metadata"].get("labels", {}).get("vllm-stack.io/model") == "parked"
+        or "parked" in o["metadata"]["name"]
+    ]
+    assert sorted(parked) == [
+        ("PersistentVolumeClaim", engine_name("parked", "PersistentVolumeClaim")),
+        ("Service", engine_name("parked", "Service")),
+    ]
+    svc = one(objs, "Service", engine_name("parked", "Service"))
+    pods = [d["spec"]["template"]["metadata"]["labels"] for d in find(objs, "Deployment")]
+    assert not [p for p in pods if svc["spec"]["selector"].items() <= p.items()]  # it selects no pod
 
 
 def test_replica_count_zero_is_kept_not_made_one(tmp_path):
@@ -346,19 +387,31 @@ def test_replica_count_zero_is_kept_not_made_one(tmp_path):
     sets = ("servingEngineSpec.modelSpec[0].replicaCount=0",)
     assert engine(render([EXAMPLES / "local-default.yaml"], sets), "tiny-llama")["spec"]["replicas"] == 0
     keda = ("servingEngineSpec.modelSpec[0].keda.enabled=true",)
-    so = one(render([EXAMPLES / "local-default.yaml"], sets + keda), "ScaledObject", f"{RELEASE}-tiny-llama")
+    so = one(
+        render([EXAMPLES / "local-default.yaml"], sets + keda),
+        "ScaledObject",
+        engine_name("tiny-llama", "ScaledObject"),
+    )
     assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["maxReplicaCount"] == 1
 
 
 def test_no_models_renders_router_only():
     objs = render([EXAMPLES / "no-models.yaml"])
-    assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objs} == {"router", "test"}
+    components = {
+        o["metadata"]["labels"].get("app.kubernetes.io/component") for o in objs if o["kind"] != "Secret"
+    }
+    assert components == {"router", "test"}
+    # production-stack's Secret, rendered (empty) whenever engines are on, as there
+    assert one(objs, "Secret", f"{RELEASE}-secrets").get("data") is None
 
 
 def test_engines_off_removes_every_engine_object(tmp_path):
     v = values_file(tmp_path, {"servingEngineSpec": {"enableEngine": False}})
     objs = render([SEED, v])
-    assert not [o for o in objs if o["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"]
+    assert not [
+        o for o in objs if o["metadata"]["labels"].get("app.kubernetes.io/component") == "serving-engine"
+    ]
+    assert not find(objs, "Secret")
 
 
 # --- LoRA, LMCache, cache server, PD ---------------------------------------------------------------------
@@ -377,24 +430,24 @@ def test_lora_flags_and_runtime_updating():
     mods = [args[i + 1] for i, a in enumerate(args) if a == "--lora-modules"]
     assert mods == ["sql=/data/adapters/sql", "summarize=/data/adapters/summarize"]
     assert env_of(c)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]["value"] == "True"
-    r = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+    r = container(one(objs, "Deployment", router_name("Deployment")))["args"]
     assert flag(r, "--routing-logic") == "session" and flag(r, "--session-key") == "x-user-id"
 
 
 def test_cache_server_and_lmcache_offload():
     objs = render([EXAMPLES / "cache-server.yaml"])
-    cs = one(objs, "Deployment", f"{RELEASE}-cache-server")
+    cs = one(objs, "Deployment", cache_server_name("Deployment"))
     c = container(cs)
     assert c["command"] == ["lmcache_server", "0.0.0.0", "8080"]
     assert c["image"] == "lmcache/vllm-openai:v0.5.6"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["tcpSocket"]["port"] == "lm"
     assert c["resources"]["limits"]["memory"] == "32Gi"
-    svc = one(objs, "Service", f"{RELEASE}-cache-server")
+    svc = one(objs, "Service", cache_server_name("Service"))
     assert svc["spec"]["ports"][0]["port"] == 81
     e = container(engine(objs, "mistral"))
     env = env_of(e)
-    assert env["LMCACHE_REMOTE_URL"]["value"] == f"lm://{RELEASE}-cache-server:81"
+    assert env["LMCACHE_REMOTE_URL"]["value"] == f"lm://{cache_server_name('Service')}:81"
     assert env["LMCACHE_REMOTE_SERDE"]["value"] == "naive"
     assert env["LMCACHE_LOCAL_DISK"]["value"] == "file:///lmcache/disk/"
     assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"]["value"] == "100"
@@ -404,16 +457,16 @@ def test_cache_server_and_lmcache_offload():
     vols = {v["name"]: v for v in engine(objs, "mistral")["spec"]["template"]["spec"]["volumes"]}
     assert vols["lmcache-disk"]["emptyDir"]["sizeLimit"] == "100Gi"
     nps = {n["metadata"]["name"]: n for n in find(objs, "NetworkPolicy")}
-    cs_np = nps[f"{RELEASE}-cache-server"]
+    cs_np = nps[cache_server_name("NetworkPolicy")]
     assert (
         cs_np["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-        == "engine"
+        == "serving-engine"
     )
 
 
 def test_cache_server_off_by_default():
     objs = render([SEED])
-    assert not find(objs, "Deployment", f"{RELEASE}-cache-server")
+    assert not find(objs, "Deployment", cache_server_name("Deployment"))
     assert "LMCACHE_REMOTE_URL" not in env_of(container(engine(objs, "mistral")))
 
 
@@ -460,7 +513,7 @@ def test_pd_roles_use_lmcache_05_names_only():
     p, d = env_of(pre), env_of(dec)
     assert (p["LMCACHE_ENABLE_PD"]["value"], p["LMCACHE_PD_ROLE"]["value"]) == ("true", "sender")
     assert (
-        p["LMCACHE_PD_PROXY_HOST"]["value"] == f"{RELEASE}-router"  # the router is the PD proxy
+        p["LMCACHE_PD_PROXY_HOST"]["value"] == router_name("Service")  # the router is the PD proxy
         and p["LMCACHE_PD_PROXY_PORT"]["value"] == "7500"
     )
     assert p["LMCACHE_TRANSFER_CHANNEL"]["value"] == "nixl" and p["LMCACHE_NIXL_BACKENDS"]["value"] == "UCX"
@@ -483,12 +536,12 @@ def test_pd_roles_use_lmcache_05_names_only():
 
 def test_seed_keda_block_scales_llama3_with_one_element_query():
     objs = render([SEED_KEDA])
-    so = one(objs, "ScaledObject", f"{RELEASE}-llama3")
+    so = one(objs, "ScaledObject", engine_name("llama3", "ScaledObject"))
     spec = so["spec"]
     assert spec["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "name": f"{RELEASE}-llama3",
+        "name": engine_name("llama3"),
     }
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 3)
     assert (spec["pollingInterval"], spec["cooldownPeriod"]) == (15, 360)
@@ -498,7 +551,7 @@ def test_seed_keda_block_scales_llama3_with_one_element_query():
     assert t["type"] == "prometheus"
     assert (
         t["metadata"]["query"]
-        == f'sum(vllm:num_requests_waiting{{model_name="llama3",namespace="{NAMESPACE}"}})'
+        == f'sum(vllm:num_requests_waiting{{model_name="meta-llama/Llama-3.1-8B-Instruct",namespace="{NAMESPACE}"}})'
     )
     assert t["metadata"]["threshold"] == "5"
     assert t["metadata"]["serverAddress"] == "http://prometheus:9090"  # from the chart-wide trigger
@@ -507,7 +560,7 @@ def test_seed_keda_block_scales_llama3_with_one_element_query():
 
 def test_keda_default_trigger_and_scale_from_zero():
     objs = render([EXAMPLES / "keda-scale-from-zero.yaml"])
-    so = one(objs, "ScaledObject", f"{RELEASE}-llama3")["spec"]
+    so = one(objs, "ScaledObject", engine_name("llama3", "ScaledObject"))["spec"]
     assert so["minReplicaCount"] == 0 and so["maxReplicaCount"] == 4
     queue, wake = so["triggers"]
     assert queue["metadata"] == {
@@ -521,7 +574,7 @@ def test_keda_default_trigger_and_scale_from_zero():
         f" + (sum(vllm_stack_router_queue_length{scope}) or vector(0))"
     )
     assert wake["metadata"]["activationThreshold"] == "0"
-    assert not find(objs, "ScaledObject", f"{RELEASE}-qwen")  # keda.enabled: false
+    assert not find(objs, "ScaledObject", engine_name("qwen", "ScaledObject"))  # keda.enabled: false
     assert engine(objs, "qwen")["spec"]["replicas"] == 1
 
 
@@ -534,6 +587,7 @@ def test_user_promql_is_kept_as_written(tmp_path):
                 "modelSpec": [
                     {
                         "name": "x",
+                        "modelURL": "org/x",
                         "keda": {
                             "triggers": [
                                 {
@@ -563,8 +617,8 @@ def test_user_promql_is_kept_as_written(tmp_path):
 def test_monitoring_objects():
     objs = render([EXAMPLES / "monitoring.yaml"])
     sms = {s["metadata"]["name"]: s for s in find(objs, "ServiceMonitor")}
-    eng, rt = sms[f"{RELEASE}-engines"], sms[f"{RELEASE}-router"]
-    assert eng["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    eng, rt = sms[f"{RELEASE}-engine-servicemonitor"], sms[router_name("ServiceMonitor")]
+    assert eng["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "serving-engine"
     assert eng["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
     assert eng["spec"]["endpoints"][0]["relabelings"][0]["replacement"] == "vllm-stack-engine"
     assert rt["spec"]["endpoints"][0]["relabelings"][0]["replacement"] == "vllm-stack-router"
@@ -585,9 +639,9 @@ def test_monitoring_objects():
 def test_exposure_objects():
     objs = render([EXAMPLES / "monitoring.yaml"])
     ing = one(objs, "Ingress")
-    assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == f"{RELEASE}-router"
+    assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == router_name("Service")
     route = one(objs, "HTTPRoute")
-    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"{RELEASE}-router", "port": 80}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": router_name("Service"), "port": 80}]
     pool = one(objs, "InferencePool")
     assert (
         pool["spec"]["selector"]["matchLabels"] == engine(objs, "llama3")["spec"]["selector"]["matchLabels"]
@@ -609,7 +663,7 @@ def test_helm_test_hook_calls_models():
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     c = pod["spec"]["containers"][0]
     assert "/v1/models" in c["args"][0]
-    assert env_of(c)["ROUTER_URL"]["value"] == f"http://{RELEASE}-router.{NAMESPACE}.svc:80"
+    assert env_of(c)["ROUTER_URL"]["value"] == f"http://{router_name('Service')}.{NAMESPACE}.svc:80"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
@@ -619,7 +673,7 @@ def test_network_policy_lets_engines_reach_each_other_only_for_p2p_or_pd():
     components = [
         p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for p in peers
     ]
-    assert components == ["router", None, "engine"]  # the router is the PD proxy: no proxy of its own
+    assert components == ["router", None, "serving-engine"]  # the router is the PD proxy: no proxy of its own
     plain = one(render([EXAMPLES / "monitoring.yaml"]), "NetworkPolicy", f"{RELEASE}-engines")
     assert len(plain["spec"]["ingress"][0]["from"]) == 2  # router and Prometheus only
 
@@ -642,28 +696,33 @@ def test_production_stack_style_file():
     assert env["LMCACHE_LOG_LEVEL"]["value"] == "INFO"
     assert "--enable-lora" in c["args"] and flag(c["args"], "--gpu-memory-utilization") == "0.95"
     assert flag(c["args"], "--tensor-parallel-size") == "2"
-    assert c["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    assert one(objs, "PersistentVolumeClaim", f"{RELEASE}-mistral")["metadata"]["labels"]["team"] == "llm"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert (
+        one(objs, "PersistentVolumeClaim", engine_name("mistral", "PersistentVolumeClaim"))["metadata"][
+            "labels"
+        ]["team"]
+        == "llm"
+    )
     emb = container(engine(objs, "embed"))["args"]
     assert (flag(emb, "--runner"), flag(emb, "--convert")) == ("pooling", "embed")
-    router = one(objs, "Deployment", f"{RELEASE}-router")
+    router = one(objs, "Deployment", router_name("Deployment"))
     assert "replicas" not in router["spec"]
     hpa = one(objs, "HorizontalPodAutoscaler")["spec"]
     assert hpa["maxReplicas"] == 3 and hpa["metrics"][0]["resource"]["target"]["averageUtilization"] == 80
-    assert one(objs, "PodDisruptionBudget", f"{RELEASE}-router")["spec"] == {
+    assert one(objs, "PodDisruptionBudget", router_name("PodDisruptionBudget"))["spec"] == {
         "minAvailable": 1,
         "selector": router["spec"]["selector"],
     }
-    svc = one(objs, "Service", f"{RELEASE}-router")["spec"]
+    svc = one(objs, "Service", router_name("Service"))["spec"]
     assert svc["type"] == "NodePort" and svc["ports"][0]["nodePort"] == 30080
     rc = container(router)
     assert rc["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert rc["livenessProbe"]["initialDelaySeconds"] == 30
-    cs = one(objs, "Deployment", f"{RELEASE}-cache-server")
+    cs = one(objs, "Deployment", cache_server_name("Deployment"))
     assert container(cs)["image"] == "lmcache/vllm-openai:v0.5.6"
     assert cs["spec"]["strategy"] == {"type": "Recreate"}
     (sm,) = find(objs, "ServiceMonitor")  # only the engines asked for one
-    assert sm["metadata"]["name"] == f"{RELEASE}-engines"
+    assert sm["metadata"]["name"] == f"{RELEASE}-engine-servicemonitor"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     ep = sm["spec"]["endpoints"][0]
     assert (ep["interval"], ep["scrapeTimeout"]) == ("30s", "25s")
@@ -680,7 +739,12 @@ def test_model_resources_block_wins(tmp_path):
         "limits": {"cpu": "2", "memory": "8Gi", "amd.com/gpu": 1},
     }
     v = values_file(
-        tmp_path, {"servingEngineSpec": {"modelSpec": [{"name": "m", "requestGPU": 1, "resources": res}]}}
+        tmp_path,
+        {
+            "servingEngineSpec": {
+                "modelSpec": [{"name": "m", "modelURL": "org/m", "requestGPU": 1, "resources": res}]
+            }
+        },
     )
     assert container(engine(render([v]), "m"))["resources"] == res
 
@@ -694,6 +758,7 @@ def test_tolerations_policy_override(tmp_path):
                 "modelSpec": [
                     {
                         "name": "m",
+                        "modelURL": "org/m",
                         "tolerations": [{"key": "b", "operator": "Exists"}],
                         "tolerationsPolicy": "override",
                     }
@@ -706,22 +771,25 @@ def test_tolerations_policy_override(tmp_path):
 
 def test_production_stack_named_route():
     objs = render([EXAMPLES / "production-stack-style.yaml"])
-    route = one(objs, "HTTPRoute", f"{RELEASE}-router-main")
+    route = one(objs, "HTTPRoute", router_name("HTTPRoute"))
     assert route["spec"]["parentRefs"] == [{"name": "acme-gw"}]
     assert route["spec"]["hostnames"] == ["llm.example.com"]
-    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": f"{RELEASE}-router", "port": 80}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"name": router_name("Service"), "port": 80}]
 
 
 def test_production_stack_router_image_is_replaced_by_ours(tmp_path):
     """The seed names production-stack's router image, whose CLI differs: our router image runs instead."""
     objs = render([SEED])
-    router = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    router = container(one(objs, "Deployment", router_name("Deployment")))
     assert router["image"].startswith("ghcr.io/vllm-stack/router:")
     assert "--service-discovery" in router["args"]
     own = render(
         [values_file(tmp_path, {"routerSpec": {"repository": "registry.example/me/router", "tag": "v1"}})]
     )
-    assert container(one(own, "Deployment", f"{RELEASE}-router"))["image"] == "registry.example/me/router:v1"
+    assert (
+        container(one(own, "Deployment", router_name("Deployment")))["image"]
+        == "registry.example/me/router:v1"
+    )
 
 
 def test_router_scheduling_profiles_come_from_routerspec_config(tmp_path):
@@ -749,10 +817,10 @@ def test_router_scheduling_profiles_come_from_routerspec_config(tmp_path):
     }
     values = values_file(tmp_path, {"routerSpec": {"config": {"scheduling": scheduling}}})
     objs = render([SEED, values])
-    mounted = one(objs, "ConfigMap", f"{RELEASE}-router")["data"]["config.yaml"]
+    mounted = one(objs, "ConfigMap", router_name("ConfigMap"))["data"]["config.yaml"]
     config_path = tmp_path / "config.yaml"
     config_path.write_text(mounted)
-    args = container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+    args = container(one(objs, "Deployment", router_name("Deployment")))["args"]
     assert flag(args, "--config") is not None
     cli = {
         k: v for k, v in vars(build_parser().parse_args(args)).items() if v is not None and k != "config_file"

@@ -18,7 +18,7 @@ from vllm_stack_dev.testbed.engines import free_port, stop_process
 from vllm_stack_dev.testbed.lmcache import lmcache_env, unpack_lmcache
 from vllm_stack_dev.waiting import tcp_open
 
-from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, env_of, one, render
+from tests.helm.chart import EXAMPLES, ROOT, cache_server_name, container, env_of, one, render
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
 
@@ -29,7 +29,7 @@ def test_rendered_cache_server_starts_and_answerstcp_open(tmp_path):
     site = unpack_lmcache(tmp_path)
 
     objs = render([EXAMPLES / "cache-server.yaml"])
-    c = container(one(objs, "Deployment", f"{RELEASE}-cache-server"))
+    c = container(one(objs, "Deployment", cache_server_name("Deployment")))
     program, host, port = c["command"]
     assert (program, host, port) == ("lmcache_server", "0.0.0.0", "8080")
     probe = c["livenessProbe"]["tcpSocket"]["port"]

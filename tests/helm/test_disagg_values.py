@@ -14,12 +14,14 @@ from tests.helm.chart import (
     HELMS,
     RELEASE,
     container,
+    engine_name,
     env_of,
     find,
     flag,
     one,
     render,
     render_error,
+    router_name,
     run_helm,
     values_file,
 )
@@ -30,7 +32,8 @@ from vllm_stack.router_cli import build_parser
 pytestmark = pytest.mark.helm
 
 PS_FILES = ["tutorials__values-16-disagg-prefill.yaml", "tests__values-10-disagg-prefill.yaml"]
-ROUTER = f"{RELEASE}-router"
+ROUTER = router_name()
+ROUTER_SERVICE = router_name("Service")
 ROLE = "vllm-stack.io/role"
 
 
@@ -41,8 +44,8 @@ def ps_path(name: str) -> Path:
 def pools(objs: list[dict]) -> tuple[dict, dict]:
     """The prefill and the decode engine Deployment (production-stack's files name them *-prefill, *-decode)."""
     engines = [d for d in find(objs, "Deployment") if d["metadata"]["name"] != ROUTER]
-    (prefill,) = [d for d in engines if d["metadata"]["name"].endswith("-prefill")]
-    (decode,) = [d for d in engines if d["metadata"]["name"].endswith("-decode")]
+    (prefill,) = [d for d in engines if d["metadata"]["name"].endswith("-prefill-deployment-vllm")]
+    (decode,) = [d for d in engines if d["metadata"]["name"].endswith("-decode-deployment-vllm")]
     return prefill, decode
 
 
@@ -88,7 +91,11 @@ def test_prefill_pool_is_an_lmcache_sender_that_notifies_the_router(name):
     assert kv_role(prefill) == "kv_producer"
     env = env_of(container(prefill))
     assert (env["LMCACHE_ENABLE_PD"]["value"], env["LMCACHE_PD_ROLE"]["value"]) == ("true", "sender")
-    assert env["LMCACHE_PD_PROXY_HOST"]["value"] == ROUTER == one(objs, "Service", ROUTER)["metadata"]["name"]
+    assert (
+        env["LMCACHE_PD_PROXY_HOST"]["value"]
+        == ROUTER_SERVICE
+        == one(objs, "Service", ROUTER_SERVICE)["metadata"]["name"]
+    )
     assert env["LMCACHE_PD_PROXY_PORT"]["value"] == "7500"
     # nixlBufferSize / nixlBufferDevice in LMCache 0.5's names; no pre-0.5 variable is set.
     assert env["LMCACHE_PD_BUFFER_SIZE"]["value"] == "1073741824"
@@ -131,7 +138,7 @@ def test_the_router_orchestrates_over_lmcache_pd(name):
     assert flag(args, "--prefill-model-labels") and flag(args, "--decode-model-labels")
     router = container(one(objs, "Deployment", ROUTER))
     assert {"name": "pd-notify", "containerPort": 7500, "protocol": "TCP"} in router["ports"]
-    ports = one(objs, "Service", ROUTER)["spec"]["ports"]
+    ports = one(objs, "Service", ROUTER_SERVICE)["spec"]["ports"]
     assert {"name": "pd-notify", "port": 7500, "targetPort": "pd-notify", "protocol": "TCP"} in ports
 
 
@@ -159,16 +166,16 @@ def test_several_router_replicas_with_lmcache_pd_fail_with_the_reason(tmp_path, 
 def test_network_policy_opens_the_notify_port_to_engines_only(tmp_path):
     extra = values_file(tmp_path, {"networkPolicy": {"enabled": True}})
     objs = render([ps_path(PS_FILES[0]), extra])
-    policy = one(objs, "NetworkPolicy", ROUTER)
+    policy = one(objs, "NetworkPolicy", router_name("NetworkPolicy"))
     open_rule, notify_rule = policy["spec"]["ingress"]
     assert "from" not in open_rule and open_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
     assert notify_rule["ports"] == [{"port": "pd-notify", "protocol": "TCP"}]
     (peer,) = notify_rule["from"]
-    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "serving-engine"
     # KV caches move from the prefill to the decode engines: engines reach each other.
     engines = one(objs, "NetworkPolicy", f"{RELEASE}-engines")["spec"]["ingress"][0]["from"]
     assert any(
-        p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "engine"
+        p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == "serving-engine"
         for p in engines
     )
 
@@ -200,7 +207,7 @@ def test_roles_without_lmcache_use_the_routers_vllm_protocol(tmp_path):
     assert "--disaggregation" in args and "--disagg-protocol" not in args
     assert "lmcache" not in args
     build_parser().parse_args(args)
-    assert [p["name"] for p in one(objs, "Service", ROUTER)["spec"]["ports"]] == ["http"]
+    assert [p["name"] for p in one(objs, "Service", ROUTER_SERVICE)["spec"]["ports"]] == ["router-sport"]
     assert "LMCACHE_PD_ROLE" not in env_of(container(prefill))
 
 
@@ -221,12 +228,14 @@ def test_a_model_without_a_role_gets_no_label_and_serves_whole_requests(tmp_path
         }
     }
     objs = render([values_file(tmp_path, values)])
-    d = one(objs, "Deployment", f"{RELEASE}-m")
+    d = one(objs, "Deployment", engine_name("m", "Deployment"))
     # No label: production-stack's --prefill-model-labels would otherwise be overridden by "both".
     assert ROLE not in d["spec"]["template"]["metadata"]["labels"] and kv_role(d) == "kv_both"
     assert "--disaggregation" not in router_args(objs)
     values["servingEngineSpec"]["modelSpec"][0]["lmcacheConfig"]["kvRole"] = "kv_both"
-    d = one(render([values_file(tmp_path, values, "kv-both.yaml")]), "Deployment", f"{RELEASE}-m")
+    d = one(
+        render([values_file(tmp_path, values, "kv-both.yaml")]), "Deployment", engine_name("m", "Deployment")
+    )
     assert d["spec"]["template"]["metadata"]["labels"][ROLE] == "both"
 
 

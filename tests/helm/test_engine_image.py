@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.helm.chart import ROOT, container, dockerfile_instructions, one, render, values_file
+from tests.helm.chart import (
+    ROOT,
+    cache_server_name,
+    container,
+    dockerfile_instructions,
+    engine_name,
+    one,
+    render,
+    values_file,
+)
 
 pytestmark = pytest.mark.helm
 
@@ -54,8 +63,8 @@ def _rendered(tmp_path: Path) -> list[dict]:
 
 def test_pins_are_the_chart_defaults(tmp_path):
     objs = _rendered(tmp_path)
-    plain = container(one(objs, "Deployment", "vllm-stack-plain"))["image"]
-    lm = container(one(objs, "Deployment", "vllm-stack-lm"))["image"]
+    plain = container(one(objs, "Deployment", engine_name("plain", "Deployment")))["image"]
+    lm = container(one(objs, "Deployment", engine_name("lm", "Deployment")))["image"]
     froms = [_expand(rest) for word, rest in _instructions() if word == "FROM"]
     assert froms == [plain] == ["vllm/vllm-openai:v" + _args()["VLLM_VERSION"]]
     assert lm.endswith(":v" + _args()["LMCACHE_VERSION"])  # the chart's LMCache image names the same release
@@ -91,8 +100,8 @@ def _vllm_scripts(version: str) -> set[str]:
 
 def test_the_commands_the_chart_renders_come_with_the_pinned_wheels(tmp_path):
     objs = _rendered(tmp_path)
-    engine_cmd = container(one(objs, "Deployment", "vllm-stack-plain"))["command"][0]
-    cache_cmd = container(one(objs, "Deployment", "vllm-stack-cache-server"))["command"][0]
+    engine_cmd = container(one(objs, "Deployment", engine_name("plain", "Deployment")))["command"][0]
+    cache_cmd = container(one(objs, "Deployment", cache_server_name()))["command"][0]
     assert (engine_cmd, cache_cmd) == ("vllm", "lmcache_server")
     assert engine_cmd in _vllm_scripts(_args()["VLLM_VERSION"])
     assert cache_cmd in _lmcache_scripts(_args()["LMCACHE_VERSION"])

@@ -15,12 +15,14 @@ from tests.helm.chart import (
     HELMS,
     RELEASE,
     container,
+    engine_name,
     env_of,
     find,
     flag,
     one,
     render,
     render_error,
+    router_name,
     values_file,
 )
 from tests.helm.test_production_stack_files import PS_DIR, compat_lines, load, manifest_and_notes
@@ -30,7 +32,8 @@ from vllm_stack.router_cli import build_parser
 pytestmark = pytest.mark.helm
 
 CONTROLLER = f"{RELEASE}-lmcache-controller"
-ROUTER = f"{RELEASE}-router"
+ROUTER = router_name()
+ROUTER_SERVICE = router_name("Service")
 PORTS = {"api": 9010, "pull": 9000, "reply": 9001, "heartbeat": 9002}
 # production-stack's file -> its one model (the engine Deployment is <release>-<model>)
 PS_FILES = {
@@ -100,7 +103,7 @@ def test_the_controller_is_deployed_with_production_stacks_ports(name, helm):
 def test_the_engines_report_to_the_controller_under_their_pod_names(name):
     objs = render([ps_path(name)])
     _, ctl, svc = controller_parts(objs)
-    engine = container(one(objs, "Deployment", f"{RELEASE}-{PS_FILES[name]}"))
+    engine = container(one(objs, "Deployment", engine_name(PS_FILES[name], "Deployment")))
     env = env_of(engine)
     service_ports = {p["port"] for p in svc["spec"]["ports"]}
     assert env["LMCACHE_ENABLE_CONTROLLER"]["value"] == "true"
@@ -111,7 +114,9 @@ def test_the_engines_report_to_the_controller_under_their_pod_names(name):
     assert env["LMCACHE_LMCACHE_WORKER_PORTS"]["value"] == "8001"
     assert env["LMCACHE_LMCACHE_WORKER_HEARTBEAT_TIME"]["value"] == "30"
     # LMCache's chunk hashes use Python's hash(): the controller and the engines hash alike.
-    assert env_of(ctl)["PYTHONHASHSEED"] == env["PYTHONHASHSEED"] == {"name": "PYTHONHASHSEED", "value": "0"}
+    assert (
+        env_of(ctl)["PYTHONHASHSEED"] == env["PYTHONHASHSEED"] == {"name": "PYTHONHASHSEED", "value": "123"}
+    )
     assert ctl["image"] == engine["image"] == "lmcache/vllm-openai:v0.3.9post2"  # the engines' LMCache
     assert "LMCACHE_CHUNK_SIZE" not in env  # LMCache's default, 256: what the controller hashes with
 
@@ -130,7 +135,7 @@ def test_the_router_asks_the_controller(name):
     assert env_of(c)["VLLM_STACK_CACHE_DIR"]["value"] == "/tmp/vllm-stack"
     build_parser().parse_args(args)  # the router knows every flag (exits on an unknown one)
     # kvaware asks the controller, not the engines' KV events.
-    engine = container(one(objs, "Deployment", f"{RELEASE}-{PS_FILES[name]}"))
+    engine = container(one(objs, "Deployment", engine_name(PS_FILES[name], "Deployment")))
     assert "--kv-events-config" not in engine["args"]
 
 
@@ -171,7 +176,7 @@ def test_threshold_api_port_image_and_ports_are_values(tmp_path):
     args = container(one(objs, "Deployment", ROUTER))["args"]
     assert flag(args, "--lmcache-controller-url") == f"http://{CONTROLLER}:7010"
     assert flag(args, "--kv-aware-threshold") == "500"
-    env = env_of(container(one(objs, "Deployment", f"{RELEASE}-m")))
+    env = env_of(container(one(objs, "Deployment", engine_name("m", "Deployment"))))
     assert env["LMCACHE_CONTROLLER_PULL_URL"]["value"] == f"{CONTROLLER}:7000"
     assert env["LMCACHE_CONTROLLER_REPLY_URL"]["value"] == f"{CONTROLLER}:7001"
     assert env_of(c)["PYTHONHASHSEED"]["value"] == env["PYTHONHASHSEED"]["value"] == "42"
@@ -180,7 +185,7 @@ def test_threshold_api_port_image_and_ports_are_values(tmp_path):
 def test_the_example_file():
     objs = render([EXAMPLES / "kvaware.yaml"])
     _, c, _ = controller_parts(objs)
-    engine = container(one(objs, "Deployment", f"{RELEASE}-llama3"))
+    engine = container(one(objs, "Deployment", engine_name("llama3", "Deployment")))
     assert c["image"] == engine["image"] == "lmcache/vllm-openai:v0.5.6"  # the chart's LMCache pin
     assert env_of(engine)["LMCACHE_CONTROLLER_PULL_URL"]["value"] == f"{CONTROLLER}:9000"
     args = container(one(objs, "Deployment", ROUTER))["args"]
@@ -192,7 +197,10 @@ def test_the_example_file():
 def test_worker_ports_default_to_one_per_gpu_worker(tmp_path):
     values = lmcache_values()
     values["servingEngineSpec"]["modelSpec"][0]["vllmConfig"] = {"tensorParallelSize": 2}
-    env = env_of(container(one(render([values_file(tmp_path, values)]), "Deployment", f"{RELEASE}-m")))
+    values["servingEngineSpec"]["modelSpec"][0]["requestGPU"] = 2
+    env = env_of(
+        container(one(render([values_file(tmp_path, values)]), "Deployment", engine_name("m", "Deployment")))
+    )
     assert env["LMCACHE_LMCACHE_WORKER_PORTS"]["value"] == "8001,8002"
 
 
@@ -214,7 +222,8 @@ def test_only_lmcache_models_report_and_an_explicit_controller_wins(tmp_path):
     )
     objs = render([values_file(tmp_path, values)])
     env = {
-        n: env_of(container(one(objs, "Deployment", f"{RELEASE}-{n}"))) for n in ("m", "plain", "off", "own")
+        n: env_of(container(one(objs, "Deployment", engine_name(n, "Deployment"))))
+        for n in ("m", "plain", "off", "own")
     }
     assert env["m"]["LMCACHE_CONTROLLER_PULL_URL"]["value"] == f"{CONTROLLER}:9000"
     assert not [k for k in env["plain"] if k.startswith("LMCACHE_")]
@@ -228,7 +237,7 @@ def test_the_controller_alone_with_another_routing_logic(tmp_path):
     values["lmcacheControllerSpec"] = {"enabled": True}
     objs = render([values_file(tmp_path, values)])
     assert controller_parts(objs)
-    env = env_of(container(one(objs, "Deployment", f"{RELEASE}-m")))
+    env = env_of(container(one(objs, "Deployment", engine_name("m", "Deployment"))))
     assert env["LMCACHE_CONTROLLER_PULL_URL"]["value"] == f"{CONTROLLER}:9000"
     assert "--lmcache-controller-url" not in container(one(objs, "Deployment", ROUTER))["args"]
 
@@ -236,7 +245,9 @@ def test_the_controller_alone_with_another_routing_logic(tmp_path):
 def test_no_controller_without_kvaware(tmp_path):
     objs = render([values_file(tmp_path, lmcache_values({"routingLogic": "prefixaware"}))])
     assert not find(objs, "Deployment", CONTROLLER) and not find(objs, "Service", CONTROLLER)
-    assert "LMCACHE_ENABLE_CONTROLLER" not in env_of(container(one(objs, "Deployment", f"{RELEASE}-m")))
+    assert "LMCACHE_ENABLE_CONTROLLER" not in env_of(
+        container(one(objs, "Deployment", engine_name("m", "Deployment")))
+    )
 
 
 def test_network_policy_lets_engines_report_and_the_router_ask(tmp_path):
@@ -251,7 +262,7 @@ def test_network_policy_lets_engines_report_and_the_router_ask(tmp_path):
         )
         for rule in policy["spec"]["ingress"]
     }
-    assert rules == {"engine": ["heartbeat", "pull", "reply"], "router": ["api"]}
+    assert rules == {"serving-engine": ["heartbeat", "pull", "reply"], "router": ["api"]}
     engines = one(objs, "NetworkPolicy", f"{RELEASE}-engines")
     peers = [p.get("podSelector", {}).get("matchLabels", {}) for p in engines["spec"]["ingress"][0]["from"]]
     assert {"app.kubernetes.io/component": "lmcache-controller"}.items() <= next(
@@ -295,5 +306,6 @@ def test_what_cannot_work_fails_with_the_reason(tmp_path, values, message):
     if message is None:
         assert render([values_file(tmp_path, values)])
         values["servingEngineSpec"]["modelSpec"][0]["vllmConfig"] = {"tensorParallelSize": 2}
+        values["servingEngineSpec"]["modelSpec"][0]["requestGPU"] = 2
         message = "lmcacheConfig.workerPorts gives 1 port(s) for 2 GPU workers"
     assert message in render_error([values_file(tmp_path, values)])

@@ -95,7 +95,8 @@ def test_rendered_controller_starts_and_answers_a_lookup(tmp_path):
         assert body["layout_info"] == {}, body
         rendered = env_of(c)  # the chart's own values, not the test's defaults
         assert (
-            rendered["PYTHONHASHSEED"]["value"] == "0" and rendered["LMCACHE_TRACK_USAGE"]["value"] == "false"
+            rendered["PYTHONHASHSEED"]["value"] == "123"
+            and rendered["LMCACHE_TRACK_USAGE"]["value"] == "false"
         )
         # The worker ports are bound where the engines' LMCache connects (ZMQ on TCP).
         assert all(tcp_open(p) for p in (monitor["pull"], monitor["reply"], monitor["heartbeat"])), monitor

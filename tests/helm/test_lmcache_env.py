@@ -14,7 +14,7 @@ import zipfile
 
 import pytest
 
-from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, one, render
+from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, engine_name, one, render
 from tests.shared_data import PS_VALUES, require
 
 pytestmark = pytest.mark.helm
@@ -49,7 +49,7 @@ def lmcache_config(tmp_path_factory):
 
 
 def load(config_cls, values, model, monkeypatch):
-    c = container(one(render([values]), "Deployment", f"{RELEASE}-{model}"))
+    c = container(one(render([values]), "Deployment", engine_name(model, "Deployment")))
     env = {}
     for e in c["env"]:
         if e["name"].startswith("LMCACHE_"):
@@ -72,7 +72,7 @@ def test_offload_and_cache_server(lmcache_config, monkeypatch):
     cfg = load(lmcache_config, EXAMPLES / "cache-server.yaml", "mistral", monkeypatch)
     assert (cfg.local_cpu, cfg.max_local_cpu_size, cfg.chunk_size) == (True, 20.0, 256)
     assert (cfg.local_disk, cfg.max_local_disk_size) == ("/lmcache/disk/", 100.0)
-    assert (cfg.remote_url, cfg.remote_serde) == (f"lm://{RELEASE}-cache-server:81", "naive")
+    assert (cfg.remote_url, cfg.remote_serde) == (f"lm://{RELEASE}-cache-server-service:81", "naive")
 
 
 def test_pd_controller_and_p2p(lmcache_config, monkeypatch):
@@ -83,7 +83,7 @@ def test_pd_controller_and_p2p(lmcache_config, monkeypatch):
         "nixl",
         ["UCX"],
     )
-    assert (pre.pd_proxy_host, pre.pd_proxy_port, pre.local_cpu) == ("vllm-stack-router", 7500, False)
+    assert (pre.pd_proxy_host, pre.pd_proxy_port, pre.local_cpu) == ("vllm-stack-router-service", 7500, False)
     dec = load(lmcache_config, EXAMPLES / "pd-roles.yaml", "decode", monkeypatch)
     assert (dec.pd_role, dec.pd_buffer_size, dec.pd_buffer_device) == ("receiver", 2147483648, "cuda")
     assert (list(dec.pd_peer_init_port), list(dec.pd_peer_alloc_port)) == ([7300], [7400])
@@ -107,7 +107,10 @@ def test_production_stacks_pre_05_pd_keys_reach_lmcache_05(lmcache_config, monke
         1073741824,
         "cuda",
     )
-    assert (pre.pd_proxy_host, pre.pd_proxy_port) == (f"{RELEASE}-router", 7500)  # the router is the proxy
+    assert (pre.pd_proxy_host, pre.pd_proxy_port) == (
+        f"{RELEASE}-router-service",
+        7500,
+    )  # the router is the proxy
     dec = load(lmcache_config, path, "llama-decode", monkeypatch)
     assert (dec.enable_pd, dec.pd_role, dec.pd_peer_host) == (True, "receiver", "0.0.0.0")
     assert (list(dec.pd_peer_init_port), list(dec.pd_peer_alloc_port)) == ([55555], [7400])

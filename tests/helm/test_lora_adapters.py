@@ -7,7 +7,18 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.helm.chart import RELEASE, ROOT, container, env_of, flag, one, render, render_error, values_file
+from tests.helm.chart import (
+    ROOT,
+    container,
+    engine_name,
+    env_of,
+    flag,
+    one,
+    render,
+    render_error,
+    router_name,
+    values_file,
+)
 from tests.shared_data import require
 from vllm_stack.config import load_config
 from vllm_stack.engines.adapters import AdapterCatalog
@@ -18,7 +29,7 @@ LORA_HELM = ROOT.parent / "shared" / "production-stack-values" / "tutorials__val
 
 
 def router_config(objs: list[dict]) -> dict:
-    return yaml.safe_load(one(objs, "ConfigMap", f"{RELEASE}-router")["data"]["config.yaml"])
+    return yaml.safe_load(one(objs, "ConfigMap", router_name("ConfigMap"))["data"]["config.yaml"])
 
 
 def test_production_stacks_lora_file_registers_its_adapter_with_the_router(tmp_path) -> None:
@@ -32,9 +43,9 @@ def test_production_stacks_lora_file_registers_its_adapter_with_the_router(tmp_p
             "tier": "warm",
         }
     ]
-    router = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    router = container(one(objs, "Deployment", router_name("Deployment")))
     assert flag(router["args"], "--config") == "/etc/vllm-stack/router/config.yaml"
-    engine = container(one(objs, "Deployment", f"{RELEASE}-llama3"))
+    engine = container(one(objs, "Deployment", engine_name("llama3", "Deployment")))
     assert "--enable-lora" in engine["args"]
     names = [e["name"] for e in engine["env"]]
     assert names.count("VLLM_ALLOW_RUNTIME_LORA_UPDATING") == 1  # the file sets it itself: not twice
@@ -79,12 +90,12 @@ def test_adapters_tiers_weighted_names_and_admin_keys(tmp_path) -> None:
         {"name": "a1", "source": "/data/a1", "base_model": "org/tiny", "tier": "hot"}
     ]
     assert config["weighted_models"] == values["routerSpec"]["weightedModels"]
-    deployment = one(objs, "Deployment", f"{RELEASE}-router")
+    deployment = one(objs, "Deployment", router_name("Deployment"))
     router = container(deployment)
     assert flag(router["args"], "--admin-api-keys-file") == "/etc/vllm-stack/admin-keys/keys"
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert volumes["admin-keys"]["secret"]["secretName"] == "admins"
-    engine = container(one(objs, "Deployment", f"{RELEASE}-tiny"))
+    engine = container(one(objs, "Deployment", engine_name("tiny", "Deployment")))
     assert "--enable-lora" in engine["args"]
     assert env_of(engine)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]["value"] == "True"
 

@@ -80,7 +80,7 @@ MODELS = (
 def test_inference_gateway_and_endpoint_picker_reach_the_engines():
     objs = render(sets=[MODELS, "inferenceExtension.enabled=true", "networkPolicy.enabled=true"])
     policies = find(objs, "NetworkPolicy")
-    engines = rendered_pods(objs, "engine")
+    engines = rendered_pods(objs, "serving-engine")
     (router,) = rendered_pods(objs, "router")
     assert len(engines) == 2 and policies
     istio_gateway = pod({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, ns="gateway")
@@ -103,7 +103,7 @@ def test_without_the_inference_extension_only_router_and_prometheus_reach_engine
     policies = find(objs, "NetworkPolicy")
     (router,) = rendered_pods(objs, "router")
     gateway = pod({"gateway.networking.k8s.io/gateway-name": "inference-gateway"}, ns="gateway")
-    for engine in rendered_pods(objs, "engine"):
+    for engine in rendered_pods(objs, "serving-engine"):
         assert admitted(policies, router, engine)
         assert not admitted(policies, gateway, engine)
         assert not admitted(policies, pod({"app": "vllm-stack-epp"}), engine)
@@ -119,6 +119,6 @@ def test_a_custom_endpoint_picker_selector_replaces_the_default():
         ]
     )
     policies = find(objs, "NetworkPolicy")
-    engine = rendered_pods(objs, "engine")[0]
+    engine = rendered_pods(objs, "serving-engine")[0]
     assert admitted(policies, pod({"inferencepool": "epp"}), engine)
     assert not admitted(policies, pod({"app": "vllm-stack-epp"}), engine)

@@ -11,10 +11,12 @@ from tests.helm.chart import (
     NAMESPACE,
     RELEASE,
     container,
+    engine_name,
     flag,
     one,
     render,
     render_error,
+    router_name,
     run_helm,
     values_file,
 )
@@ -27,11 +29,11 @@ HELMS = ["helm3", "helm4"]
 
 
 def router_config(objs: list[dict]) -> dict:
-    return yaml.safe_load(one(objs, "ConfigMap", f"{RELEASE}-router")["data"]["config.yaml"])
+    return yaml.safe_load(one(objs, "ConfigMap", router_name("ConfigMap"))["data"]["config.yaml"])
 
 
 def engine_args(objs: list[dict], model: str) -> list[str]:
-    return container(one(objs, "Deployment", f"{RELEASE}-{model}"))["args"]
+    return container(one(objs, "Deployment", engine_name(model, "Deployment")))["args"]
 
 
 def models(*entries: dict) -> dict:
@@ -55,7 +57,7 @@ def test_every_deployed_model_is_in_the_routers_models(tmp_path) -> None:
         {"name": "org/d", "criticality": "sheddable"},
         {"name": "chat"},  # the served name; no criticality: the router's default (standard)
     ]
-    router = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    router = container(one(objs, "Deployment", router_name("Deployment")))
     assert flag(router["args"], "--config") == "/etc/vllm-stack/router/config.yaml"
     # the vLLM flag: from schedulingPolicy, or as the user wrote it in extraArgs, and never twice
     assert flag(engine_args(objs, "a"), "--scheduling-policy") == "priority"
@@ -106,8 +108,10 @@ def test_the_users_own_models_setting_is_kept(tmp_path) -> None:
 
 def test_no_models_no_configuration() -> None:
     objs = render()
-    assert not [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == f"{RELEASE}-router"]
-    assert "--config" not in container(one(objs, "Deployment", f"{RELEASE}-router"))["args"]
+    assert not [
+        o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == router_name("ConfigMap")
+    ]
+    assert "--config" not in container(one(objs, "Deployment", router_name("Deployment")))["args"]
 
 
 @pytest.mark.parametrize("helm", HELMS)
@@ -168,7 +172,7 @@ def test_priority_keys_are_mounted_and_passed(tmp_path) -> None:
     values = {
         "routerSpec": {"priority": {"apiKeysSecret": {"secretName": "raisers", "secretKey": "keys.txt"}}}
     }
-    deployment = one(render([values_file(tmp_path, values)]), "Deployment", f"{RELEASE}-router")
+    deployment = one(render([values_file(tmp_path, values)]), "Deployment", router_name("Deployment"))
     router = container(deployment)
     assert flag(router["args"], "--priority-api-keys-file") == "/etc/vllm-stack/priority-keys/keys"
     mounts = {m["name"]: m for m in router["volumeMounts"]}
@@ -185,7 +189,7 @@ def test_priority_keys_are_mounted_and_passed(tmp_path) -> None:
     assert build_parser().parse_args(router["args"]).priority_api_keys_file == (
         "/etc/vllm-stack/priority-keys/keys"
     )
-    default = container(one(render(), "Deployment", f"{RELEASE}-router"))
+    default = container(one(render(), "Deployment", router_name("Deployment")))
     assert "--priority-api-keys-file" not in default["args"]
     assert "priority-keys" not in {m["name"] for m in default["volumeMounts"]}
 
@@ -250,7 +254,9 @@ def test_keda_wakes_a_model_on_requests_waiting_in_the_router(tmp_path) -> None:
             "keda": {"minReplicaCount": 0, "activation": {"enabled": True}},
         }
     )
-    so = one(render([values_file(tmp_path, values)]), "ScaledObject", f"{RELEASE}-m")["spec"]
+    so = one(render([values_file(tmp_path, values)]), "ScaledObject", engine_name("m", "ScaledObject"))[
+        "spec"
+    ]
     (wake,) = [t for t in so["triggers"] if t.get("name") == "router-requests"]
     scope = f'{{model="org/m",namespace="{NAMESPACE}"}}'
     assert wake["metadata"]["query"] == (

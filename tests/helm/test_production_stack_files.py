@@ -21,11 +21,13 @@ from tests.helm.chart import (
     NAMESPACE,
     RELEASE,
     container,
+    engine_name,
     env_of,
     find,
     flag,
     helm_path,
     one,
+    router_name,
     values_file,
 )
 from tests.shared_data import PS_VALUES, require
@@ -36,7 +38,9 @@ pytestmark = pytest.mark.helm
 PS_DIR = PS_VALUES
 OUTCOMES = yaml.safe_load((Path(__file__).parent / "data" / "production_stack_outcomes.yaml").read_text())
 HELMS = ["helm3", "helm4"]
-NOTES_HEADER = "Production-stack values, and what this chart did with them:"
+NOTES_HEADER = (
+    "Deviations: what this chart did differently from what the values ask (strict: true refuses each):"
+)
 
 
 def ps_files() -> list[Path]:
@@ -204,6 +208,11 @@ def perturbed(values: dict, steps: tuple) -> dict | None:
     elif isinstance(v, str) and v:
         head = v.rstrip("KMGTPEkmi")
         node[key] = f"{int(head) + 1}{v[len(head) :]}" if head.isdigit() else v + "x"
+    elif isinstance(v, list) and v and isinstance(v[-1], dict) and "value" in v[-1]:
+        node[key] = [
+            *v[:-1],
+            {**v[-1], "value": f"{v[-1]['value']}x"},
+        ]  # env: one entry per name, so change one
     elif isinstance(v, list) and v:
         node[key] = v + v[-1:]
     else:
@@ -228,12 +237,26 @@ def _enabled(values: dict, block: tuple) -> dict:
     return out
 
 
+def _model_name(values: dict, steps: tuple):
+    """The name of the modelSpec entry a leaf is in (None outside one)."""
+    if len(steps) > 2 and steps[:2] == ("servingEngineSpec", "modelSpec") and isinstance(steps[2], int):
+        return values["servingEngineSpec"]["modelSpec"][steps[2]].get("name")
+    return None
+
+
 def dropped(values: dict, steps: tuple, value) -> str | None:
     """Why the leaf counts as silently dropped, or None when rendering honours it or NOTES names it."""
     if value in ("", None) or (isinstance(value, (dict, list)) and not value):
         return None  # production-stack's empty defaults ("", {}, [], null) ask for nothing
     if steps[-1] == "enabled" and value is False:
         return None  # removing `enabled: false` turns the block on: checked below with its leaves
+    if (
+        len(steps) > 1
+        and steps[-2] in ("labels", "podLabels")
+        and steps[-1] == "model"
+        and value == _model_name(values, steps)
+    ):
+        return None  # production-stack's `model` label, the selector's already (tests/helm/test_production_stack_names.py)
     base = dry_run(values)
     if base[0] == 0 and names(compat_lines(base[1].partition("\nNOTES:\n")[2].splitlines()), dotted(steps)):
         return None
@@ -258,11 +281,15 @@ def dropped(values: dict, steps: tuple, value) -> str | None:
 def helm_values_enabled() -> dict:
     """production-stack's default values.yaml with its one model turned on (its defaults say `enabled:
     false`) and a memory limit that holds what it asks for: 30 GiB of LMCache buffer in each of its 2
-    tensor-parallel workers + 20Gi /dev/shm + 4Gi (its own limitMemory, 32Gi, is refused with that sum)."""
+    tensor-parallel workers + 20Gi /dev/shm + 4Gi (its own limitMemory, 32Gi, is refused with that sum), and
+    2 GPUs for those 2 workers (its one GPU is refused)."""
     values = load("helm__values.yaml")
     m = values["servingEngineSpec"]["modelSpec"][0]
     m["enabled"] = True
     m["limitMemory"] = "84Gi"
+    m["requestGPU"] = (
+        2  # one per tensor-parallel worker: its 1 is refused (tests/helm/test_inconsistent_values.py)
+    )
     return values
 
 
@@ -302,7 +329,7 @@ def engines(objs: list[dict]) -> list[dict]:
     return [
         o
         for o in find(objs, "Deployment")
-        if o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "engine"
+        if o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "serving-engine"
     ]
 
 
@@ -377,7 +404,7 @@ def test_a_memory_limit_below_the_buffers_is_refused_with_the_arithmetic():
         rc != 0
         and "5Gi LMCache CPU buffer (lmcacheConfig.cpuOffloadingBufferSize, LMCache's default 5)" in err
     )
-    rc, _, err = dry_run(_model(limitMemory="16Gi", vllmConfig={"tensorParallelSize": 2}))
+    rc, _, err = dry_run(_model(limitMemory="16Gi", requestGPU=2, vllmConfig={"tensorParallelSize": 2}))
     assert rc != 0 and "20Gi /dev/shm (shmSize) + 4Gi engine footprint" in err
     rc, _, err = dry_run(_model(resources={"limits": {"memory": "4Gi", "cpu": "4"}}))
     assert rc != 0 and "resources.limits.memory 4Gi is below" in err
@@ -401,10 +428,10 @@ def test_a_cpu_limit_below_the_busy_processes_is_refused():
     assert (
         rc != 0 and "limitCPU 1 is below 2: 2 processes keep a core busy each" in err and "throttles" in err
     )
-    rc, _, err = dry_run(_model(limitCPU=3, vllmConfig={"tensorParallelSize": 2}))
+    rc, _, err = dry_run(_model(limitCPU=3, requestGPU=2, vllmConfig={"tensorParallelSize": 2}))
     assert rc != 0 and "limitCPU 3 is below 4" in err
     objs, notes = manifest_and_notes(_model(requestCPU=1))
-    res = container(one(objs, "Deployment", f"{RELEASE}-m"))["resources"]
+    res = container(one(objs, "Deployment", engine_name("m", "Deployment")))["resources"]
     assert res["requests"]["cpu"] == res["limits"]["cpu"] == "2"
     assert "requestCPU 1 raised to 2" in compat_lines(notes)[("servingEngineSpec.modelSpec[0].requestCPU",)]
 
@@ -412,9 +439,7 @@ def test_a_cpu_limit_below_the_busy_processes_is_refused():
 @pytest.mark.parametrize("name", rendering())
 def test_the_router_is_ours_and_knows_every_flag_it_gets(name):
     objs, lines = rendered(name)
-    (router,) = [d for d in find(objs, "Deployment") if d["metadata"]["name"] == f"{RELEASE}-router"] or [
-        None
-    ]
+    (router,) = [d for d in find(objs, "Deployment") if d["metadata"]["name"] == router_name()] or [None]
     if router is None:
         return
     c = container(router)
@@ -441,8 +466,12 @@ def test_deliberate_differences_are_in_the_notes():
     _, lines = rendered("tests__values-01-2pods-minimal-example.yaml")
     assert "git-act-router" in lines[("routerSpec.repository", "routerSpec.tag")]
     assert "0.5 rendered as nvidia.com/gpu: 1" in lines[("servingEngineSpec.modelSpec[0].requestGPU",)]
-    _, lines = rendered("tutorials__values-25-v100-single-gpu.yaml")
-    assert "only the V1 engine" in lines[("servingEngineSpec.modelSpec[0].vllmConfig.v0",)]
+    objs, lines = rendered("tutorials__values-25-v100-single-gpu.yaml")
+    # vllm/vllm-openai:v0.8.5 has vLLM's V0 engine: production-stack's v0 is honoured (README "Version gating")
+    assert env_of(container(engines(objs)[0]))["VLLM_USE_V1"]["value"] == "0"
+    assert ("servingEngineSpec.modelSpec[0].vllmConfig.v0",) not in lines
+    _, lines = rendered("tutorials__values-09-lora-helm.yaml")
+    assert "runs the V1 engine by default" in lines[("servingEngineSpec.modelSpec[0].vllmConfig.v1",)]
 
 
 def test_fractional_gpus_render_as_whole_extended_resources():
@@ -455,14 +484,17 @@ def test_fractional_gpus_render_as_whole_extended_resources():
 
 def test_implemented_production_stack_keys():
     objs, _ = rendered("tests__values-01-2pods-minimal-example.yaml")
-    pdb = one(objs, "PodDisruptionBudget", f"{RELEASE}-opt125m")
+    pdb = one(objs, "PodDisruptionBudget", engine_name("opt125m", "PodDisruptionBudget"))
     assert pdb["spec"]["minAvailable"] == 1 and pdb["metadata"]["annotations"] == {"model": "opt125m"}
-    assert pdb["spec"]["selector"] == one(objs, "Deployment", f"{RELEASE}-opt125m")["spec"]["selector"]
+    assert (
+        pdb["spec"]["selector"]
+        == one(objs, "Deployment", engine_name("opt125m", "Deployment"))["spec"]["selector"]
+    )
 
     objs, _ = rendered("tests__values-06-session-routing.yaml")
-    c = container(one(objs, "Deployment", f"{RELEASE}-opt125m"))
+    c = container(one(objs, "Deployment", engine_name("opt125m", "Deployment")))
     assert c["args"][c["args"].index("--chat-template") + 1] == "/templates/chat.jinja2"
-    cm = one(objs, "ConfigMap", f"{RELEASE}-opt125m-chat-templates")
+    cm = one(objs, "ConfigMap", engine_name("opt125m", "ConfigMap"))
     assert cm["data"]["chat.jinja2"].startswith("{% for message in messages %}")
     env = env_of(c)
     assert env["LMCACHE_LMCACHE_WORKER_PORTS"]["value"] == "8001"  # production-stack's string "8001"
@@ -481,7 +513,7 @@ def test_implemented_production_stack_keys():
     assert env_of(init)["LMCACHE_SERVER_SERVICE_PORT"]["value"] == "81"
 
     objs, lines = rendered("tutorials__values-03-match-pv.yaml")
-    pvc = one(objs, "PersistentVolumeClaim", f"{RELEASE}-llama3")
+    pvc = one(objs, "PersistentVolumeClaim", engine_name("llama3", "PersistentVolumeClaim"))
     assert pvc["spec"]["selector"] == {"matchLabels": {"model": "llama3-pv"}}
     assert ("servingEngineSpec.modelSpec[0].pvcMatchLabels",) in lines
 
@@ -489,7 +521,7 @@ def test_implemented_production_stack_keys():
     assert find(objs, "ConfigMap") and all(
         cm["metadata"]["labels"].get("grafana_dashboard") == "1"
         for cm in find(objs, "ConfigMap")
-        if "-dashboard-" in cm["metadata"]["name"]
+        if "-grafana-" in cm["metadata"]["name"]
     )
 
     objs, _ = rendered("tutorials__values-22-gateway-api.yaml")
@@ -517,21 +549,23 @@ def test_default_values_file_keys_are_implemented():
     values["servingEngineSpec"]["modelSpec"][0]["modelRevision"] = "main"
     values["servingEngineSpec"]["modelSpec"][0]["serviceAnnotations"] = {"a": "b"}
     objs, _ = manifest_and_notes(values)
-    d = one(objs, "Deployment", f"{RELEASE}-mistral")
+    d = one(objs, "Deployment", engine_name("mistral", "Deployment"))
     c = container(d)
     assert d["spec"]["template"]["metadata"]["labels"]["team"] == "a"
     assert c["args"][c["args"].index("--revision") + 1] == "main"
     res = c["resources"]
     assert res["requests"]["nvidia.com/gpumem"] == "3000" and res["limits"]["nvidia.com/gpucores"] == "10"
-    assert res["requests"]["nvidia.com/mig-4g.71gb"] == "1"
+    assert (
+        res["requests"]["nvidia.com/mig-4g.71gb"] == "2"
+    )  # its two tensor-parallel workers (helm_values_enabled)
     assert d["spec"]["template"]["spec"]["initContainers"][0]["image"] == "busybox:latest"
     assert one(objs, "ConfigMap", f"{RELEASE}-x")
     assert env_of(c)["HF_HOME"]["value"] == "/data/shared-pvc-storage"
-    assert one(objs, "PersistentVolumeClaim", f"{RELEASE}-shared-pvc-storage")["spec"]["accessModes"] == [
-        "ReadWriteMany"
-    ]
-    assert one(objs, "Service", f"{RELEASE}-mistral")["metadata"]["annotations"] == {"a": "b"}
-    so = one(objs, "ScaledObject", f"{RELEASE}-mistral")
+    assert one(objs, "PersistentVolumeClaim", f"{RELEASE}-shared-pvc-storage-claim")["spec"][
+        "accessModes"
+    ] == ["ReadWriteMany"]
+    assert one(objs, "Service", engine_name("mistral", "Service"))["metadata"]["annotations"] == {"a": "b"}
+    so = one(objs, "ScaledObject", engine_name("mistral", "ScaledObject"))
     assert [t["type"] for t in so["spec"]["triggers"]] == ["prometheus"]
 
 

@@ -47,7 +47,18 @@ from vllm_stack_dev.testbed.engines import (
     stop_process,
 )
 
-from tests.helm.chart import EXAMPLES, RELEASE, container, env_of, flag, one, render, values_file
+from tests.helm.chart import (
+    EXAMPLES,
+    RELEASE,
+    container,
+    engine_name,
+    env_of,
+    flag,
+    one,
+    render,
+    router_name,
+    values_file,
+)
 
 pytestmark = [pytest.mark.helm, pytest.mark.engine]
 
@@ -81,7 +92,9 @@ def engine_args_for_cpu(rendered: list[str], model_dir: Path, kv_port: int) -> l
 
 def router_config_file(objs: list[dict], tmp_path: Path) -> Path | None:
     """The router's rendered ConfigMap content (its `config.yaml`), written where a local router reads it."""
-    found = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == f"{RELEASE}-router"]
+    found = [
+        o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == router_name("ConfigMap")
+    ]
     if not found:
         return None
     path = tmp_path / "router-config.yaml"
@@ -125,8 +138,8 @@ def test_rendered_engine_and_router_commands_serve(tiny_model_dir, tmp_path):
         "overlay.yaml",
     )
     objs = render([EXAMPLES / "seed-mistral.yaml", overlay])
-    engine_c = container(one(objs, "Deployment", f"{RELEASE}-mistral"))
-    router_c = container(one(objs, "Deployment", f"{RELEASE}-router"))
+    engine_c = container(one(objs, "Deployment", engine_name("mistral", "Deployment")))
+    router_c = container(one(objs, "Deployment", router_name("Deployment")))
     secret = one(objs, "Secret", f"{RELEASE}-secrets")
     api_key = base64.b64decode(secret["data"]["vllmApiKey"]).decode()
     served = flag(engine_c["args"], "--served-model-name")

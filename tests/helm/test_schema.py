@@ -68,7 +68,6 @@ def test_types_enums_and_ranges(tmp_path, values, where):
 @pytest.mark.parametrize(
     "values, message",
     [
-        (model(vllmConfig={"v1": 0}), "asks for vLLM's V0 engine"),
         (model(chatTemplate="x"), "chatTemplate is not implemented"),
         (
             model(lmcacheConfig={"enabled": True, "nixlRole": "sender"}),
@@ -85,8 +84,14 @@ def test_types_enums_and_ranges(tmp_path, values, where):
             },
             'baseModel "nope" is no deployed modelSpec',
         ),
-        ({"servingEngineSpec": {"configs": {"a": "b"}}}, "servingEngineSpec.configs"),
-        ({"servingEngineSpec": {"modelSpec": [{"name": "a"}, {"name": "a"}]}}, 'duplicate model name "a"'),
+        (
+            {
+                "servingEngineSpec": {
+                    "modelSpec": [{"name": "a", "modelURL": "o/a"}, {"name": "a", "modelURL": "o/b"}]
+                }
+            },
+            'duplicate model name "a"',
+        ),
         (model(existingClaim="c", pvcStorage="1Gi"), "either existingClaim or pvcStorage"),
         (model(lmcacheConfig={"enabled": True, "enableController": True}), "controllerPullUrl is required"),
         ({"routerSpec": {"routingLogic": "session"}}, "sessionKey is required"),
@@ -137,11 +142,7 @@ def test_schema_is_strict_everywhere():
     [
         (
             {"routerSpec": {"k8sServiceDiscoveryType": "service-name"}},
-            "k8sServiceDiscoveryType is not implemented",
-        ),
-        (
-            {"servingEngineSpec": {"extraPorts": [{"name": "x", "port": 9000}]}},
-            "extraPorts is not implemented",
+            "k8sServiceDiscoveryType: service-name (production-stack's router then sends to each model's Service) is not implemented",
         ),
         (model(lmcacheConfig={"enabled": True, "controllerPort": 9000}), "without enableController"),
     ],
@@ -158,7 +159,12 @@ def test_truncated_object_names_never_collide(tmp_path):
         tmp_path,
         {
             "fullnameOverride": "f" * 40,
-            "servingEngineSpec": {"modelSpec": [{"name": long + "a"}, {"name": long + "b"}]},
+            "servingEngineSpec": {
+                "modelSpec": [
+                    {"name": long + "a", "modelURL": "o/a"},
+                    {"name": long + "b", "modelURL": "o/b"},
+                ]
+            },
         },
     )
     assert "is taken by another model" in render_error([v])

@@ -62,7 +62,7 @@ def _engine_workloads(objects: list[dict]) -> list[dict]:
         o
         for o in objects
         if o["kind"] in ("Deployment", "StatefulSet")
-        and o["spec"]["template"]["metadata"].get("labels", {}).get(COMPONENT) == "engine"
+        and o["spec"]["template"]["metadata"].get("labels", {}).get(COMPONENT) == "serving-engine"
     ]
 
 
@@ -137,11 +137,19 @@ def objects_of(values: Path) -> list[dict]:
 def test_every_substitution_is_said_with_its_reason(tmp_path: Path) -> None:
     plan, _ = _plan([ROOT / "helm/examples/seed-keda.yaml"], tmp_path, max_engines=1)
     lines = [s.line() for s in plan.substitutions]
-    assert any("weights llama3 -> tiny Llama, dummy weights, served as llama3" in line for line in lines)
-    assert any("cluster DNS: vllm-stack-llama3:80 -> 127.0.0.1:" in line for line in lines), lines
+    assert any(
+        "weights meta-llama/Llama-3.1-8B-Instruct -> tiny Llama, dummy weights, served as meta-llama/Llama-3.1-8B-Instruct"
+        in line
+        for line in lines
+    )
+    assert any("cluster DNS: vllm-stack-llama3-engine-service:80 -> 127.0.0.1:" in line for line in lines), (
+        lines
+    )
     assert any("--service-discovery k8s -> static" in line for line in lines), lines
     assert all(s.why for s in plan.substitutions)
-    assert any(item.startswith("ScaledObject/vllm-stack-llama3: no KEDA here") for item in plan.not_run)
+    assert any(
+        item.startswith("ScaledObject/vllm-stack-llama3-scaledobject: no KEDA here") for item in plan.not_run
+    )
 
 
 def test_memory_caps_the_replicas_and_says_so(tmp_path: Path) -> None:
@@ -243,7 +251,7 @@ def test_lmcache_pd_becomes_nixl_on_cpu_and_the_router_follows(tmp_path: Path) -
     lines = [s.line() for s in plan.substitutions]
     assert any("LMCacheConnectorV1 -> NixlConnector" in line for line in lines), lines
     assert any("--disagg-protocol lmcache -> vllm" in line for line in lines), lines
-    notify = [s for s in plan.substitutions if s.rendered == "vllm-stack-router:7500"]
+    notify = [s for s in plan.substitutions if s.rendered == "vllm-stack-router-service:7500"]
     assert notify and notify[0].local != "127.0.0.1:18080", "only the router's http port is its local port"
 
 
@@ -297,7 +305,10 @@ def test_dry_run_prints_the_substitutions_and_command_lines(tmp_path: Path) -> N
     out = result.stdout
     assert "Substituted (what this machine cannot have):" in out
     assert "meta-llama/Llama-3.2-1B-Instruct" in out  # the rendered model, and what replaced it
-    assert out.count("$ [vllm-stack-tiny-llama-") == 2 and "$ [vllm-stack-router-0]" in out
+    assert (
+        out.count("$ [vllm-stack-tiny-llama-deployment-vllm-") == 2
+        and "$ [vllm-stack-deployment-router-0]" in out
+    )
 
 
 def test_a_chat_template_from_the_image_becomes_the_models_own(tmp_path: Path) -> None:

@@ -67,7 +67,13 @@ SILENT_KINDS = {  # wiring that the substitutions above already cover
     "Service", "ConfigMap", "Secret", "ServiceAccount", "Role", "RoleBinding", "ClusterRole",
     "ClusterRoleBinding", "PersistentVolumeClaim", "Deployment", "StatefulSet",
 }  # fmt: skip
-RUNNABLE = ("engine", "cache-server", "lmcache-controller", "router")
+# The chart's component label (production-stack's values: an engine is a `serving-engine`) -> the part `up` runs.
+RUNNABLE = {
+    "serving-engine": "engine",
+    "cache-server": "cache-server",
+    "lmcache-controller": "lmcache-controller",
+    "router": "router",
+}
 DROPPED_ENGINE_FLAGS = {  # flag -> why it cannot apply to one CPU engine
     "--tensor-parallel-size": "one CPU process per replica",
     "--pipeline-parallel-size": "one CPU process per replica",
@@ -125,6 +131,7 @@ class StackPlan:
     not_run: list[str]  # "Kind/name: why", Kubernetes-only objects
     rules: str | None  # the rendered PrometheusRule's rule file, if the values turn it on
     generated_secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # Secret -> key -> value
+    deviations: list[str] = field(default_factory=list)  # the chart's own (NOTES), set by whoever rendered
 
     def of(self, component: str) -> list[Process]:
         return [p for p in self.processes if p.component == component]
@@ -241,8 +248,8 @@ class Planner:
         not_run: list[str] = []
         for workload in workloads:
             labels = workload["spec"]["template"]["metadata"].get("labels", {})
-            component = labels.get(COMPONENT, "")
-            if component not in RUNNABLE:
+            component = RUNNABLE.get(labels.get(COMPONENT, ""))
+            if component is None:
                 not_run.append(f"{workload['kind']}/{workload['metadata']['name']}: not a part `up` runs")
                 continue
             for index in range(replicas[workload["metadata"]["name"]]):
@@ -289,7 +296,9 @@ class Planner:
         engines: list[str] = []
         for workload in workloads:
             name = workload["metadata"]["name"]
-            component = workload["spec"]["template"]["metadata"].get("labels", {}).get(COMPONENT)
+            component = RUNNABLE.get(
+                workload["spec"]["template"]["metadata"].get("labels", {}).get(COMPONENT, "")
+            )
             rendered = workload["spec"].get("replicas")
             count = 1 if rendered is None else int(rendered)
             if component == "engine":
