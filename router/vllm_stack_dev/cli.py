@@ -90,10 +90,24 @@ def _cmd_up(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.up.check import check
+
+    return check(args.values, args.set, strict=args.strict, release=args.release, namespace=args.namespace)
+
+
 def _cmd_router(argv: Sequence[str]) -> int:
     from vllm_stack.router_cli import main as router_main
 
     return router_main(list(argv))
+
+
+def _values_flags(parser: argparse.ArgumentParser) -> None:
+    """-f and --set, as helm takes them, for the commands that render the chart."""
+    parser.add_argument(
+        "-f", "--values", action="append", type=Path, required=True, help="values file (repeatable)"
+    )
+    parser.add_argument("--set", action="append", default=[], help="as helm's --set (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,10 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         " the router, LMCache's cache server and controller as local processes, and prints every"
         " substitution this machine needs (weights, GPUs, cluster DNS, ...).",
     )
-    up.add_argument(
-        "-f", "--values", action="append", type=Path, required=True, help="values file (repeatable)"
-    )
-    up.add_argument("--set", action="append", default=[], help="as helm's --set (repeatable)")
+    _values_flags(up)
     up.add_argument(
         "--port", type=int, default=int(os.environ.get("VLLM_STACK_PORT", 8080)), help="router port"
     )
@@ -156,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds an engine may take to start")
     up.add_argument("--dry-run", action="store_true", help="print the substitutions and command lines only")
     up.set_defaults(func=_cmd_up)
+
+    check = sub.add_parser(
+        "check",
+        help="print every deviation the chart would make from a values file (what NOTES lists)",
+        description="Renders the chart as helm install --dry-run=client does (no cluster) and prints each key it"
+        " honours differently, substitutes or ignores: what NOTES.txt lists, which helm template (Argo CD, Flux)"
+        " never shows. --strict renders with strict=true: any deviation fails, with the chart's message.",
+    )
+    _values_flags(check)
+    check.add_argument(
+        "--strict", action="store_true", help="exit 1 on any deviation (the chart's strict: true)"
+    )
+    check.add_argument("--release", default="vllm-stack", help="release name the chart is rendered for")
+    check.add_argument("--namespace", default="default", help="namespace the chart is rendered for")
+    check.set_defaults(func=_cmd_check)
     return parser
 
 

@@ -39,7 +39,7 @@ from vllm_stack_dev.testbed.lmcache import lmcache_command, lmcache_env, unpack_
 from vllm_stack_dev.testbed.models import build_lora, build_model
 from vllm_stack_dev.up.plan import PlanError, Planner, StackPlan, memory_fit
 from vllm_stack_dev.up.prometheus import ENGINE_JOB, ROUTER_JOB, Target, start_prometheus
-from vllm_stack_dev.up.render import NAMESPACE, RenderError, render
+from vllm_stack_dev.up.render import NAMESPACE, RenderError, render_release
 from vllm_stack_dev.waiting import tcp_open, wait_until
 
 
@@ -72,9 +72,9 @@ def mem_available_gib() -> float:
 
 
 def make_plan(options: UpOptions, workdir: Path, model_dir: Path) -> StackPlan:
-    objects = render(options.values, options.sets, namespace=options.namespace)
-    return Planner(
-        objects,
+    release = render_release(options.values, options.sets, namespace=options.namespace)
+    plan = Planner(
+        release.objects,
         workdir=workdir,
         model_dir=model_dir,
         router_port=options.port,
@@ -84,6 +84,8 @@ def make_plan(options: UpOptions, workdir: Path, model_dir: Path) -> StackPlan:
         namespace=options.namespace,
         dtype_override=dtype_override(),
     ).plan()
+    plan.deviations = release.deviations  # what the chart itself did differently (its NOTES), said first
+    return plan
 
 
 def describe(plan: StackPlan) -> str:
@@ -91,7 +93,11 @@ def describe(plan: StackPlan) -> str:
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for sub in plan.substitutions:
         grouped.setdefault((sub.rendered, sub.local, sub.why), []).append(sub.subject)
-    lines = ["Substituted (what this machine cannot have):"]
+    lines = []
+    if plan.deviations:
+        lines.append("Deviations of the chart (as its NOTES lists them; strict: true refuses each):")
+        lines += [f"  {line}" for line in plan.deviations]
+    lines.append("Substituted (what this machine cannot have):")
     for (rendered, local, why), subjects in grouped.items():
         lines.append(f"  {', '.join(subjects)}: {rendered} -> {local} ({why})")
     if plan.not_run:
