@@ -50,7 +50,7 @@ def test_keda_and_observability_tutorials(tmp_path: Path) -> None:
 
     assert keda.names == ["render", "stack", "keda"]
     assert out["render"][0].splitlines() == [
-        "vllm-stack-llama3 replicas 0 to 4",
+        "vllm-stack-llama3-scaledobject replicas 0 to 4",
         "  queue threshold 5",
         "  router-requests threshold 1000000",
     ]
@@ -59,7 +59,7 @@ def test_keda_and_observability_tutorials(tmp_path: Path) -> None:
     assert activation.startswith("router-requests: 1 element, value ") and activation.endswith(", active")
 
     rendered = obs["render"][0].splitlines()
-    assert rendered.count("PrometheusRule vllm-stack") == 1
+    assert rendered.count("PrometheusRule vllm-stack-prometheus-rules") == 1
     assert sum(line.startswith("ServiceMonitor ") for line in rendered) == 2
     assert sum(line.startswith("ConfigMap ") for line in rendered) == 3
     rules = [r for g in yaml.safe_load(CHART_RULES.read_text())["groups"] for r in g["rules"]]

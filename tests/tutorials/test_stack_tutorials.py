@@ -60,8 +60,8 @@ def test_minimal_tutorial(tmp_path: Path) -> None:
 
 def test_multiple_models_tutorial(tmp_path: Path) -> None:
     out = _run("06-multiple-models.md", tmp_path)
-    assert "vllm-stack-llama3 serves meta-llama/Llama-3.1-8B-Instruct" in out["render"][0]
-    assert "vllm-stack-qwen serves Qwen/Qwen2.5-1.5B-Instruct" in out["render"][0]
+    assert "vllm-stack-llama3-deployment-vllm serves meta-llama/Llama-3.1-8B-Instruct" in out["render"][0]
+    assert "vllm-stack-qwen-deployment-vllm serves Qwen/Qwen2.5-1.5B-Instruct" in out["render"][0]
     lines = out["try"][0].splitlines()
     assert lines[0] == "models: ['Qwen/Qwen2.5-1.5B-Instruct', 'meta-llama/Llama-3.1-8B-Instruct']"
     assert "Qwen/Qwen2.5-1.5B-Instruct answered by Qwen/Qwen2.5-1.5B-Instruct" in lines
@@ -69,8 +69,8 @@ def test_multiple_models_tutorial(tmp_path: Path) -> None:
     assert "gpt-4: 404 model_not_found" in lines
     engines = out["engines"][0].splitlines()
     assert sorted(engines) == [
-        "vllm-stack-llama3-0 meta-llama/Llama-3.1-8B-Instruct served 1",
-        "vllm-stack-qwen-0 Qwen/Qwen2.5-1.5B-Instruct served 1",
+        "vllm-stack-llama3-deployment-vllm-0 meta-llama/Llama-3.1-8B-Instruct served 1",
+        "vllm-stack-qwen-deployment-vllm-0 Qwen/Qwen2.5-1.5B-Instruct served 1",
     ]
 
 
@@ -91,7 +91,12 @@ def test_routing_strategies_tutorial(tmp_path: Path) -> None:
 def test_kv_offload_cache_server_tutorial(tmp_path: Path) -> None:
     out = _run("08-kv-offload-cache-server.md", tmp_path)
     render = out["render"][0]
-    for rendered in ("LMCacheConnectorV1", '"lm://vllm-stack-cache-server:81"', '"20"', "lmcache_server"):
+    for rendered in (
+        "LMCacheConnectorV1",
+        '"lm://vllm-stack-cache-server-service:81"',
+        '"20"',
+        "lmcache_server",
+    ):
         assert rendered in render
     said = out["cache-server"][0]
     assert said.startswith("cache server listening on 127.0.0.1:")
