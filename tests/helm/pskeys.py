@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from tests.helm.chart import CHART, NAMESPACE, RELEASE, ROOT, helm_path
+from tests.helm.chart import CHART, NAMESPACE, RELEASE, helm_path
+from tests.shared_data import PS_CHART, require
 
-PS_CHART = ROOT.parent / "shared" / "production-stack-chart" / "helm"
 ITEM = "[]"  # a list's items in a key path: servingEngineSpec.modelSpec[].name
 # Blocks whose content is free-form (a map of labels, a Kubernetes object given as is): one key each.
 FREE_FORM = {
@@ -96,7 +96,7 @@ def _walk_values(node, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
 
 @functools.cache
 def ps_defaults() -> dict:
-    return yaml.safe_load((PS_CHART / "values.yaml").read_text())
+    return yaml.safe_load((require(PS_CHART) / "values.yaml").read_text())
 
 
 def _template_keys() -> set[tuple[str, ...]]:
@@ -120,7 +120,7 @@ def ps_keys() -> tuple[str, ...]:
     """Every key path of production-stack's chart: its schema's, its values.yaml's and those its templates
     read, the most specific of each (a path that is a prefix of another is a block, not a key), free-form
     blocks as one key. `pvcStorage` is a size and, as `pvcStorage.emptyDir`, a block: both are keys."""
-    schema = json.loads((PS_CHART / "values.schema.json").read_text())
+    schema = json.loads((require(PS_CHART) / "values.schema.json").read_text())
     paths = set(_walk_schema(schema, ())) | set(_walk_values(ps_defaults(), ())) | _template_keys()
     paths = {p for p in paths if p and not any(part in FREE_FORM for part in p[:-1])}
     blocks = {p[:i] for p in paths for i in range(1, len(p))} - {
@@ -149,7 +149,7 @@ def _template(chart: Path, values_text: str) -> tuple[int, str, str]:
 
 @functools.cache
 def _ps_render(values_text: str) -> list[dict] | None:
-    rc, out, _ = _template(PS_CHART, values_text)
+    rc, out, _ = _template(require(PS_CHART), values_text)
     return [d for d in yaml.safe_load_all(out) if d] if rc == 0 else None
 
 
@@ -334,7 +334,7 @@ def _get(values: dict, parts: list[str]):
 
 @functools.cache
 def ps_schema() -> dict:
-    return json.loads((PS_CHART / "values.schema.json").read_text())
+    return json.loads((require(PS_CHART) / "values.schema.json").read_text())
 
 
 def schema_node(parts: list[str]) -> dict:
@@ -478,6 +478,19 @@ def plain_for(key: str) -> dict:
     return values
 
 
+def ps_pair(p: Probe, extra: dict | None = None) -> tuple[list | None, list | None]:
+    """production-stack's rendering without and with the probed key (None where its chart refuses).
+
+    A key production-stack requires (requestCPU, repository) cannot be left out of the base: there the
+    base keeps a value of its own, so that what the key changes is still seen."""
+    theirs_base, theirs = ps_render(p.base), ps_render(p.values)
+    if theirs_base is None and theirs is not None:
+        base = base_for(p.key, extra)
+        if _get(base, split(p.key)) not in (None, _get(p.values, split(p.key))):
+            theirs_base = ps_render(base)
+    return theirs_base, theirs
+
+
 def judge(key: str, overrides: dict, equivalent: dict, extra: dict | None = None) -> Verdict:
     p = probe(key, overrides, extra)
     rc, objs, lines, err = our_release(p.values)
@@ -491,12 +504,7 @@ def judge(key: str, overrides: dict, equivalent: dict, extra: dict | None = None
     new = [line for line in lines if line not in said]
     if _noted(new, key):
         return Verdict(key, "noted", next(line for line in new if _noted([line], key))[:300])
-    theirs_base, theirs = ps_render(p.base), ps_render(p.values)
-    if theirs_base is None and theirs is not None:
-        # a key production-stack requires (requestCPU, repository): the base keeps a value of its own
-        base = base_for(key, extra)
-        if _get(base, split(key)) not in (None, _get(p.values, split(key))):
-            theirs_base = ps_render(base)
+    theirs_base, theirs = ps_pair(p, extra)
     if theirs is None or theirs_base is None:
         return Verdict(key, "ps-refuses", "production-stack's chart does not render the probe")
     before, after = indexed(theirs_base), indexed(theirs)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helm import pskeys
 from tests.helm.pskeys_data import EXTRA, OVERRIDES, allowed
-from tests.helm.test_production_stack_names import PS_CHART
+from tests.shared_data import PS_CHART, require
 
 pytestmark = pytest.mark.helm
 
@@ -58,8 +58,7 @@ ONCE_SCHEMA_ERRORS = (
 
 
 def _keys() -> list[str]:
-    if not PS_CHART.is_dir():
-        pytest.skip(f"{PS_CHART} missing (production-stack's chart is test data outside the repository)")
+    require(PS_CHART)
     return list(pskeys.ps_keys())
 
 
@@ -123,7 +122,7 @@ def test_every_equivalence_is_used():
     used = set()
     for key in _keys():
         p = pskeys.probe(key, OVERRIDES, EXTRA)
-        before, after = pskeys.ps_render(p.base), pskeys.ps_render(p.values)
+        before, after = pskeys.ps_pair(p, EXTRA)
         if before is None or after is None:
             continue
         b, a = pskeys.indexed(before), pskeys.indexed(after)
