@@ -146,11 +146,12 @@ def test_the_test_pod_asks_each_model_what_it_can_answer(tmp_path, model, kind):
 
 
 def test_production_stack_files_with_opt_125m_ask_for_completions():
-    from tests.helm.test_production_stack_names import PS_VALUES, rendering
+    from tests.helm.test_production_stack_names import rendering
+    from tests.shared_data import PS_VALUES, require
 
     asked = {}
     for name in rendering():
-        objs = render([PS_VALUES / name])
+        objs = render([require(PS_VALUES / name)])
         if find(objs, "Pod"):
             asked.update({f"{name}: {m}": k for m, k in _asked(objs).items()})
     opt = {k: v for k, v in asked.items() if k.endswith(": facebook/opt-125m")}

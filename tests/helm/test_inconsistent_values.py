@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helm.chart import container, engine_name, one, render, render_error, router_name, values_file
-from tests.helm.test_production_stack_names import PS_VALUES
+from tests.shared_data import PS_VALUES, require
 
 pytestmark = pytest.mark.helm
 
@@ -70,10 +70,7 @@ def test_enough_gpus_or_a_disabled_model_render(tmp_path, model):
 
 
 def test_production_stacks_default_file_with_its_disabled_tp2_model_renders():
-    path = PS_VALUES / "helm__values.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} missing (test data outside the repository)")
-    assert render([path])
+    assert render([require(PS_VALUES / "helm__values.yaml")])
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ from tests.helm.chart import (
     CHART,
     NAMESPACE,
     RELEASE,
-    ROOT,
     container,
     find,
     flag,
@@ -26,11 +25,10 @@ from tests.helm.chart import (
     render,
     values_files,
 )
+from tests.shared_data import PS_CHART, PS_VALUES, require
 
 pytestmark = pytest.mark.helm
 
-PS_CHART = ROOT.parent / "shared" / "production-stack-chart" / "helm"
-PS_VALUES = ROOT.parent / "shared" / "production-stack-values"
 OUTCOMES = yaml.safe_load((Path(__file__).parent / "data" / "production_stack_outcomes.yaml").read_text())
 
 # Objects production-stack renders that this chart does not, each with the reason (helm/README.md
@@ -65,9 +63,7 @@ def _template(chart: Path, values: Path) -> list[dict] | None:
 
 @functools.cache
 def both(name: str) -> tuple[list[dict], list[dict]]:
-    if not PS_CHART.is_dir():
-        pytest.skip(f"{PS_CHART} missing (production-stack's chart is test data outside the repository)")
-    theirs = _template(PS_CHART, PS_VALUES / name)
+    theirs = _template(require(PS_CHART), require(PS_VALUES / name))
     assert theirs is not None, f"production-stack's chart does not render {name}"
     return theirs, render([PS_VALUES / name])
 
@@ -164,6 +160,8 @@ ALL_FILES = [str(p) for p in values_files()] + [str(PS_VALUES / n) for n in rend
 @pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: Path(p).name)
 def test_the_router_discovers_every_engine_of_its_release(path):
     """Our router watches pods with its --k8s-label-selector: every engine pod matches it, nothing else does."""
+    if path.startswith(str(PS_VALUES)):
+        require(Path(path))
     objs = render([path])
     routers = [
         d for d in find(objs, "Deployment") if _pod_labels(d).get("app.kubernetes.io/component") == "router"

@@ -12,7 +12,7 @@ import yaml
 
 from tests.helm.chart import CHART, container, one, render, render_error, router_name, values_file
 from tests.helm.test_production_stack_files import compat_lines, manifest_and_notes
-from tests.helm.test_production_stack_names import PS_CHART
+from tests.shared_data import PS_CHART, require
 from vllm_stack.router_cli import build_parser
 
 pytestmark = pytest.mark.helm
@@ -37,7 +37,7 @@ PS_PARSER_FLAGS = (
 
 
 def ps_router_flags() -> set[str]:
-    template = (PS_CHART / "templates" / "deployment-router.yaml").read_text()
+    template = (require(PS_CHART) / "templates" / "deployment-router.yaml").read_text()
     return set(PS_PARSER_FLAGS) | set(re.findall(r'"(--[a-z][a-z0-9-]+)"', template))
 
 

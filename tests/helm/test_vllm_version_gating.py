@@ -11,8 +11,8 @@ import pytest
 
 from tests.helm.chart import container, engine_name, env_of, flag, one, render, render_error, values_file
 from tests.helm.test_production_stack_files import compat_lines, manifest_and_notes
-from tests.helm.test_production_stack_names import PS_VALUES
 from tests.helm.test_vllm_flags import TABLE
+from tests.shared_data import PS_VALUES, require
 
 pytestmark = pytest.mark.helm
 
@@ -28,10 +28,7 @@ def _model(**kw) -> dict:
 
 
 def _ps(name):
-    path = PS_VALUES / name
-    if not path.exists():
-        pytest.skip(f"{path} missing (production-stack's files are test data outside the repository)")
-    return path
+    return require(PS_VALUES / name)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from vllm_stack_dev.up.render import DEVIATIONS_HEADER, deviations_in, render_release
 
 from tests.helm.chart import ROOT
-from tests.helm.test_production_stack_files import PS_DIR
+from tests.shared_data import PS_VALUES, require
 
 pytestmark = pytest.mark.helm
 
@@ -30,10 +30,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _ps(name: str) -> Path:
-    path = PS_DIR / name
-    if not path.exists():
-        pytest.skip(f"{path} missing (production-stack's files are test data outside the repository)")
-    return path
+    return require(PS_VALUES / name)
 
 
 def test_check_prints_what_notes_lists():
