@@ -104,6 +104,12 @@ class TutorialRun:
                 self.outputs.setdefault(step.name, []).append(self._run(step, code))
         return self.outputs
 
+    def run_step(self, name: str) -> str:
+        """Run the first step called ``name`` alone (a render step, which needs no server) and return what
+        it printed."""
+        step = next(step for step in self.steps if step.name == name)
+        return self._run(step, self.substituted(step))
+
     def _run(self, step: Step, code: str) -> str:
         command = (
             ["bash", "-euo", "pipefail", "-c", code]

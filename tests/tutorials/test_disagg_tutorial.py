@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from vllm_stack_dev.up.run import READY_LINE, still_listening
 
+from tests.tutorials.render_checks import check_render
 from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm]
@@ -40,11 +41,7 @@ def test_disagg_tutorial_runs_as_written(tmp_path: Path) -> None:
     )
     assert tutorial.names == ["render", "stack", "try", "check"]
     outputs = tutorial.run_all()  # ends with SIGTERM to `vllm-stack up`
-    rendered = outputs["render"][0]
-    assert re.search(r"\d+ +vllm-stack.io/role: prefill", rendered), rendered
-    assert re.search(r"\d+ +vllm-stack.io/role: decode", rendered), rendered
-    assert "disaggregated_prefill" in rendered and "lmcache" in rendered, rendered
-    assert '"sender"' in rendered and '"receiver"' in rendered, rendered
+    check_render(TUTORIAL.name, outputs["render"][0])
     assert outputs["try"][0].splitlines() == ["long prompt 200", "short prompt 200"]
     check = outputs["check"][0]
     assert 'outcome="disaggregated"} 1.0' in check and 'outcome="short"} 1.0' in check, check

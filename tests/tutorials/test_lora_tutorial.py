@@ -18,6 +18,7 @@ import httpx
 import pytest
 from vllm_stack_dev.up.run import READY_LINE, still_listening
 
+from tests.tutorials.render_checks import check_render
 from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm]
@@ -42,8 +43,7 @@ def test_lora_tutorial_runs_as_written(tmp_path: Path) -> None:
     )
     assert tutorial.names == ["render", "stack", "try", "try", "try", "canary", "try"]
     outputs = tutorial.run_all(after_server_start=lambda url: _wait_hot_loaded(url, 2))
-    rendered = outputs["render"][0]
-    assert "name: support" in rendered and "tier: hot" in rendered
+    check_render(TUTORIAL.name, outputs["render"][0])
     listing, placement, not_found, admin = outputs["try"]
     assert f"sql parent: {BASE}" in listing and "assistant parent: None" in listing
     assert listing.count("adapters: ['support']") == 2  # the hot one, on both engines from the start

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from vllm_stack_dev.up.run import READY_LINE, still_listening
 
+from tests.tutorials.render_checks import check_render
 from tests.tutorials.runner import ROOT, TutorialRun, tutorial_env, tutorial_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.helm]
@@ -40,9 +41,7 @@ def test_priority_tutorial_runs_as_written(tmp_path: Path) -> None:
     )
     assert tutorial.names == ["render", "stack", "try", "burst", "try"]
     outputs = tutorial.run_all()  # ends with SIGTERM to `vllm-stack up`
-    rendered = outputs["render"][0]
-    assert "engine_priority: true" in rendered and "criticality: sheddable" in rendered
-    assert 'vllm_stack_router_queue_length{model="chat"' in rendered
+    check_render(TUTORIAL.name, outputs["render"][0])
     who, cold = outputs["try"]
     assert who.splitlines() == ["sheddable: 200", "critical without a key: 403", "critical with the key: 200"]
     burst = outputs["burst"][0].splitlines()
