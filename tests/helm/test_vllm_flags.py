@@ -23,11 +23,6 @@ TABLE = yaml.safe_load(TABLE_PATH.read_text())
 OUTCOMES = yaml.safe_load((Path(__file__).parent / "data" / "production_stack_outcomes.yaml").read_text())
 PS_RENDERING = sorted(name for name, outcome in OUTCOMES.items() if outcome == "renders")
 
-# Files whose engines get a flag their pinned vLLM cannot parse: none since the chart gates flags by the
-# engine's vLLM release (issue 31; the V100 files' vllm/vllm-openai:v0.8.5 no longer gets prefixaware
-# routing's --kv-events-config, which came with vLLM 0.9.0).
-GATING_PENDING: set[str] = set()
-
 
 def newest() -> Version:
     return Version(TABLE["releases"]["newest"])
@@ -195,6 +190,37 @@ def test_every_flag_the_chart_renders_is_in_the_table(source, tmp_path):
     )
 
 
+def template_flags() -> set[str]:
+    """Every engine flag the engine template can write, read from its text rather than from a rendering:
+    its quoted `"--flag"` words and the flags of its `range $key, $flag := dict ...` maps (written as
+    `--<flag>`, and `--no-<flag>` where the map's values are switches, printf "--%s%s")."""
+    text = (CHART / "templates" / "_engine.tpl").read_text()
+    text = re.sub(r"{{-?\s*/\*.*?\*/\s*-?}}", "", text, flags=re.S)  # comments name other components' flags
+    out = set(re.findall(r'"(--[a-z][a-z0-9-]*)"', text))
+    for line in text.splitlines():
+        m = re.search(r"range \$key, \$flag := dict ((?:\"[^\"]+\" ?)+)", line)
+        if m:
+            names = re.findall(r'"([^"]+)"', m.group(1))[1::2]
+            switches = 'ternary "" "no-"' in text.split(line, 1)[1].split("{{- end -}}", 1)[0]
+            out |= {f"--{n}" for n in names} | ({f"--no-{n}" for n in names} if switches else set())
+    return out
+
+
+def test_every_flag_the_engine_template_can_write_is_in_the_table():
+    """Also the flags no values file here happens to render: the template's own text against the table."""
+    flags = template_flags()
+    assert {
+        "--kv-events-config",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--revision",
+    } <= flags
+    missing = sorted(flags - set(TABLE["flags"]))
+    assert not missing, (
+        f"flags helm/templates/_engine.tpl can write that helm/files/vllm-flags.yaml lacks: {missing}"
+    )
+
+
 def test_the_schema_keys_reach_the_engine(tmp_path):
     """Guard for the test above: the synthetic models really render the mapped flags."""
     on, off = (
@@ -241,25 +267,9 @@ def unparsable(name: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        # raises: the assertion below is what is expected to fail; missing ../shared data is a failure
-        pytest.param(
-            n, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="chart gating pending")
-        )
-        if n in GATING_PENDING
-        else n
-        for n in PS_RENDERING
-    ],
-)
+@pytest.mark.parametrize("name", PS_RENDERING)
 def test_production_stack_engines_get_only_flags_their_vllm_parses(name):
+    """Since the chart gates flags by the engine's vLLM release (issue 31), none: the V100 files'
+    vllm/vllm-openai:v0.8.5 no longer gets prefixaware routing's --kv-events-config (it came with 0.9.0)."""
     require(PS_VALUES / name)
     assert unparsable(name) == []
-
-
-def test_the_pending_files_fail_for_the_flag_the_issue_names():
-    """What the xfail above stands for today: v0.8.5 and --kv-events-config, nothing else."""
-    for name in sorted(GATING_PENDING):
-        require(PS_VALUES / name)
-        assert set(unparsable(name)) <= {"vllm/vllm-openai:v0.8.5: --kv-events-config"}, name
