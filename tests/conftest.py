@@ -38,6 +38,12 @@ EMBED_MODEL = "tiny-embed"
 READY_TIMEOUT = float(os.environ.get("VLLM_STACK_ENGINE_READY_TIMEOUT", "420"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Every engine this session starts, in-process or through `vllm-stack up`, gets a 256 MiB KV cache
+    (see default_kv_cache_mib): seven and more engines live at once here, on 24 GiB without swap."""
+    os.environ.setdefault("VLLM_STACK_ENGINE_KV_CACHE_MIB", "256")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     return build_model("tiny", cache_dir() / "models" / "tiny")

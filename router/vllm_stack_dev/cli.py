@@ -43,7 +43,7 @@ def _wait_for_signal() -> None:
 
 def _cmd_engines(args: argparse.Namespace) -> int:
     from vllm_stack_dev.paths import cache_dir
-    from vllm_stack_dev.testbed.engines import EngineStartError, start_engines
+    from vllm_stack_dev.testbed.engines import EngineStartError, default_kv_cache_mib, start_engines
     from vllm_stack_dev.testbed.models import build_model
 
     model_dir = Path(args.model) if args.model else build_model(args.size, cache_dir() / "models" / args.size)
@@ -52,7 +52,7 @@ def _cmd_engines(args: argparse.Namespace) -> int:
             args.count,
             model_dir,
             args.served_model_name,
-            kv_cache_gib=args.kv_cache_gib,
+            kv_cache_mib=args.kv_cache_mib or default_kv_cache_mib(),
             log_dir=args.log_dir,
             ready_timeout=args.ready_timeout,
             extra_args=args.extra_args or [],
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--size", choices=sorted(SIZES), default="tiny", help="model to build when --model is absent"
     )
     engines.add_argument("--served-model-name", default="tiny-llama")
-    engines.add_argument("--kv-cache-gib", type=int, default=1)
+    engines.add_argument("--kv-cache-mib", type=int, help="KV cache per engine (default 1024 MiB)")
     engines.add_argument("--log-dir", type=Path)
     engines.add_argument("--ready-timeout", type=float, default=300)
     engines.add_argument("extra_args", nargs="*", help="extra vLLM arguments (after --)")

@@ -13,7 +13,7 @@ What is changed from the rendered arguments, and why (everything else is passed 
   KV-event endpoint's port 5557 (and its replay port 5558) become free ports, so that parallel test sessions
   do not collide.
 - engine: `--gpu-memory-utilization` and `--dtype bfloat16` are kept: the CPU build accepts both (the KV
-  cache size on CPU comes from VLLM_CPU_KVCACHE_SPACE, set by the test bed).
+  cache size on CPU comes from `--kv-cache-memory-bytes`, appended by the test bed).
 - engine env: the rendered plain values are kept (PYTHONHASHSEED) except HF_HOME (a pod path) and the
   LMCACHE_* variables (no connector, see above); VLLM_API_KEY, a secretKeyRef in the pod, gets the literal
   the values file stored in the chart's Secret.
@@ -151,7 +151,7 @@ def test_rendered_engine_and_router_commands_serve(tiny_model_dir, tmp_path):
     }
     env["VLLM_API_KEY"] = api_key
     args = engine_args_for_cpu(engine_c["args"], tiny_model_dir, free_port())
-    spec = EngineSpec(model_dir=tiny_model_dir, served_model_name=served, args=args, env=env, kv_cache_gib=1)
+    spec = EngineSpec(model_dir=tiny_model_dir, served_model_name=served, args=args, env=env)
     # start_engines() waits on /v1/models, which answers 401 without the key; wait on /health instead.
     group = EngineGroup(
         [launch(spec, name="rendered", cpu=default_cpus(1)[0], log_dir=tmp_path / "engine-logs")]

@@ -135,6 +135,18 @@ def spawn_logged(
         )
 
 
+def default_kv_cache_mib() -> int:
+    """The KV cache an engine gets unless its spec says: ``VLLM_STACK_ENGINE_KV_CACHE_MIB``, else 1024.
+
+    Why a setting: the PyPI torch (its CUDA build, used where no CPU wheel is at hand) costs each of an
+    engine's three processes about 220 MB more anonymous memory than the CPU wheel, and the test
+    session keeps seven engines and more alive at once on 24 GiB with no swap; the kernel's OOM killer
+    then took an idle engine's worker (CI, 2026-12-04). The test session asks for 256 MiB (half a
+    million tokens of the tiny model, far more than any test holds); ``make run`` keeps 1 GiB.
+    """
+    return int(os.environ.get("VLLM_STACK_ENGINE_KV_CACHE_MIB", "1024"))
+
+
 @dataclass
 class EngineSpec:
     """What to start: one model, served under one name, with the test bed's defaults.
@@ -145,7 +157,7 @@ class EngineSpec:
 
     model_dir: Path | str
     served_model_name: str = "tiny-llama"
-    kv_cache_gib: int = 1
+    kv_cache_mib: int = field(default_factory=default_kv_cache_mib)
     enable_lora: bool = True
     max_loras: int = 4
     max_lora_rank: int = 8
@@ -256,7 +268,7 @@ def server_args(
 ) -> list[str]:
     """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
     if spec.args is not None:  # the dtype substitution goes last, so it wins over a rendered one
-        return [*spec.args, "--host", "127.0.0.1", "--port", str(port), *dtype_override()]
+        return [*spec.args, "--host", "127.0.0.1", "--port", str(port), *kv_cache_args(spec), *dtype_override()]
     args = [
         "--model", str(spec.model_dir),
         "--served-model-name", spec.served_model_name,
@@ -288,13 +300,23 @@ def server_args(
         if kv_replay_port is not None:
             config["replay_endpoint"] = f"tcp://*:{kv_replay_port}"
         args += ["--kv-events-config", json.dumps(config)]
-    return [*args, *spec.extra_args, *dtype_override()]
+    return [*args, *kv_cache_args(spec), *spec.extra_args, *dtype_override()]
+
+
+def kv_cache_args(spec: EngineSpec) -> list[str]:
+    """``--kv-cache-memory-bytes`` for the spec's size, unless its own arguments already set one.
+
+    The flag, not ``VLLM_CPU_KVCACHE_SPACE``: that variable counts whole GiB only (vLLM 0.32's CPU
+    platform reads it with ``int()``), and when set it overrides the flag; :func:`engine_env` leaves
+    it out unless the spec's own environment names it (a rendered chart that sets it wins)."""
+    if spec.args is not None and any(str(a).startswith("--kv-cache-memory-bytes") for a in spec.args):
+        return []
+    return ["--kv-cache-memory-bytes", str(spec.kv_cache_mib * 1024 * 1024)]
 
 
 def engine_env(spec: EngineSpec, cpu: int | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        VLLM_CPU_KVCACHE_SPACE=str(int(spec.kv_cache_gib)),
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
         PYTHONHASHSEED="0",
         HF_HUB_OFFLINE="1",
@@ -307,7 +329,7 @@ def engine_env(spec: EngineSpec, cpu: int | None) -> dict[str, str]:
     if cpu is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
     # The engine runs in its own environment; the caller's virtualenv must not leak into it.
-    for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+    for key in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "VLLM_CPU_KVCACHE_SPACE"):
         env.pop(key, None)
     env.update(spec.env)
     return env
@@ -427,7 +449,7 @@ def start_engines(
 ) -> EngineGroup:
     """Start `count` engines in parallel and wait until all serve; stop them all if any fails.
 
-    Either pass `spec`, or `model_dir` plus any EngineSpec field as a keyword (e.g. `kv_cache_gib=1`,
+    Either pass `spec`, or `model_dir` plus any EngineSpec field as a keyword (e.g. `kv_cache_mib=1024`,
     `extra_args=[...]`, `runner="pooling"`).
     """
     if spec is None:

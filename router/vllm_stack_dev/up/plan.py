@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_stack_dev.testbed.engines import nixl_loopback_env
+from vllm_stack_dev.testbed.engines import default_kv_cache_mib, nixl_loopback_env
 
 COMPONENT = "app.kubernetes.io/component"
 MODEL_LABEL = "vllm-stack.io/model"
@@ -571,7 +571,7 @@ class Planner:
         self._say(
             pod.name,
             f"resources {_resources(pod.container)}",
-            f"core {cpu}, KV cache 1 GiB (VLLM_CPU_KVCACHE_SPACE)",
+            f"core {cpu}, KV cache {default_kv_cache_mib()} MiB (--kv-cache-memory-bytes)",
             "no GPU here",
         )
         role = pod.labels.get(ROLE_LABEL)
