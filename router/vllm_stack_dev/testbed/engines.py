@@ -268,7 +268,8 @@ def server_args(
 ) -> list[str]:
     """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
     if spec.args is not None:  # the dtype substitution goes last, so it wins over a rendered one
-        return [*spec.args, "--host", "127.0.0.1", "--port", str(port), *kv_cache_args(spec), *dtype_override()]
+        loopback = ["--host", "127.0.0.1", "--port", str(port)]
+        return [*spec.args, *loopback, *kv_cache_args(spec), *dtype_override()]
     args = [
         "--model", str(spec.model_dir),
         "--served-model-name", spec.served_model_name,
