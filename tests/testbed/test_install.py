@@ -6,6 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from vllm_stack_dev.gotools import CONTROL_PLANE, STAMP_NAME, control_plane_binaries
 from vllm_stack_dev.paths import engine_python, helm_binary, repo_root
 
 
@@ -24,6 +25,8 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
         root / ".tools" / "node" / ".vllm-stack-stamp",
         root / ".tools" / "checkov-venv" / ".vllm-stack-stamp",
         root / ".cache" / "wheels" / ".vllm-stack-stamp",
+        *control_plane_binaries().values(),
+        *(tool.folder / STAMP_NAME for tool in CONTROL_PLANE),
     ]
     subprocess.run(
         ["make", "-s", "install"], cwd=root, check=True, capture_output=True
@@ -36,7 +39,7 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
     assert elapsed < 10, f"second make install took {elapsed:.1f} s"
     assert _snapshot(watched) == before
     assert len(before) == len(watched), "make install must create every stamp and tool it checks"
-    assert result.stderr.count("up to date") == 6, result.stderr
+    assert result.stderr.count("up to date") == 7, result.stderr
 
 
 def test_engine_requirements_leave_out_only_the_torch_family() -> None:

@@ -1,0 +1,84 @@
+"""How make install builds Go tools: the wrapper module's go.mod, binary names, version stamps, the stamp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm_stack_dev import gotools
+from vllm_stack_dev.gotools import GoTool
+
+
+def _tool(**fields: object) -> GoTool:
+    defaults: dict[str, object] = {
+        "name": "demo", "module": "example.com/demo", "version": "v1.37.2",
+        "binaries": (("demo", "example.com/demo/cmd/demo"),),
+    }  # fmt: skip
+    return GoTool(**{**defaults, **fields})  # type: ignore[arg-type]
+
+
+def test_a_published_replace_is_kept_and_a_local_one_dropped() -> None:
+    upstream = {
+        "Go": "1.26.0",
+        "GoDebug": [{"Key": "x509negativeserial", "Value": "1"}],
+        "Require": [{"Path": "example.com/api", "Version": "v3.6.17"}],
+        "Replace": [
+            {"Old": {"Path": "example.com/api"}, "New": {"Path": "../api"}},
+            {"Old": {"Path": "example.com/fork", "Version": "v1.0.0"},
+             "New": {"Path": "example.com/fork", "Version": "v1.0.1"}},
+        ],
+    }  # fmt: skip
+    go_mod = gotools._wrapper_go_mod(_tool(), upstream)
+    assert "go 1.26.0" in go_mod
+    assert "godebug x509negativeserial=1" in go_mod
+    assert "require example.com/demo v1.37.2" in go_mod
+    assert "\texample.com/fork v1.0.0 => example.com/fork v1.0.1" in go_mod
+    assert "../api" not in go_mod and "example.com/api =>" not in go_mod
+
+
+def test_staging_modules_at_v0_0_0_are_replaced_by_their_published_version() -> None:
+    upstream = {
+        "Require": [
+            {"Path": "k8s.io/api", "Version": "v0.0.0"},
+            {"Path": "github.com/other/lib", "Version": "v0.0.0"},
+        ],
+        "Replace": [{"Old": {"Path": "k8s.io/api"}, "New": {"Path": "./staging/src/k8s.io/api"}}],
+    }
+    go_mod = gotools._wrapper_go_mod(_tool(staging_version="v0.37.2"), upstream)
+    assert "\tk8s.io/api => k8s.io/api v0.37.2" in go_mod
+    assert "github.com/other/lib =>" not in go_mod  # not replaced upstream: left to its requirement
+    assert "./staging" not in go_mod
+
+
+@pytest.mark.parametrize(
+    ("package", "name"),
+    [("k8s.io/kubernetes/cmd/kube-apiserver", "kube-apiserver"), ("go.etcd.io/etcd/server/v3", "server")],
+)
+def test_binary_names_follow_go_build(package: str, name: str) -> None:
+    assert gotools._default_binary_name(package) == name
+
+
+def test_version_ldflags_are_filled_from_the_version_and_publication_time() -> None:
+    flags = [
+        gotools._fill(flag, gotools.KUBERNETES, "2026-11-20T10:00:00Z") for flag in gotools.KUBERNETES.ldflags
+    ]
+    assert "-X k8s.io/component-base/version.gitVersion=v1.37.2" in flags
+    assert "-X k8s.io/client-go/pkg/version.gitMinor=37" in flags
+    assert "-X k8s.io/component-base/version.buildDate=2026-11-20T10:00:00Z" in flags
+
+
+def test_a_stamp_of_another_recipe_means_not_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gotools, "tools_dir", lambda: tmp_path)
+    tool = _tool()
+    tool.bin_dir.mkdir(parents=True)
+    tool.binary("demo").write_text("")
+    assert not gotools.is_installed(tool)  # no stamp: an interrupted build
+    (tool.folder / gotools.STAMP_NAME).write_text(tool.recipe())
+    assert gotools.is_installed(tool)
+    (tool.folder / gotools.STAMP_NAME).write_text(_tool(ldflags=("-s",)).recipe())
+    assert not gotools.is_installed(tool)
+    (tool.folder / gotools.STAMP_NAME).write_text(tool.recipe())
+    tool.binary("demo").unlink()
+    assert not gotools.is_installed(tool)
