@@ -6,12 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-engine test-stacks lint format bench bench-routing bench-prefix soak clean help
+.PHONY: install run test test-fast test-engine test-cluster test-stacks lint format bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
-	@echo "make test-fast  tests that need no engine"
+	@echo "make test-fast  tests that need no engine and no cluster"
+	@echo "make test-cluster  the chart on a real API server (etcd, kube-apiserver, controller manager, scheduler, kwok)"
 	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make lint       ruff check + format check"
@@ -44,7 +45,11 @@ test: install
 	@$(BIN)/pytest $(PYTEST_ARGS)
 
 test-fast: install
-	@$(BIN)/pytest -m "not engine" $(PYTEST_ARGS)
+	@$(BIN)/pytest -m "not engine and not cluster" $(PYTEST_ARGS)
+
+# The real control plane (etcd, kube-apiserver, controller manager, scheduler, kwok) and what runs on it.
+test-cluster: install
+	@$(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
 test-engine: install
 	@$(BIN)/pytest -m engine $(PYTEST_ARGS)

@@ -90,6 +90,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_cluster_up(args: argparse.Namespace) -> int:
+    from vllm_stack_dev.cluster.cli import cluster_up
+
+    return cluster_up(args.dir, args.nodes)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from vllm_stack_dev.up.check import check
 
@@ -182,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--release", default="vllm-stack", help="release name the chart is rendered for")
     check.add_argument("--namespace", default="default", help="namespace the chart is rendered for")
     check.set_defaults(func=_cmd_check)
+
+    cluster = sub.add_parser(
+        "cluster", help="a real Kubernetes control plane on loopback (tests, trying the chart)"
+    )
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    cluster_up = cluster_sub.add_parser(
+        "up",
+        help="etcd, kube-apiserver, controller manager, scheduler and kwok nodes until Ctrl-C",
+        description="Starts the control plane built by make install (RBAC on, ServiceAccount tokens signed),"
+        " kwok nodes advertising CPU, memory and GPUs, storage and the CRDs, writes an admin kubeconfig"
+        " and prints how to use it. Ctrl-C stops everything.",
+    )
+    cluster_up.add_argument("--nodes", type=int, default=3, help="kwok nodes")
+    cluster_up.add_argument("--dir", type=Path, help="state, logs and kubeconfig (default: a new temp dir)")
+    cluster_up.set_defaults(func=_cmd_cluster_up)
     return parser
 
 

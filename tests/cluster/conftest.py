@@ -1,0 +1,33 @@
+"""The `cluster` tier: a real control plane (etcd, kube-apiserver, controller manager, scheduler) built
+from Go modules by `make install`, with kwok in place of kubelets, started once per test session.
+
+Every test module here is marked `cluster` (in `make test` and CI, not in `make test-fast`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from vllm_stack_dev.cluster.control_plane import Cluster, ClusterOptions
+from vllm_stack_dev.gotools import control_plane_binaries
+
+from tests import shared_data
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    missing = [name for name, path in control_plane_binaries().items() if not path.is_file()]
+    if missing:
+        pytest.fail(
+            f"control-plane binaries missing ({', '.join(missing)}): run `make install`", pytrace=False
+        )
+    options = ClusterOptions(
+        workdir=tmp_path_factory.mktemp("cluster"), crds_dir=shared_data.require(shared_data.CRDS)
+    )
+    cluster = Cluster(options)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
