@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import ssl
 import subprocess
 import time
@@ -76,6 +77,18 @@ class ClusterOptions:
     hpa_sync_period: str = "15s"
     watch_cache: bool = True
     extra_api_server_args: tuple[str, ...] = ()
+
+
+def tool_env() -> dict[str, str]:
+    """The environment for a tool (kubectl, Helm) started from a worker thread, passed explicitly.
+
+    Without ``env``, the child of a vfork execs with the C library's ``environ``, which another thread
+    may be changing at that moment: pytest sets and removes PYTEST_CURRENT_TEST in the main thread for
+    every test while the cluster tier's cases run on a thread pool, and ``setenv`` may move the array
+    the exec is reading. The exec then fails with EFAULT (seen in CI as `OSError: [Errno 14] Bad
+    address` for Helm; 354 in 20 s in a four-thread reproduction, none with an explicit environment).
+    A copy of ``os.environ`` is a Python dict, read under the interpreter lock."""
+    return dict(os.environ)
 
 
 class ClusterError(RuntimeError):
@@ -322,7 +335,7 @@ class Cluster:
         """Run the cluster's kubectl as the admin; CalledProcessError (with its stderr) when ``check``."""
         result = subprocess.run(
             [str(self.binaries["kubectl"]), f"--kubeconfig={self.kubeconfig}", *args],
-            input=stdin, capture_output=True, text=True, timeout=120,
+            input=stdin, capture_output=True, text=True, timeout=120, env=tool_env(),
         )  # fmt: skip
         if check and result.returncode != 0:
             raise ClusterError(

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import yaml
 
-from vllm_stack_dev.cluster.control_plane import Cluster, ClusterError
+from vllm_stack_dev.cluster.control_plane import Cluster, ClusterError, tool_env
 from vllm_stack_dev.cluster.placement import claims_wanted, node_ports, nodes_wanted
 from vllm_stack_dev.paths import helm_binary
 
@@ -54,7 +54,7 @@ class Helm:
     ) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             [str(self.binary), f"--kubeconfig={self.cluster.kubeconfig}", *args],
-            capture_output=True, text=True, timeout=HELM_TIMEOUT, cwd=cwd,
+            capture_output=True, text=True, timeout=HELM_TIMEOUT, cwd=cwd, env=tool_env(),
         )  # fmt: skip
         if check and result.returncode != 0:
             raise ClusterError(
