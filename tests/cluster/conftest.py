@@ -1,7 +1,11 @@
 """The `cluster` tier: a real control plane (etcd, kube-apiserver, controller manager, scheduler) built
-from Go modules by `make install`, with kwok in place of kubelets, started once per test session.
+from Go modules by `make install`, with kwok in place of kubelets, started once for this package's tests.
 
 Every test module here is marked `cluster` (in `make test` and CI, not in `make test-fast`).
+
+The control plane lives as long as this package's tests, not the whole session: left running, its five
+processes (about 1.5 GB and the kwok nodes' heartbeats) would share the two cores and the memory with
+the engine tier that runs after it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from vllm_stack_dev.gotools import control_plane_binaries
 from tests import shared_data
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     missing = [name for name, path in control_plane_binaries().items() if not path.is_file()]
     if missing:
