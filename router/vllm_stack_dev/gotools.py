@@ -331,11 +331,14 @@ def install_tools(tools: Iterable[GoTool]) -> str:
 
     When something must be built, a lock file serialises concurrent installs (`make install` and a test
     session at once would otherwise build into the same folders); the stamps are checked again under it.
+    A tool that fails to build does not stop the others: each is tried, then GoBuildError names every
+    failure with its output, so the tools that did build are there for the tests that need only them.
     """
     missing = [tool for tool in tools if not is_installed(tool)]
     if not missing:
         return "up to date"
-    built = []
+    built: list[str] = []
+    failed: list[str] = []
     lock_path = tools_dir() / "go" / ".build-lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("w") as lock:
@@ -344,8 +347,15 @@ def install_tools(tools: Iterable[GoTool]) -> str:
             if is_installed(tool):
                 continue
             start = time.monotonic()
-            build_tool(tool)
+            try:
+                build_tool(tool)
+            except GoBuildError as error:
+                failed.append(f"{tool.name} {tool.version}: {error}")
+                continue
             built.append(f"{tool.name} {tool.version} ({time.monotonic() - start:.0f} s)")
+    if failed:
+        done = f" (built: {', '.join(built)})" if built else ""
+        raise GoBuildError(f"{len(failed)} tool(s) failed to build{done}:\n" + "\n".join(failed))
     return "built " + ", ".join(built) if built else "up to date"
 
 

@@ -82,3 +82,23 @@ def test_a_stamp_of_another_recipe_means_not_installed(
     (tool.folder / gotools.STAMP_NAME).write_text(tool.recipe())
     tool.binary("demo").unlink()
     assert not gotools.is_installed(tool)
+
+
+def test_a_tool_that_fails_to_build_does_not_stop_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd failing must still leave Kubernetes and kwok built; the error names what failed."""
+    monkeypatch.setattr(gotools, "tools_dir", lambda: tmp_path)
+    tried: list[str] = []
+
+    def build(tool: GoTool) -> None:
+        tried.append(tool.name)
+        if tool.name == "broken":
+            raise gotools.GoBuildError("go build failed: no such module")
+
+    monkeypatch.setattr(gotools, "build_tool", build)
+    with pytest.raises(gotools.GoBuildError) as failure:
+        gotools.install_tools([_tool(name="broken"), _tool(name="fine")])
+    assert tried == ["broken", "fine"]
+    assert "broken v1.37.2: go build failed: no such module" in str(failure.value)
+    assert "built: fine v1.37.2" in str(failure.value)

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from vllm_stack_dev.cluster.control_plane import ClusterError, ClusterOptions, running_cluster
+from vllm_stack_dev.gotools import control_plane_binaries
 from vllm_stack_dev.paths import helm_binary
 
 
@@ -29,6 +30,13 @@ def _usage(kubeconfig: Path, kubectl: Path) -> str:
 
 def cluster_up(folder: Path | None, nodes: int) -> int:
     """Start the cluster, print its kubeconfig and usage, wait for SIGINT/SIGTERM, stop it."""
+    missing = sorted(name for name, path in control_plane_binaries().items() if not path.is_file())
+    if missing:
+        print(
+            f"error: control-plane binaries missing ({', '.join(missing)}): run `make install`",
+            file=sys.stderr,
+        )
+        return 1
     workdir = folder or Path(tempfile.mkdtemp(prefix="vllm-stack-cluster-"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
