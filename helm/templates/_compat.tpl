@@ -69,6 +69,8 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- end -}}
 {{- $gated := include "vllm-stack.engine.gated" $ctx | fromYaml -}}
 {{- if eq $gated.source "unknown" }}{{ $n = append $n (printf "%s.tag: the vLLM release of %s is unknown (only vllm/vllm-openai tags name theirs), so it counts as the newest the chart knows, %s: its flags are rendered for that; give vllmVersion (the model's, or servingEngineSpec.vllmVersion) if the image runs another" $p $gated.image $gated.version) }}{{ end -}}
+{{- $oldest := (include "vllm-stack.vllm.table" $ | fromYaml).releases.oldest -}}
+{{- if semverCompare (printf "<%s" $oldest) $gated.version }}{{ $n = append $n (printf "%s.%s: vLLM %s is older than the oldest release the chart's flag table reads (%s, files/vllm-flags.yaml): the flags %s parses are rendered, taken to be older, and those that came later are left out" $p (ternary "vllmVersion" "tag" (eq $gated.source "vllmVersion")) $gated.version $oldest $oldest) }}{{ end -}}
 {{- range $gated.notes }}{{ $n = append $n (printf "%s.%s: %s" $p (ternary "vllmVersion" "tag" (eq $gated.source "vllmVersion")) .) }}{{ end -}}
 {{- if and (include "vllm-stack.model.asksV0" $ctx) (not (include "vllm-stack.model.v0" $ctx)) }}{{ $n = append $n (printf "%s.vllmConfig.%s: ignored: vLLM %s has only the V1 engine (V0 was removed in 0.11.0), which runs; production-stack would set VLLM_USE_V1=0, which that vLLM refuses at start" $p (ternary "v0" "v1" (hasKey $vc "v0")) $gated.version) }}{{ end -}}
 {{- if and $m.vllmConfig (not (hasKey $vc "enablePrefixCaching")) }}{{ $n = append $n (printf "%s.vllmConfig.enablePrefixCaching: not given, so vLLM's default (on); production-stack renders --no-enable-prefix-caching here" $p) }}{{ end -}}

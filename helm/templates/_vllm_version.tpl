@@ -30,20 +30,28 @@ image is pinned on it), without a word.
 {{- end -}}
 
 {{/* "true" when vLLM `version` parses `flag` (its dashed spelling too); a flag the table lacks passes.
+     A flag the table's oldest release already has may be older still (the table reads no earlier
+     release), so a release before the oldest is taken to parse it.
      Call with (dict "root" $ "version" V "flag" F). */}}
 {{- define "vllm-stack.vllm.parses" -}}
-{{- $flags := (include "vllm-stack.vllm.table" .root | fromYaml).flags -}}
-{{- $entry := get $flags .flag | default (get $flags (replace "_" "-" .flag)) -}}
+{{- $table := include "vllm-stack.vllm.table" .root | fromYaml -}}
+{{- $entry := get $table.flags .flag | default (get $table.flags (replace "_" "-" .flag)) -}}
 {{- if not $entry -}}true
-{{- else if and (semverCompare (printf ">=%s" $entry.since) .version) (or (not $entry.until) (semverCompare (printf "<=%s" $entry.until) .version)) -}}true
+{{- else if and (include "vllm-stack.vllm.since" (dict "table" $table "entry" $entry "version" .version)) (or (not $entry.until) (semverCompare (printf "<=%s" $entry.until) .version)) -}}true
 {{- end -}}
+{{- end -}}
+
+{{/* "true" when `version` is at or after the entry's first release, or that first release is the
+     table's oldest (perhaps older). Call with (dict "table" T "entry" E "version" V). */}}
+{{- define "vllm-stack.vllm.since" -}}
+{{- if or (eq .entry.since .table.releases.oldest) (semverCompare (printf ">=%s" .entry.since) .version) -}}true{{- end -}}
 {{- end -}}
 
 {{/* The release a flag came with (or left after), for messages: "it came with 0.9.0" / "0.22.1 was the last with it". */}}
 {{- define "vllm-stack.vllm.flagRange" -}}
-{{- $flags := (include "vllm-stack.vllm.table" .root | fromYaml).flags -}}
-{{- $entry := get $flags .flag | default (get $flags (replace "_" "-" .flag)) | default dict -}}
-{{- if and $entry.since (semverCompare (printf "<%s" $entry.since) .version) -}}it came with vLLM {{ $entry.since }}
+{{- $table := include "vllm-stack.vllm.table" .root | fromYaml -}}
+{{- $entry := get $table.flags .flag | default (get $table.flags (replace "_" "-" .flag)) | default dict -}}
+{{- if and $entry.since (not (include "vllm-stack.vllm.since" (dict "table" $table "entry" $entry "version" .version))) -}}it came with vLLM {{ $entry.since }}
 {{- else if $entry.until -}}vLLM {{ $entry.until }} was the last release with it
 {{- end -}}
 {{- end -}}

@@ -160,6 +160,34 @@ def test_a_flag_the_release_lacks_is_left_out_and_said():
     assert "--runner pooling not rendered: vLLM 0.9.0 does not parse it (it came with vLLM 0.10.1" in line
 
 
+def test_a_release_older_than_the_table_keeps_the_flags_its_oldest_release_parses():
+    """The table reads releases from its oldest on; a flag that release has may be older still, so a
+    vLLM before it keeps it: a 0.5.5 image with two GPUs still gets --tensor-parallel-size 2 (and
+    --host, --port, --max-model-len), and only later flags are left out, with NOTES saying both."""
+    oldest = TABLE["releases"]["oldest"]
+    model = _model(
+        repository="vllm/vllm-openai", tag="v0.5.5", requestGPU=2,
+        vllmConfig={"tensorParallelSize": 2, "maxModelLen": 1024},
+    )  # fmt: skip
+    objs, notes = manifest_and_notes(model)
+    args = container(_engine(objs))["args"]
+    assert flag(args, "--tensor-parallel-size") == "2" and flag(args, "--max-model-len") == "1024"
+    assert "--host" in args and "--port" in args
+    assert "--kv-events-config" not in args  # came with 0.9.0
+    said = [line for line in notes if line.startswith("  servingEngineSpec.modelSpec[0].tag: ")]
+    assert [
+        line
+        for line in said
+        if f"vLLM 0.5.5 is older than the oldest release the chart's flag table reads ({oldest}" in line
+    ]
+    assert [
+        line
+        for line in said
+        if "--kv-events-config not rendered: vLLM 0.5.5 does not parse it (it came with vLLM 0.9.0)" in line
+    ]
+    assert not [line for line in said if "--tensor-parallel-size" in line or "--host" in line]
+
+
 def test_extra_args_the_release_cannot_parse_are_refused(tmp_path):
     err = render_error(
         [
