@@ -201,9 +201,9 @@ secretKeyRef:
   value: {{ printf "%s:%d" (include "vllm-stack.controller.fullname" $root) (int $ctlPorts.reply) | quote }}
 {{- else }}
 - name: LMCACHE_CONTROLLER_PULL_URL
-  value: {{ required "lmcacheConfig.controllerPullUrl is required with enableController" $lc.controllerPullUrl | quote }}
+  value: {{ required (printf "servingEngineSpec.modelSpec (%s): lmcacheConfig.enableController needs lmcacheConfig.controllerPullUrl here: production-stack's router hosts an LMCache controller, this chart runs it as its own Deployment; set routingLogic kvaware (or lmcacheControllerSpec.enabled) to deploy it, or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller" (toString .model.name)) $lc.controllerPullUrl | quote }}
 - name: LMCACHE_CONTROLLER_REPLY_URL
-  value: {{ required "lmcacheConfig.controllerReplyUrl is required with enableController" $lc.controllerReplyUrl | quote }}
+  value: {{ required (printf "servingEngineSpec.modelSpec (%s): lmcacheConfig.enableController needs lmcacheConfig.controllerReplyUrl here: production-stack's router hosts an LMCache controller, this chart runs it as its own Deployment; set routingLogic kvaware (or lmcacheControllerSpec.enabled) to deploy it, or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller" (toString .model.name)) $lc.controllerReplyUrl | quote }}
 {{- end }}
 {{- with $lc.workerHeartbeatTime }}
 - name: LMCACHE_LMCACHE_WORKER_HEARTBEAT_TIME
