@@ -304,3 +304,35 @@ def _model(**kw) -> dict:
 def test_inconsistent_disaggregation_fails_with_the_reason(tmp_path, models, message):
     values = {"servingEngineSpec": {"modelSpec": models}}
     assert message in render_error([values_file(tmp_path, values)])
+
+
+def said(notes: list[str], path: str, words: str) -> bool:
+    """A NOTES line on `path` (one of several on it) says `words`."""
+    return any(line.startswith(f"  {path}: ") and words in line for line in notes)
+
+
+def test_what_production_stacks_pd_pods_have_and_these_do_not_is_said_and_can_be_had():
+    """production-stack runs its PD engines with hostIPC, hostPID and UCX_TLS=cuda_ipc,... and keeps the
+    runtime's capabilities; this chart's pods keep their own namespaces and drop every capability.
+    NOTES says both, with the key that gives each back; given, the line goes and the pod has it."""
+    values = load("tests__values-10-disagg-prefill.yaml")
+    objs, notes = manifest_and_notes(values)
+    for i in (0, 1):
+        where = f"servingEngineSpec.modelSpec[{i}].lmcacheConfig.enablePD"
+        assert said(notes, where, "hostIPC and hostPID and UCX_TLS=cuda_ipc")
+    assert said(notes, "servingEngineSpec.containerSecurityContext", "needs IPC_LOCK")
+    assert not any(pool["spec"]["template"]["spec"].get("hostIPC") for pool in pools(objs))
+
+    for model in values["servingEngineSpec"]["modelSpec"]:
+        model["hostIPC"] = True
+    values["servingEngineSpec"]["containerSecurityContext"] = {
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    }
+    objs, notes = manifest_and_notes(values)
+    for i in (0, 1):
+        assert not said(notes, f"servingEngineSpec.modelSpec[{i}].lmcacheConfig.enablePD", "hostIPC")
+    assert not said(notes, "servingEngineSpec.containerSecurityContext", "IPC_LOCK")
+    for pool in pools(objs):
+        pod = pool["spec"]["template"]["spec"]
+        assert pod["hostIPC"] is True and pod["hostPID"] is True
+        assert "IPC_LOCK" in container(pool)["securityContext"]["capabilities"]["add"]
