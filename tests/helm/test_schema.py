@@ -93,7 +93,10 @@ def test_types_enums_and_ranges(tmp_path, values, where):
             'duplicate model name "a"',
         ),
         (model(existingClaim="c", pvcStorage="1Gi"), "either existingClaim or pvcStorage"),
-        (model(lmcacheConfig={"enabled": True, "enableController": True}), "controllerPullUrl is required"),
+        (
+            model(lmcacheConfig={"enabled": True, "enableController": True}),
+            "(m): lmcacheConfig.enableController needs lmcacheConfig.controllerPullUrl here",
+        ),
         ({"routerSpec": {"routingLogic": "session"}}, "sessionKey is required"),
         ({"routerSpec": {"serviceDiscovery": "static"}}, "staticBackends is required"),
     ],
