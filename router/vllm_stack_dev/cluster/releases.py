@@ -200,7 +200,7 @@ def wait_workloads_ready(cluster: Cluster, namespace: str, timeout: float = 90.0
         not_ready = [
             p["metadata"]["name"]
             for p in pods  # type: ignore[union-attr]
-            if p["metadata"].get("deletionTimestamp") is None and not _pod_ready(p)
+            if p["metadata"].get("deletionTimestamp") is None and not pod_ready(p)
         ]
         if not pending and not not_ready:
             return
@@ -213,7 +213,7 @@ def wait_workloads_ready(cluster: Cluster, namespace: str, timeout: float = 90.0
         time.sleep(0.5)
 
 
-def _pod_ready(pod: dict) -> bool:
+def pod_ready(pod: dict) -> bool:
     status = pod.get("status") or {}
     if status.get("phase") != "Running":
         return False
