@@ -66,6 +66,17 @@ def _observability(out: str) -> None:
     assert sum(line.startswith("ConfigMap ") for line in lines) == 3, out
 
 
+def _from_production_stack(out: str) -> None:
+    """Both charts' Services (with their selectors), claims and Secrets (with their keys) are the same: the
+    step's diff passed, and it printed them."""
+    lines = out.splitlines()
+    assert "PersistentVolumeClaim vllm-llama3-storage-claim []" in lines, out
+    assert "Secret vllm-secrets ['hf_token_llama3']" in lines, out
+    services = [line.split()[1] for line in lines if line.startswith("Service ")]
+    assert services == ["vllm-llama3-engine-service", "vllm-router-service"], out
+    assert all("model=llama3" in line for line in lines if line.startswith("Service vllm-llama3")), out
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "01-helm-minimal.md": _minimal,
     "02-autoscaling-keda.md": _keda,
@@ -76,6 +87,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "07-routing-strategies.md": _routing,
     "08-kv-offload-cache-server.md": _kv_offload,
     "09-observability.md": _observability,
+    "10-from-production-stack.md": _from_production_stack,
 }
 
 
