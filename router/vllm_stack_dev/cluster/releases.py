@@ -185,7 +185,9 @@ def wait_workloads_ready(cluster: Cluster, namespace: str, timeout: float = 90.0
     """Every Deployment of ``namespace`` Available with all its replicas, every Pod Running and Ready.
 
     Deployments first: their Pods may not exist yet when this is called; `kubectl wait` on Pods would
-    find none and return at once.
+    find none and return at once. A Deployment counts once its controller has seen its latest spec
+    (``observedGeneration``; right after an upgrade or a rollback the status still describes the previous
+    one) and its rollout is over: every replica updated and ready, and no Pod of an older template left.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -193,8 +195,7 @@ def wait_workloads_ready(cluster: Cluster, namespace: str, timeout: float = 90.0
         pending = [
             d["metadata"]["name"]
             for d in doc["items"]  # type: ignore[union-attr]
-            if (d["status"].get("readyReplicas") or 0) != (d["spec"].get("replicas") or 0)
-            or (d["status"].get("updatedReplicas") or 0) != (d["spec"].get("replicas") or 0)
+            if not _rolled_out(d)
         ]
         pods = cluster.get("pods", "-n", namespace)["items"]
         not_ready = [
@@ -211,6 +212,17 @@ def wait_workloads_ready(cluster: Cluster, namespace: str, timeout: float = 90.0
                 + "\n".join(events.splitlines()[-15:])
             )
         time.sleep(0.5)
+
+
+def _rolled_out(deployment: dict) -> bool:
+    wanted = deployment["spec"].get("replicas") or 0
+    status = deployment.get("status") or {}
+    return (
+        (status.get("observedGeneration") or 0) >= deployment["metadata"].get("generation", 0)
+        and (status.get("updatedReplicas") or 0) == wanted
+        and (status.get("readyReplicas") or 0) == wanted
+        and (status.get("replicas") or 0) == wanted
+    )
 
 
 def pod_ready(pod: dict) -> bool:
