@@ -9,7 +9,8 @@ with Helm 3 and with Helm 4:
    client names (those dropped on purpose are listed below, and in helm/README.md), and Ready Pods of the
    new release stand behind each; every PVC is the same object (same UID) bound to the same volume; every
    Secret keeps its name and keys;
-3. a client addresses the router by production-stack's Service name, before and after the upgrade. There is
+3. a client addresses the router by production-stack's Service name, before and after the upgrade (and after
+   the rollback). There is
    no kube-proxy here, so the test bed resolves the name as kube-proxy would (the Service's selector, its
    Ready Pods' loopback IPs, the target port: vllm_stack_dev.cluster.services), and a router process is
    started at that Pod's IP and port, in front of one real vLLM engine. It stands in for the container
