@@ -200,10 +200,11 @@ secretKeyRef:
 - name: LMCACHE_CONTROLLER_REPLY_URL
   value: {{ printf "%s:%d" (include "vllm-stack.controller.fullname" $root) (int $ctlPorts.reply) | quote }}
 {{- else }}
+{{- $missing := "servingEngineSpec.modelSpec (%s): lmcacheConfig.enableController needs lmcacheConfig.%s here: production-stack's router hosts an LMCache controller, this chart runs it as its own Deployment; set routingLogic kvaware (or lmcacheControllerSpec.enabled) to deploy it, or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller" }}
 - name: LMCACHE_CONTROLLER_PULL_URL
-  value: {{ required (printf "servingEngineSpec.modelSpec (%s): lmcacheConfig.enableController needs lmcacheConfig.controllerPullUrl here: production-stack's router hosts an LMCache controller, this chart runs it as its own Deployment; set routingLogic kvaware (or lmcacheControllerSpec.enabled) to deploy it, or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller" (toString .model.name)) $lc.controllerPullUrl | quote }}
+  value: {{ required (printf $missing (toString .model.name) "controllerPullUrl") $lc.controllerPullUrl | quote }}
 - name: LMCACHE_CONTROLLER_REPLY_URL
-  value: {{ required (printf "servingEngineSpec.modelSpec (%s): lmcacheConfig.enableController needs lmcacheConfig.controllerReplyUrl here: production-stack's router hosts an LMCache controller, this chart runs it as its own Deployment; set routingLogic kvaware (or lmcacheControllerSpec.enabled) to deploy it, or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller" (toString .model.name)) $lc.controllerReplyUrl | quote }}
+  value: {{ required (printf $missing (toString .model.name) "controllerReplyUrl") $lc.controllerReplyUrl | quote }}
 {{- end }}
 {{- with $lc.workerHeartbeatTime }}
 - name: LMCACHE_LMCACHE_WORKER_HEARTBEAT_TIME
