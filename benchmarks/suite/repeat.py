@@ -28,12 +28,18 @@ RESULTS = ROOT / "benchmarks" / "results"
 MARKERS = {"fast": "not engine and not cluster", "engine": "engine", "cluster": "cluster", "all": ""}
 
 
-def failures(junit: Path) -> list[str]:
-    """The ids (file::name) of the tests that failed or errored in a JUnit XML report."""
-    found = []
+def failures(junit: Path) -> dict[str, str]:
+    """The tests (file::name) that failed or errored in a JUnit XML report, each with the first line of
+    its message (what to look at first; the cause is then found from the test's own output)."""
+    found = {}
     for case in ET.parse(junit).iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            found.append(f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}")
+        outcome = case.find("failure")
+        if outcome is None:
+            outcome = case.find("error")
+        if outcome is not None:
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            message = (outcome.get("message") or outcome.text or "").strip().splitlines()
+            found[name] = message[0][:300] if message else ""
     return found
 
 
@@ -56,12 +62,22 @@ def one_run(tier: str, extra: list[str]) -> dict[str, object]:
         if not junit.exists():
             return {"seconds": round(seconds), "rc": result.returncode, "failed": ["(no report)"],
                     "tail": result.stdout[-2000:] + result.stderr[-2000:]}  # fmt: skip
+        failed = failures(junit)
         return {
             "seconds": round(seconds),
             "rc": result.returncode,
             **counts(junit),
-            "failed": failures(junit),
+            "failed": list(failed),
+            "messages": failed,
+            "summary": _summary_lines(result.stdout),
         }
+
+
+def _summary_lines(stdout: str) -> list[str]:
+    """pytest's short test summary (its `FAILED ... - message` lines), kept whole for the record."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if "short test summary info" in line), None)
+    return [] if start is None else lines[start + 1 : start + 41]
 
 
 def commit() -> str:
@@ -75,14 +91,14 @@ def table(records: list[dict]) -> str:
     lines = [
         "# Test-suite runs, one after another on one checkout (benchmarks/suite/repeat.py)",
         "",
-        "| date (UTC) | commit | tier | run | tests | failed | seconds | failing tests |",
-        "|---|---|---|---|---|---|---|---|",
+        "| date (UTC) | commit | tier | run | tests | failed | seconds | failing tests | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         failed = ", ".join(f"`{name}`" for name in r["failed"]) or "-"
         lines.append(
             f"| {r['date']} | {r['commit']} | {r['tier']} | {r['run']} | {r.get('tests', '?')} "
-            f"| {len(r['failed'])} | {r['seconds']} | {failed} |"
+            f"| {len(r['failed'])} | {r['seconds']} | {failed} | {r.get('note', '')} |"
         )
     series: dict[tuple[str, str], list[dict]] = {}
     for r in records:
@@ -97,6 +113,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", choices=sorted(MARKERS), default="fast")
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
     store = RESULTS / "suite_runs.json"
@@ -106,6 +123,8 @@ def main() -> int:
         outcome = one_run(args.tier, args.pytest_args)
         record = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"), "commit": rev,
                   "tier": args.tier, "run": run, **outcome}  # fmt: skip
+        if args.note:
+            record["note"] = args.note
         records.append(record)
         store.write_text(json.dumps(records, indent=1) + "\n")
         (RESULTS / "suite_runs.md").write_text(table(records))

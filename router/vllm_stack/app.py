@@ -105,6 +105,7 @@ class Router:
             **_registry_limits(config),
         )
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
+        self.metrics.track_discovery(self.discovery.status)
         self.scraper = EngineScraper(
             self.registry.engines,
             self._fetch_metrics,

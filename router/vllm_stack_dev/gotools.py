@@ -178,6 +178,21 @@ KWOK = GoTool(
     ),
 )
 CONTROL_PLANE = (ETCD, KUBERNETES, KWOK)
+# KEDA's operator (reads ScaledObjects, owns their HPAs) and metrics adapter (serves the external metrics API
+# the HPA controller asks). v2.21.0 is the newest the proxy serves whose go.mod (`go 1.26.0`) builds with
+# the machine's Go (v2.21.1 wants 1.27.4). Its replace block points at published versions and is copied.
+# The binaries have no --version flag; both log `KEDA Version: ...` at start, from these variables.
+KEDA = GoTool(
+    name="keda",
+    module="github.com/kedacore/keda/v2",
+    version="v2.21.0",
+    binaries=(
+        ("keda", "github.com/kedacore/keda/v2/cmd/operator"),
+        ("keda-adapter", "github.com/kedacore/keda/v2/cmd/adapter"),
+    ),
+    ldflags=("-s", "-w", "-X github.com/kedacore/keda/v2/version.Version={version}"),
+    version_args=(),
+)
 
 
 def _tail(text: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from vllm_stack_dev.cluster.control_plane import Cluster, ClusterOptions
+from vllm_stack_dev.cluster.control_plane import Cluster, ClusterOptions, running_cluster
 from vllm_stack_dev.gotools import control_plane_binaries
 
 from tests import shared_data
@@ -29,9 +29,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     options = ClusterOptions(
         workdir=tmp_path_factory.mktemp("cluster"), crds_dir=shared_data.require(shared_data.CRDS)
     )
-    cluster = Cluster(options)
-    cluster.start()
-    try:
+    with running_cluster(options) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
+
+
+@pytest.fixture(scope="package")
+def scaling_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A second control plane for the tests that change the control plane itself (its API server is
+    restarted, a Role edited under a running router) or need it fast: the HPA controller syncs every
+    second, and the API server keeps no watch cache, so that a watch from a compacted resourceVersion
+    meets etcd's compaction (410 Gone) as an API server without a cache answers it."""
+    options = ClusterOptions(
+        workdir=tmp_path_factory.mktemp("scaling-cluster"),
+        crds_dir=shared_data.require(shared_data.CRDS),
+        nodes=1,
+        hpa_sync_period="1s",
+        watch_cache=False,
+    )
+    with running_cluster(options) as cluster:
+        yield cluster

@@ -157,6 +157,7 @@ class FakeKubeApi:
         self._next_ip = 1
         self._expire_next: list[Callable[[], None] | None] = []
         self._fail_status: int | None = None
+        self._fail_watches_only = False
         self._cut_watches_after: float | None = None
         self._gate: asyncio.Event | None = None
         self._runner: web.AppRunner | None = None
@@ -337,9 +338,11 @@ class FakeKubeApi:
         long streams; 0 closes them at once), or honour timeoutSeconds again (None)."""
         self._cut_watches_after = seconds
 
-    def fail_requests(self, status: int | None) -> None:
-        """Answer every request with this HTTP status (a Status body), or serve normally again (None)."""
+    def fail_requests(self, status: int | None, *, watches_only: bool = False) -> None:
+        """Answer every request (or only watches: a Role without `watch`) with this HTTP status (a
+        Status body), or serve normally again (None)."""
         self._fail_status = status
+        self._fail_watches_only = watches_only
 
     @asynccontextmanager
     async def holding_requests(self) -> AsyncIterator[None]:
@@ -381,7 +384,7 @@ class FakeKubeApi:
         if self._gate is not None:
             self.held_requests += 1
             await self._gate.wait()
-        if self._fail_status is not None:
+        if self._fail_status is not None and (is_watch or not self._fail_watches_only):
             return web.json_response(
                 _status(self._fail_status, "ServiceUnavailable", "injected failure"), status=self._fail_status
             )

@@ -216,7 +216,7 @@ def test_router_security_rbac_and_service():
         and pod["automountServiceAccountToken"] is True
     )
     role = one(objs, "Role", router_name("Role"))
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
     rb = one(objs, "RoleBinding", router_name("RoleBinding"))
     assert rb["roleRef"]["name"] == role["metadata"]["name"]
     assert rb["subjects"] == [

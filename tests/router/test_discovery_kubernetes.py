@@ -456,3 +456,67 @@ async def test_a_pods_kv_event_ports_are_reported(api: FakeKubeApi, start: Start
     recorder = await start()
     (endpoint,) = await recorder.wait_for(lambda s: bool(s))
     assert (endpoint.kv_events, endpoint.kv_replay) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558")
+
+
+async def test_a_refused_watch_is_reported_until_the_verb_is_back(api: FakeKubeApi, start: Start) -> None:
+    """A Role without `watch` lets every list through: the endpoints are right once, then silently stale.
+    The status says so (unhealthy, reason forbidden, the verb named) while the last known endpoints stay,
+    and turns healthy again with the next accepted watch. (The same on the real API server, with the
+    chart's Role: tests/cluster/test_discovery.py.)"""
+    api.add_pod("a", labels=LABELS, ip="10.0.0.1")
+    api.fail_requests(403, watches_only=True)
+
+    async def api_client() -> ApiClient:
+        return ApiClient(configuration=Configuration(host=api.url))
+
+    discovery = KubernetesDiscovery(NS, SELECTOR, PORT, api_client_factory=api_client,
+                                    backoff_initial=0.02, backoff_max=0.1)  # fmt: skip
+    recorder = Recorder()
+    recorder.task = asyncio.create_task(discovery.run(recorder))
+    try:
+        await recorder.wait_names("a")
+        status = discovery.status
+        await eventually(lambda: status.failures_total.get("forbidden", 0) >= 2)
+        assert not status.healthy and status.reason == "forbidden"
+        assert status.error is not None and "refused to watch pods in namespace llm" in status.error
+        assert "list and watch" in status.error
+        assert status.last_synced is not None  # the lists went through
+        assert recorder.history[-1] == ["a"]  # the last known endpoints stay
+
+        api.fail_requests(None)
+        await eventually(lambda: status.healthy)
+        assert status.error is None and status.consecutive_failures == 0
+        api.add_pod("b", labels=LABELS, ip="10.0.0.2")
+        await recorder.wait_names("a", "b")
+    finally:
+        recorder.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await recorder.task
+
+
+async def test_the_router_shows_discovery_failures_in_engines_and_metrics(api: FakeKubeApi) -> None:
+    """What an operator sees of a refused list: `discovery` in GET /engines, and the two metrics."""
+    from tests.router.helpers import FAST, http, serving
+    from vllm_stack.app import build_router
+
+    async def api_client() -> ApiClient:
+        return ApiClient(configuration=Configuration(host=api.url))
+
+    api.fail_requests(403)
+    discovery = KubernetesDiscovery(NS, SELECTOR, PORT, api_client_factory=api_client,
+                                    backoff_initial=0.02, backoff_max=0.1)  # fmt: skip
+    cli = {**FAST, "service_discovery": "k8s", "k8s_namespace": NS}
+    router = build_router(cli, discovery=discovery, environ={})
+    async with serving(router) as url, http(url) as h:
+        await eventually(lambda: discovery.status.consecutive_failures >= 1)
+        shown = (await h.get("/engines")).json()["discovery"]
+        assert shown["source"] == "k8s" and shown["healthy"] is False and shown["reason"] == "forbidden"
+        assert "refused to list pods" in shown["error"]
+        metrics = (await h.get("/metrics")).text
+        assert 'vllm_stack_router_discovery_healthy{source="k8s"} 0.0' in metrics
+        assert 'vllm_stack_router_discovery_failures_total{reason="forbidden",source="k8s"}' in metrics
+
+        api.fail_requests(None)
+        await eventually(lambda: discovery.status.healthy)
+        assert (await h.get("/engines")).json()["discovery"]["healthy"] is True
+        assert 'vllm_stack_router_discovery_healthy{source="k8s"} 1.0' in (await h.get("/metrics")).text

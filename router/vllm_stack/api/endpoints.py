@@ -45,6 +45,7 @@ async def engines(router: RouterState, scope: dict[str, Any], receive: Receive, 
         200,
         {
             "routing_logic": router.config.routing_logic,
+            "discovery": router.discovery.status.describe(),
             "scheduling": router.scheduling_description(),
             "engines": [e.describe() for e in sorted(router.registry.engines(), key=lambda e: e.name)],
         },

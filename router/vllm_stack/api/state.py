@@ -15,6 +15,7 @@ from vllm_stack.config import RouterConfig
 from vllm_stack.director.director import Director
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
+from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
 
@@ -27,6 +28,7 @@ class RouterState(Protocol):
     auth: ApiKeyAuth
     admin_auth: ApiKeyAuth  # keys that may load and unload adapters
     adapters: AdapterPlacement
+    discovery: Discovery
     catalog: AdapterCatalog | None  # None when no adapter or weighted model name is configured
     parser: BodyParser
     priority: PriorityPolicy

@@ -161,6 +161,17 @@ class Cluster:
             stop_group(component.process, timeout=10)
         self.components.clear()
 
+    def restart_api_server(self) -> None:
+        """Stop kube-apiserver (SIGTERM, as an upgrade or a node drain does) and start it again on the
+        same port with the same flags; returns once it is ready. Every client's watch ends with it; the
+        controllers, the scheduler and kwok reconnect by themselves. The previous log is kept as `.1`."""
+        index = next(i for i, c in enumerate(self.components) if c.name == "kube-apiserver")
+        old = self.components.pop(index)
+        stop_group(old.process, timeout=20)
+        old.log.replace(old.log.with_suffix(".log.1"))
+        self._start_api_server()
+        self.components.insert(index, self.components.pop())  # stop() goes in reverse start order
+
     def exited(self) -> str | None:
         """The name of a component that has exited, if any (the cluster is then broken)."""
         for component in self.components:

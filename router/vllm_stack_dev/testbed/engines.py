@@ -187,14 +187,15 @@ class Engine:
     log_path: Path
     cpu: int | None
     kv_replay_port: int | None = None
+    host: str = "127.0.0.1"  # a loopback address: 127.0.0.1, or a test cluster Pod's own IP
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def log_tail(self, lines: int = 60) -> str:
         try:
@@ -264,16 +265,20 @@ def dtype_override() -> list[str]:
 
 
 def server_args(
-    spec: EngineSpec, port: int, kv_events_port: int | None, kv_replay_port: int | None = None
+    spec: EngineSpec,
+    port: int,
+    kv_events_port: int | None,
+    kv_replay_port: int | None = None,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
     if spec.args is not None:  # the dtype substitution goes last, so it wins over a rendered one
-        loopback = ["--host", "127.0.0.1", "--port", str(port)]
+        loopback = ["--host", host, "--port", str(port)]
         return [*spec.args, *loopback, *kv_cache_args(spec), *dtype_override()]
     args = [
         "--model", str(spec.model_dir),
         "--served-model-name", spec.served_model_name,
-        "--host", "127.0.0.1",
+        "--host", host,
         "--port", str(port),
         "--load-format", "dummy",
         "--enable-prefix-caching",
@@ -384,9 +389,18 @@ class EngineGroup:
             thread.join()
 
 
-def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port: int | None = None) -> Engine:
+def launch(
+    spec: EngineSpec,
+    *,
+    name: str,
+    cpu: int | None,
+    log_dir: Path,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+) -> Engine:
     """Start one engine process (does not wait for readiness); ``port``: e.g. the port of an engine
-    that was stopped, to restart it at the same address."""
+    that was stopped, to restart it at the same address; ``host``: a loopback address to listen on
+    (a test cluster Pod's IP; the ports picked here are free on 127.0.0.1, so give ``port`` with it)."""
     port = free_port() if port is None else port
     kv_port = free_port() if spec.kv_events and spec.args is None and not spec.runner else None
     replay_port = free_port() if kv_port is not None and spec.kv_replay else None
@@ -394,14 +408,14 @@ def launch(spec: EngineSpec, *, name: str, cpu: int | None, log_dir: Path, port:
         str(engine_python()),
         "-m",
         "vllm.entrypoints.openai.api_server",
-        *server_args(spec, port, kv_port, replay_port),
+        *server_args(spec, port, kv_port, replay_port, host),
     ]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     process = spawn_logged(command, log_path, engine_env(spec, cpu))
-    return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu, replay_port)
+    return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu, replay_port, host)
 
 
 def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT) -> None:

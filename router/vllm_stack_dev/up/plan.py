@@ -239,6 +239,7 @@ class Planner:
         self._next_core = 0
         self._folders: dict[str, list[Path]] = {}
         self._cpu_pd = False  # a PD engine's connector became NixlConnector: the router follows
+        self._pod_host: str | None = None  # plan_pod_engine: the Pod's own IP, its ports kept
 
     # ------------------------------------------------------------------------------------------ driver
     def plan(self) -> StackPlan:
@@ -270,6 +271,54 @@ class Planner:
                 "replicaCount 0)"
             )
         return StackPlan(processes, self.substitutions, not_run, self._rules(), self.generated_secrets)
+
+    def plan_pod_engine(self, pod: dict, host: str) -> Process:
+        """The engine process for one engine Pod of a cluster (the test bed's stand-in for its container,
+        vllm_stack_dev.cluster.pod_processes), from the Pod object as the API server holds it.
+
+        Unlike :meth:`plan`, the process listens at the Pod's own IP (a loopback address kwok gave it) on
+        the container's own ports, as the container would: discovery finds it there, named ports and
+        all. ConfigMaps and Secrets come from the objects the planner was given (the release's
+        rendering); Service names in the arguments are not rewritten (an engine names none unless it
+        talks to LMCache's servers, which the cluster tests do not run).
+        """
+        planned, command, env, files = self._pod_container(pod, "engine", host)
+        try:
+            self._pod_host = host
+            return self._engine(planned, command, env, files)
+        finally:
+            self._pod_host = None
+
+    def plan_pod_router(self, pod: dict, host: str) -> Process:
+        """The router process for the router Pod of a cluster, exactly as rendered (Kubernetes discovery
+        included: it asks the cluster's API server) but listening at the Pod's IP; its mounted
+        ConfigMaps and Secrets written to local folders."""
+        planned, command, env, files = self._pod_container(pod, "router", host)
+        port = planned.port_names.get("http") or next(iter(planned.ports))
+        argv = _set(list(command), "--host", host)
+        return Process(planned.name, "router", argv, env, port, files=files,
+                       folders=self._folders.get(planned.name, []))  # fmt: skip
+
+    def _pod_container(
+        self, pod: dict, component: str, host: str
+    ) -> tuple[_Pod, list[str], dict[str, str], dict[Path, str]]:
+        """A Pod's main container with its ports kept, its mounts, environment and command made local."""
+        labels = dict((pod.get("metadata") or {}).get("labels") or {})
+        spec = pod["spec"]
+        main = spec["containers"][0]
+        ports = {int(p["containerPort"]): int(p["containerPort"]) for p in main.get("ports", [])}
+        names = {p["name"]: int(p["containerPort"]) for p in main.get("ports", []) if p.get("name")}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        planned = _Pod(pod["metadata"]["name"], component, labels, main, volumes, ports, names,
+                       labels.get(MODEL_LABEL))  # fmt: skip
+        self._pod_host = host
+        try:
+            mounts, files = self._mounts(planned)
+            env = self._env(planned, [], mounts)
+            command = [*main.get("command", []), *main.get("args", [])]
+            return planned, [self._local(arg, [], mounts) for arg in command], env, files
+        finally:
+            self._pod_host = None
 
     def free_port(self) -> int:
         """A port no other part of this plan has: the source may give one twice (it only checks that the
@@ -472,7 +521,7 @@ class Planner:
             elif "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
                 value = {"metadata.name": pod.name, "metadata.namespace": self.namespace}.get(
-                    path, LOOPBACK if path.startswith("status.") else None
+                    path, (self._pod_host or LOOPBACK) if path.startswith("status.") else None
                 )
                 if value is not None:
                     env[name] = value
@@ -619,7 +668,9 @@ class Planner:
             return args
         events = json.loads(config)
         for key in ("endpoint", "replay_endpoint"):
-            if key in events and re.search(r":\d+$", events[key]):
+            if key in events and self._pod_host is not None:  # the Pod's own address, the port kept
+                events[key] = re.sub(r"//(\*|0\.0\.0\.0)(?=:)", f"//{self._pod_host}", events[key])
+            elif key in events and re.search(r":\d+$", events[key]):
                 local = re.sub(r":\d+$", f":{self.free_port()}", events[key])
                 self._say(pod.name, f"KV events {key} {events[key]}", local, "a free port per engine")
                 events[key] = local

@@ -21,12 +21,20 @@ Why it is built this way:
 - **The last known endpoints stay while the API server is unreachable.** Engines keep serving when the
   control plane is away (an upgrade, an outage); the set is corrected by the list that follows.
 - **Bounded exponential backoff with jitter** between failed attempts, so that a broken API server is not
-  hammered by every router replica in step, and a recovered one is found again within ``backoff_max``.
+  hammered by every router replica in step, and a recovered one is found again within ``backoff_max``
+  (5 s: a Role given back its verb, or an API server back from a restart, is followed within seconds; a
+  list of one namespace's engine pods every few seconds per replica costs the API server little).
+- **Failures are visible, not only logged.** :class:`DiscoveryStatus` says whether discovery works now and
+  why not (``GET /engines``, and the router's ``discovery_healthy`` / ``discovery_failures_total``
+  metrics); a refusal names the verb the ServiceAccount lacks and quotes the API server. It is healthy
+  only once the list succeeded *and* the watch was accepted: a Role without ``watch`` lets every list
+  through, and the set would silently stop following the pods.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -38,7 +46,7 @@ import aiohttp
 from kubernetes_asyncio import client, config, watch
 from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, V1Pod
 
-from vllm_stack.engines.discovery.base import EndpointInfo, SnapshotSink
+from vllm_stack.engines.discovery.base import DiscoveryStatus, EndpointInfo, SnapshotSink
 from vllm_stack.engines.engine import ROLES
 
 logger = logging.getLogger(__name__)
@@ -195,7 +203,7 @@ class KubernetesDiscovery:
         *,
         api_client_factory: Callable[[], Awaitable[ApiClient]] | None = None,
         backoff_initial: float = 0.5,
-        backoff_max: float = 30.0,
+        backoff_max: float = 5.0,
         watch_timeout_seconds: int = 300,
         roles_by_model_label: dict[str, str] | None = None,
     ) -> None:
@@ -216,6 +224,7 @@ class KubernetesDiscovery:
         self._backoff_max = backoff_max
         self._watch_timeout_seconds = watch_timeout_seconds
         self._rng = random.Random()
+        self.status = DiscoveryStatus("k8s")
 
     async def run(self, sink: SnapshotSink) -> None:
         """List, report, watch, and on any end of the watch start again from a list; until cancelled.
@@ -243,7 +252,9 @@ class KubernetesDiscovery:
                         continue  # the watch ran its course: re-list at once
                 failures += 1
                 delay = self._backoff_delay(failures)
-                self._log_failure(error, attempt, failures, delay)
+                reason, message = self._failure(error, attempt)
+                self.status.failed(reason, message)
+                self._log_failure(error, message, failures, delay)
                 await asyncio.sleep(delay)
         finally:
             await api_client.close()
@@ -257,14 +268,21 @@ class KubernetesDiscovery:
             _request_timeout=aiohttp.ClientTimeout(total=_LIST_TIMEOUT_S, sock_connect=_CONNECT_TIMEOUT_S),
         )
         attempt.listed = True
+        self.status.listed()
         endpoints.replace(pods.items or [])
         await endpoints.publish()
         resource_version = pods.metadata.resource_version if pods.metadata else None
 
+        async def open_watch(*args: object, **kwargs: object) -> object:
+            """The watch request; once the API server has accepted it, discovery works."""
+            response = await api.list_namespaced_pod(*args, **kwargs)  # type: ignore[arg-type]
+            self.status.watching()
+            return response
+
         attempt.watch_started = time.monotonic()
-        async with watch.Watch() as stream:
+        async with watch.Watch(return_type="V1Pod") as stream:
             events = stream.stream(
-                api.list_namespaced_pod,
+                open_watch,
                 self.namespace,
                 label_selector=self.label_selector,
                 resource_version=resource_version,
@@ -312,29 +330,64 @@ class KubernetesDiscovery:
         cap = min(self._backoff_max, self._backoff_initial * 2 ** min(failures - 1, 30))
         return cap / 2 + self._rng.uniform(0, cap / 2)
 
-    def _log_failure(self, error: Exception | None, attempt: _Attempt, failures: int, delay: float) -> None:
-        where = "watch" if attempt.listed else "list"
-        if isinstance(error, ApiException) and error.status == 410:
-            logger.info(
-                "kubernetes discovery: resourceVersion expired (410 Gone); re-listing in %.2fs", delay
+    def _failure(self, error: Exception | None, attempt: _Attempt) -> tuple[str, str]:
+        """The failure's class (a metric label) and the one line an operator reads."""
+        verb = "watch" if attempt.listed else "list"
+        where = f"pods in namespace {self.namespace} (selector {self.label_selector!r})"
+        if error is None:
+            return "closed_early", f"the API server closed the watch of {where} at once"
+        if isinstance(error, ApiException):
+            said = _status_message(error)
+            if error.status == 403:
+                return "forbidden", (
+                    f"the API server refused to {verb} {where} (403 Forbidden: {said}); the router's "
+                    "ServiceAccount needs list and watch on pods in its namespace (the chart's router Role "
+                    "grants them)"
+                )
+            if error.status == 401:
+                return "unauthorized", (
+                    f"the API server did not accept the router's credentials to {verb} {where} "
+                    f"(401 Unauthorized: {said}); check the ServiceAccount token"
+                )
+            if error.status == 410:
+                return "gone", f"the {verb} of {where} started from an expired resourceVersion (410 Gone)"
+            kind = "server_error" if error.status and error.status >= 500 else f"http_{error.status}"
+            return kind, f"the {verb} of {where} failed: HTTP {error.status} {error.reason}: {said}"
+        if isinstance(error, aiohttp.ClientError | TimeoutError | OSError):
+            return "unreachable", (
+                f"the API server could not be reached to {verb} {where}: {type(error).__name__}: "
+                f"{_describe(error)}"
             )
+        if isinstance(error, _WatchProtocolError):
+            return "protocol", f"the watch of {where} carried something else: {_describe(error)}"
+        return "unexpected", f"the {verb} of {where} failed: {type(error).__name__}: {_describe(error)}"
+
+    def _log_failure(self, error: Exception | None, message: str, failures: int, delay: float) -> None:
+        if isinstance(error, ApiException) and error.status == 410:
+            logger.info("kubernetes discovery: %s; re-listing in %.2fs", message, delay)
         elif error is None:
-            logger.info("kubernetes discovery: watch closed early by the server; re-listing in %.2fs", delay)
+            logger.info("kubernetes discovery: %s; re-listing in %.2fs", message, delay)
         else:
             expected = isinstance(
-                error, ApiException | aiohttp.ClientError | TimeoutError | _WatchProtocolError
+                error, ApiException | aiohttp.ClientError | TimeoutError | OSError | _WatchProtocolError
             )
             logger.warning(
-                "kubernetes discovery: %s of pods in %s (selector %r) failed (%d in a row): %s: %s; retrying in %.2fs",
-                where,
-                self.namespace,
-                self.label_selector,
+                "kubernetes discovery: %s (%d in a row); the last known engines stay; retrying in %.2fs",
+                message,
                 failures,
-                type(error).__name__,
-                _describe(error),
                 delay,
                 exc_info=None if expected else error,  # an unexpected error gets its traceback
             )
+
+
+def _status_message(error: ApiException) -> str:
+    """The message of the API server's Status object in an error's body, else its reason."""
+    try:
+        body = json.loads(error.body) if error.body else None
+    except (TypeError, ValueError):
+        body = None
+    message = body.get("message") if isinstance(body, dict) else None
+    return " ".join(str(message or error.reason or "").split())[:400]
 
 
 def _describe(error: Exception) -> str:

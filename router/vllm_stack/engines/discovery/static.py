@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from vllm_stack.engines.discovery.base import EndpointInfo, SnapshotSink
+from vllm_stack.engines.discovery.base import DiscoveryStatus, EndpointInfo, SnapshotSink
 
 
 def endpoint_name(url: str) -> str:
@@ -26,6 +26,9 @@ class StaticDiscovery:
     def __init__(self, urls: Sequence[str], roles: Sequence[str] = ()) -> None:
         self._endpoints = self._build(urls, roles)
         self._changed = asyncio.Event()
+        self.status = DiscoveryStatus("static")
+        self.status.listed()  # a fixed list cannot fail to be read
+        self.status.watching()
 
     @staticmethod
     def _build(urls: Sequence[str], roles: Sequence[str]) -> list[EndpointInfo]:
