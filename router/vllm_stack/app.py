@@ -33,6 +33,7 @@ from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
+from vllm_stack.engines.discovery.collector import DiscoveryCollector
 from vllm_stack.engines.discovery.static import StaticDiscovery
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import SaturationLimits
@@ -105,7 +106,7 @@ class Router:
             **_registry_limits(config),
         )
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
-        self.metrics.track_discovery(self.discovery.status)
+        self.metrics.registry.register(DiscoveryCollector(self.discovery.status))
         self.scraper = EngineScraper(
             self.registry.engines,
             self._fetch_metrics,

@@ -19,7 +19,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from vllm_stack.engines.discovery.base import DiscoveryStatus
 from vllm_stack.version import router_version
 
 PREFIX = "vllm_stack_router_"
@@ -129,33 +128,6 @@ class _FastCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for family in self._families:
             yield family.collect()
-
-
-class DiscoveryCollector(Collector):
-    """Whether engine discovery works, read from its status at scrape time (a Role without a verb, an
-    unreachable API server: the last known engines keep serving, so nothing else would show it)."""
-
-    def __init__(self, status: DiscoveryStatus) -> None:
-        self._status = status
-
-    def collect(self) -> Iterator[Metric]:
-        status = self._status
-        healthy = GaugeMetricFamily(
-            PREFIX + "discovery_healthy",
-            "1 while engine discovery follows the platform (Kubernetes: pods listed and watched), else 0.",
-            labels=["source"],
-        )
-        healthy.add_metric([status.source], 1.0 if status.healthy else 0.0)
-        yield healthy
-        failures = CounterMetricFamily(
-            PREFIX + "discovery_failures",
-            "Failed discovery attempts by reason (forbidden, unauthorized, gone, unreachable, server_error, "
-            "closed_early, protocol, unexpected, http_<status>).",
-            labels=["source", "reason"],
-        )
-        for reason, count in sorted(status.failures_total.items()):
-            failures.add_metric([status.source, reason], float(count))
-        yield failures
 
 
 class RouterMetrics:
@@ -362,10 +334,6 @@ class RouterMetrics:
         )
         self.build_info = Gauge(PREFIX + "build_info", "Router build information.", ["version"], registry=r)
         self.build_info.labels(router_version()).set(1)
-
-    def track_discovery(self, status: DiscoveryStatus) -> None:
-        """Expose a discovery source's status (called once, by the router that owns both)."""
-        self.registry.register(DiscoveryCollector(status))
 
     # Hot-path helpers.
     def observe_request(self, model: str, engine: str, status: str, duration: float) -> None:
