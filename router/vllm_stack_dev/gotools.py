@@ -21,11 +21,9 @@ rewrites its replace block from the tool's own downloaded go.mod, never by hand:
 The wrapper also takes the tool's `go` and `godebug` lines, so the binaries keep the GODEBUG defaults
 upstream built them with.
 
-Later tools (the KEDA operator and metrics adapter from `github.com/kedacore/keda/v2`, the Gateway API
-Inference Extension EPP `sigs.k8s.io/gateway-api-inference-extension/cmd/epp`, an OpenTelemetry collector)
-are one more `GoTool` each, installed with `install_tools([...])`; e.g.
-`GoTool("keda", "github.com/kedacore/keda/v2", "v2.x.y", (("keda", "github.com/kedacore/keda/v2/cmd/operator"),
-("keda-adapter", "github.com/kedacore/keda/v2/cmd/adapter")))`.
+Later tools (the Gateway API Inference Extension EPP `sigs.k8s.io/gateway-api-inference-extension/cmd/epp`,
+an OpenTelemetry collector) are one more `GoTool` each, as KEDA's operator and metrics adapter are (`KEDA`),
+and join `CLUSTER_TOOLS` when the tests need them.
 """
 
 from __future__ import annotations
@@ -192,7 +190,9 @@ KEDA = GoTool(
     ),
     ldflags=("-s", "-w", "-X github.com/kedacore/keda/v2/version.Version={version}"),
     version_args=(),
+    assets=(("config/crd/bases", "crds"),),  # ScaledObject, ScaledJob, TriggerAuthentication, ...
 )
+CLUSTER_TOOLS = (*CONTROL_PLANE, KEDA)
 
 
 def _tail(text: str) -> str:
@@ -379,6 +379,11 @@ def install_control_plane() -> str:
     return install_tools(CONTROL_PLANE)
 
 
+def install_cluster_tools() -> str:
+    """The control plane and KEDA: everything the `cluster` tests run (`make install` builds these)."""
+    return install_tools(CLUSTER_TOOLS)
+
+
 def control_plane_binaries() -> dict[str, Path]:
     """Paths of the control-plane binaries by name (they exist once install_control_plane() returned)."""
     return {name: tool.binary(name) for tool in CONTROL_PLANE for name, _ in tool.binaries}
@@ -394,9 +399,9 @@ def kwok_stages_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m vllm_stack_dev.gotools`: install the control plane, print the outcome."""
+    """`python -m vllm_stack_dev.gotools`: install the cluster tools, print the outcome."""
     try:
-        print(install_control_plane())
+        print(install_cluster_tools())
     except GoBuildError as error:
         print(error, file=sys.stderr)
         return 1

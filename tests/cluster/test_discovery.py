@@ -15,26 +15,30 @@ What is shown, each against the real API server:
 - the engine set follows a Pod's Ready condition within 2 s (both ways), a scale-up (a new Pod, its engine
   started, requests served by it) and a scale-down under load, after which no request reaches the removed
   Pod's engine later than 2 s after its deletion (it keeps running, as a terminating container serves on);
-- a restarted API server (every watch cut) is followed again.
+- a restarted API server (every watch cut) is followed again;
+- a watch from a compacted resourceVersion gets the API server's 410 Gone, and the re-list catches up.
+
+The router reaches the API server through a pass-through proxy (vllm_stack_dev.cluster.api_proxy), which
+only the 410 test uses: to hold one watch request while etcd is compacted.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from vllm_stack_dev.cluster.api_proxy import ApiProxy, compact_etcd
 from vllm_stack_dev.cluster.control_plane import Cluster
 from vllm_stack_dev.cluster.pod_processes import PodProcesses
 from vllm_stack_dev.cluster.releases import Helm, place, wait_workloads_ready
-from vllm_stack_dev.testbed.engines import Engine
 from vllm_stack_dev.waiting import wait_http_ok
 
+from tests.cluster.serving import Load, arrivals, wait_for
 from tests.cluster.test_install import RELEASE
 from tests.conftest import CHAT_MODEL, READY_TIMEOUT
 from tests.helm.chart import CHART
@@ -55,24 +59,15 @@ VALUES = {
 }
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """``condition()``'s first truthy value; AssertionError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(interval)
-
-
 class Stack:
     """The release as a client and an operator see it: the router's URL, its view, the engines."""
 
-    def __init__(self, cluster: Cluster, pods: PodProcesses, router_url: str, router_log: Path) -> None:
+    def __init__(
+        self, cluster: Cluster, pods: PodProcesses, router_url: str, router_log: Path, proxy: ApiProxy
+    ) -> None:
         self.cluster = cluster
         self.pods = pods
+        self.proxy = proxy
         self.url = router_url
         self.router_log = router_log
         self.client = httpx.Client(base_url=router_url, timeout=60)
@@ -120,7 +115,9 @@ def stack(
     with place(cluster, documents, NAMESPACE):
         helm.install(RELEASE, CHART, NAMESPACE, values)
         wait_workloads_ready(cluster, NAMESPACE)
-    kubeconfig = cluster.service_account_kubeconfig(NAMESPACE, SERVICE_ACCOUNT, work / "router.kubeconfig")
+    proxy = ApiProxy(cluster, work)  # passes everything through until test_a_watch_from_a_compacted...
+    token = cluster.service_account_token(NAMESPACE, SERVICE_ACCOUNT)
+    kubeconfig = proxy.kubeconfig(token, NAMESPACE, work / "router.kubeconfig")
     pods = PodProcesses(
         cluster, NAMESPACE, documents, model_dir=tiny_model_dir, workdir=work / "pods", log_dir=engine_logs_dir,
         router_env={"KUBECONFIG": str(kubeconfig)}, keep_deleted=True,
@@ -128,10 +125,11 @@ def stack(
     with pods, pods.follow():
         (router,) = pods.routers.values()
         wait_http_ok(f"{router.url}/health", 60, router.process)
-        stack = Stack(cluster, pods, router.url, router.log)
+        stack = Stack(cluster, pods, router.url, router.log, proxy)
         wait_for(lambda: stack.routable() == set(pods.live_engines()) and len(pods.live_engines()) == 2,
                  READY_TIMEOUT, "both engine Pods routable through the router")  # fmt: skip
         yield stack
+    proxy.close()
 
 
 def test_the_router_finds_the_engine_pods_with_exactly_the_charts_role(stack: Stack) -> None:
@@ -207,40 +205,31 @@ def test_the_engine_set_follows_a_pods_ready_condition_within_2_s(stack: Stack) 
     assert_ready_condition_followed(stack)
 
 
-class Load:
-    """Completions sent through the router from two threads until stopped; every answer recorded."""
-
-    def __init__(self, url: str) -> None:
-        self._stop = threading.Event()
-        self.codes: list[int] = []
-        self._threads = [threading.Thread(target=self._run, args=(url, i), daemon=True) for i in range(2)]
-
-    def _run(self, url: str, index: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                body = {"model": CHAT_MODEL, "prompt": f"load {index} {n}", "max_tokens": 2}
-                try:
-                    self.codes.append(client.post("/v1/completions", json=body).status_code)
-                except httpx.HTTPError:
-                    self.codes.append(0)
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=120)
-
-
-def arrivals(engine: Engine) -> float:
-    """Requests that ever reached the engine: finished, running or waiting (it never forgets one)."""
-    return sum(engine.metric_value(name) for name in
-               ("vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting"))  # fmt: skip
+def test_a_watch_from_a_compacted_revision_is_410_gone_and_the_relist_catches_up(stack: Stack) -> None:
+    """The router's watch is cut; its re-list passes, its next watch is held at the proxy
+    (vllm_stack_dev.cluster.api_proxy says why a proxy); meanwhile a Pod turns unready and etcd is compacted
+    past the list's resourceVersion. Released, the watch meets the real API server's 410 Gone (no watch
+    cache: the watch goes to etcd). The router counts it, lists again, and its engine set has the change
+    made while it was not watching."""
+    gone_before = stack.view()["discovery"]["failures_total"].get("gone", 0)
+    pod = sorted(stack.discovered())[0]
+    stack.proxy.hold_next_watch()
+    stack.proxy.cut_watches()
+    wait_for(stack.proxy.held.is_set, 30, "the router's next watch held (its list has passed)")
+    _patch_ready(stack.cluster, pod, False)
+    # One more write, so that the compaction passes the watch's first revision (list + 1, the patch): a
+    # compaction exactly at it keeps that event but not the one before, and the API server answers 500
+    # "etcd event received with PrevKv=nil" instead (seen here; the router re-lists after that too).
+    stack.cluster.kubectl("create", "configmap", "revision-bump", "-n", NAMESPACE)
+    compact_etcd(stack.cluster)
+    stack.proxy.release()
+    wait_for(lambda: stack.view()["discovery"]["failures_total"].get("gone", 0) > gone_before, 10,
+             "the router meets 410 Gone")  # fmt: skip
+    wait_for(lambda: pod not in stack.discovered(), 10, f"{pod}'s change, made while not watching, followed")
+    wait_for(lambda: stack.view()["discovery"]["healthy"], 10, "discovery healthy again")
+    assert "expired resourceVersion (410 Gone)" in stack.router_log.read_text()
+    _patch_ready(stack.cluster, pod, True)
+    wait_for(lambda: pod in stack.discovered(), FOLLOW_S, f"{pod} back")
 
 
 def test_scale_up_and_down_under_load_and_an_api_server_restart(stack: Stack) -> None:

@@ -395,10 +395,12 @@ class Cluster:
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path, duration: str = "2h") -> Path:
         """A kubeconfig for ServiceAccount ``namespace/name``: a token from the TokenRequest API."""
         assert self.pki is not None
-        token = self.kubectl(
-            "create", "token", name, "-n", namespace, f"--duration={duration}"
-        ).stdout.strip()
+        token = self.service_account_token(namespace, name, duration)
         return write_token_kubeconfig(path, self.server, self.pki.ca.cert, token, namespace)
+
+    def service_account_token(self, namespace: str, name: str, duration: str = "2h") -> str:
+        """A token for ServiceAccount ``namespace/name`` from the TokenRequest API (what a kubelet mounts)."""
+        return self.kubectl("create", "token", name, "-n", namespace, f"--duration={duration}").stdout.strip()
 
 
 def _unverified() -> ssl.SSLContext:

@@ -126,13 +126,16 @@ def _issue(
     *,
     server_names: tuple[str, ...] = (),
     server_ips: tuple[str, ...] = (),
+    client_too: bool = False,
 ) -> Credential:
     key = _key()
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if server_names or server_ips else ExtendedKeyUsageOID.CLIENT_AUTH
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server_names or server_ips else []
+    if client_too or not usages:
+        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     builder = (
         _builder(subject, ca_cert.subject, key.public_key())
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     )
     if server_names or server_ips:
         alternatives: list[x509.GeneralName] = [x509.DNSName(n) for n in server_names]
@@ -169,3 +172,17 @@ def make_pki(folder: Path, api_server_ips: tuple[str, ...]) -> ClusterPki:
         )
     )
     return ClusterPki(ca, front_ca, api_server, front_client, sa_private, sa_public, clients)
+
+
+def make_tls_bundle(folder: Path, names: tuple[str, ...], ips: tuple[str, ...]) -> Path:
+    """A CA of its own and one key pair it signed, for serving and as a client (mutual TLS between two
+    processes that share the folder), as `ca.crt`, `tls.crt` and `tls.key`: the layout cert-manager
+    writes and KEDA's operator and metrics adapter read from their `--cert-dir`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    ca, ca_key, ca_cert = _make_ca(folder, "ca")
+    leaf = _issue(folder, "tls", _name(names[0]), ca_key, ca_cert, server_names=names, server_ips=ips,
+                  client_too=True)  # fmt: skip
+    assert ca.cert.name == "ca.crt" and leaf.cert.name == "tls.crt" and leaf.key.name == "tls.key"
+    ca.key.unlink()  # nothing else is signed with it
+    return folder

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,12 +79,14 @@ class PodProcesses:
         cores: Sequence[int] = (),
         router_env: dict[str, str] | None = None,
         keep_deleted: bool = False,
+        on_pods: Callable[[list[dict]], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.log_dir = log_dir
         self.router_env = dict(router_env or {})
         self.keep_deleted = keep_deleted
+        self.on_pods = on_pods  # told every list of the namespace's Pods (e.g. Prometheus' targets)
         self._planner = Planner(
             [o for o in objects if o.get("kind") in ("ConfigMap", "Secret")],
             workdir=workdir, model_dir=model_dir, router_port=port_for_later(), free_port=port_for_later,
@@ -113,6 +115,8 @@ class PodProcesses:
         """Start a process for each Running Pod that has none; stop (or keep) those whose Pod is gone.
         ClusterError when the Pods cannot be listed (nothing changed then)."""
         pods = self.pods()
+        if self.on_pods is not None:
+            self.on_pods(pods)
         present = set()
         with self._lock:
             for pod in pods:

@@ -54,9 +54,16 @@ def start_prometheus(
     targets: list[Target], rule_files: list[Path], folder: Path, port: int, timeout: float = 60.0
 ) -> subprocess.Popen[bytes]:
     """Start Prometheus on loopback ``port`` with its data in ``folder``; returns once it is ready."""
+    return launch_prometheus(prometheus_config(targets, rule_files), folder, port, timeout)
+
+
+def launch_prometheus(
+    configuration: dict, folder: Path, port: int, timeout: float = 60.0
+) -> subprocess.Popen[bytes]:
+    """Start Prometheus with ``configuration`` on loopback ``port``, data in ``folder``; once ready."""
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(targets, rule_files)))
+    config.write_text(yaml.safe_dump(configuration))
     process = spawn_logged(
         [
             prometheus_binary(),

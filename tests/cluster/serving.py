@@ -1,0 +1,66 @@
+"""What the cluster tests that serve requests share: waiting on a condition, load through the router, and
+what reached an engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from vllm_stack_dev.testbed.engines import Engine
+
+from tests.conftest import CHAT_MODEL
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """``condition()``'s first truthy value; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(interval)
+
+
+class Load:
+    """Completions sent through the router from ``threads`` threads until stopped; every answer recorded
+    (0: no answer at all)."""
+
+    def __init__(self, url: str, threads: int = 2, max_tokens: int = 2) -> None:
+        self._stop = threading.Event()
+        self.codes: list[int] = []
+        self.max_tokens = max_tokens
+        self._threads = [
+            threading.Thread(target=self._run, args=(url, i), daemon=True) for i in range(threads)
+        ]
+
+    def _run(self, url: str, index: int) -> None:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                body = {"model": CHAT_MODEL, "prompt": f"load {index} {n}", "max_tokens": self.max_tokens}
+                try:
+                    self.codes.append(client.post("/v1/completions", json=body).status_code)
+                except httpx.HTTPError:
+                    self.codes.append(0)
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+
+def arrivals(engine: Engine) -> float:
+    """Requests that ever reached the engine: finished, running or waiting (it never forgets one)."""
+    return sum(engine.metric_value(name) for name in
+               ("vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting"))  # fmt: skip
