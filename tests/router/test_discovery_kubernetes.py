@@ -1,9 +1,27 @@
-"""Kubernetes discovery against a local fake of the Kubernetes API server.
+"""Kubernetes discovery against a local fake of the Kubernetes API server (fast tier).
 
-The API server is a local fake (``tests/fakes/k8s_api.py``) because no Kubernetes API server can run on
-this machine. Everything else is real: ``KubernetesDiscovery`` talks to it through ``kubernetes_asyncio``
-over HTTP on 127.0.0.1, with the list/watch semantics a watcher depends on (resourceVersions, replay,
-410 Gone, selector transitions, dropped connections, an unreachable server).
+The same behaviour against the real API server, with the chart's Role and real engines at Pod IPs, is in
+tests/cluster/test_discovery.py: Pods joining (scale-up) and leaving (scale-down under load), Ready flips,
+an API server restart, a real 410 Gone, a Role without `list` or without `watch`, the kubeconfig fallback.
+The fake (``tests/fakes/k8s_api.py``) stays for what a real API server cannot be made to show, or not in a
+test's time:
+- a Pod that stays Terminating, or Pending with an IP (kwok finishes deletions at once and starts Pods at
+  once): ``test_terminating_pod_is_excluded_as_soon_as_deletion_starts``, the filter cases of
+  ``test_initial_list_reports_only_ready_running_pods_of_the_namespace_and_selector``;
+- a server or proxy that ends every watch at once (``test_watches_closed_at_once_do_not_make_a_tight_loop``),
+  or ends it cleanly early (``test_watch_that_ends_normally_is_restarted_from_a_fresh_list``: a real server
+  ends it at timeoutSeconds, 300 s);
+- the retry schedule itself, every attempt timed at the server while it refuses
+  (``test_retries_back_off_exponentially_up_to_the_cap``), and an outage of a chosen length
+  (``test_api_server_down_for_a_while_then_back_recovers``);
+- a watch gap held open while a Pod is deleted, with stub engines counting what reaches the deleted one
+  (``test_pod_deleted_during_a_watch_gap_gets_no_traffic_after_the_relist``; the cluster tier shows the same
+  with real engines after a scale-down);
+- the rest are fast-tier duplicates of what the cluster tier shows, kept because they run in seconds.
+
+Everything else is real: ``KubernetesDiscovery`` talks to the fake through ``kubernetes_asyncio`` over
+HTTP on 127.0.0.1, with the list/watch semantics a watcher depends on (resourceVersions, replay, 410 Gone,
+selector transitions, dropped connections, an unreachable server).
 
 Every wait is on a condition with a timeout, never a fixed sleep, except where the scenario itself is
 "the API server stays down for a while".

@@ -113,10 +113,13 @@ class ApiProxy:
             await asyncio.get_running_loop().run_in_executor(None, self._release.wait)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         body = await request.read()
-        upstream = await self._session.request(
-            request.method, self.cluster.server + request.rel_url.human_repr(), headers=headers,
-            data=body or None, timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
-        )  # fmt: skip
+        try:
+            upstream = await self._session.request(
+                request.method, self.cluster.server + request.rel_url.human_repr(), headers=headers,
+                data=body or None, timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
+            )  # fmt: skip
+        except (OSError, aiohttp.ClientError) as error:  # the API server is away (a test restarts it)
+            return web.Response(status=503, text=f"API server unreachable through the proxy: {error}")
         response = web.StreamResponse(
             status=upstream.status,
             headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import ssl
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -60,7 +61,7 @@ class Keda:
         self.logs = workdir / "logs"
         self.operator_log = self.logs / "keda-operator.log"
         self.adapter_log = self.logs / "keda-adapter.log"
-        self._processes: list = []
+        self._processes: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Keda:
         self.start()
