@@ -60,7 +60,19 @@ class Load:
             thread.join(timeout=120)
 
 
+def _sum(metrics: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name) and line[len(name)] in "{ ")  # fmt: skip
+
+
+def requests_in(engine: Engine) -> tuple[float, float]:
+    """(finished, still in the engine: running or waiting), from one scrape of the engine's /metrics."""
+    metrics = engine.metrics()
+    inside = _sum(metrics, "vllm:num_requests_running") + _sum(metrics, "vllm:num_requests_waiting")
+    return _sum(metrics, "vllm:request_success_total"), inside
+
+
 def arrivals(engine: Engine) -> float:
-    """Requests that ever reached the engine: finished, running or waiting (it never forgets one)."""
-    return sum(engine.metric_value(name) for name in
-               ("vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting"))  # fmt: skip
+    """Requests that reached the engine so far (finished, running or waiting), for "it got some": the
+    gauges and the counter are not updated together, so a request may be counted twice for an instant."""
+    return sum(requests_in(engine))

@@ -18,8 +18,9 @@ What is shown, each against the real API server:
 - a restarted API server (every watch cut) is followed again;
 - a watch from a compacted resourceVersion gets the API server's 410 Gone, and the re-list catches up.
 
-The router reaches the API server through a pass-through proxy (vllm_stack_dev.cluster.api_proxy), which
-only the 410 test uses: to hold one watch request while etcd is compacted.
+All the router's API traffic passes through a pass-through proxy (vllm_stack_dev.cluster.api_proxy: it
+drops the router's connections when the API server goes away, as they would drop without it); only the 410
+test makes it do more, holding one watch request while etcd is compacted.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from vllm_stack_dev.cluster.pod_processes import PodProcesses
 from vllm_stack_dev.cluster.releases import Helm, place, wait_workloads_ready
 from vllm_stack_dev.waiting import wait_http_ok
 
-from tests.cluster.serving import Load, arrivals, wait_for
+from tests.cluster.serving import Load, arrivals, requests_in, wait_for
 from tests.cluster.test_install import RELEASE
 from tests.conftest import CHAT_MODEL, READY_TIMEOUT
 from tests.helm.chart import CHART
@@ -73,6 +74,7 @@ class Stack:
         self.client = httpx.Client(base_url=router_url, timeout=60)
 
     def view(self) -> dict[str, Any]:
+        self.pods.check()  # a Pod's process that failed to start fails the test now, not at a timeout
         return self.client.get("/engines", timeout=5).json()
 
     def discovered(self) -> set[str]:
@@ -115,21 +117,27 @@ def stack(
     with place(cluster, documents, NAMESPACE):
         helm.install(RELEASE, CHART, NAMESPACE, values)
         wait_workloads_ready(cluster, NAMESPACE)
-    proxy = ApiProxy(cluster, work)  # passes everything through until test_a_watch_from_a_compacted...
-    token = cluster.service_account_token(NAMESPACE, SERVICE_ACCOUNT)
-    kubeconfig = proxy.kubeconfig(token, NAMESPACE, work / "router.kubeconfig")
-    pods = PodProcesses(
-        cluster, NAMESPACE, documents, model_dir=tiny_model_dir, workdir=work / "pods", log_dir=engine_logs_dir,
-        router_env={"KUBECONFIG": str(kubeconfig)}, keep_deleted=True,
-    )  # fmt: skip
-    with pods, pods.follow():
-        (router,) = pods.routers.values()
-        wait_http_ok(f"{router.url}/health", 60, router.process)
-        stack = Stack(cluster, pods, router.url, router.log, proxy)
-        wait_for(lambda: stack.routable() == set(pods.live_engines()) and len(pods.live_engines()) == 2,
-                 READY_TIMEOUT, "both engine Pods routable through the router")  # fmt: skip
-        yield stack
-    proxy.close()
+    proxy = ApiProxy(cluster, work)  # passes everything through; the 410 test holds one watch there
+    try:
+        token = cluster.service_account_token(NAMESPACE, SERVICE_ACCOUNT)
+        kubeconfig = proxy.kubeconfig(token, NAMESPACE, work / "router.kubeconfig")
+        pods = PodProcesses(
+            cluster, NAMESPACE, documents, model_dir=tiny_model_dir, workdir=work / "pods",
+            log_dir=engine_logs_dir, router_env={"KUBECONFIG": str(kubeconfig)}, keep_deleted=True,
+        )  # fmt: skip
+        with pods, pods.follow():
+            wait_for(lambda: pods.check() or pods.routers, 30, "the router Pod's process started")
+            (router,) = pods.routers.values()
+            wait_http_ok(f"{router.url}/health", 60, router.process)
+            stack = Stack(cluster, pods, router.url, router.log, proxy)
+            try:
+                wait_for(lambda: stack.routable() == set(pods.live_engines()) and len(pods.live_engines()) == 2,
+                         READY_TIMEOUT, "both engine Pods routable through the router")  # fmt: skip
+                yield stack
+            finally:
+                stack.client.close()
+    finally:
+        proxy.close()
 
 
 def test_the_router_finds_the_engine_pods_with_exactly_the_charts_role(stack: Stack) -> None:
@@ -214,21 +222,25 @@ def test_a_watch_from_a_compacted_revision_is_410_gone_and_the_relist_catches_up
     gone_before = stack.view()["discovery"]["failures_total"].get("gone", 0)
     pod = sorted(stack.discovered())[0]
     stack.proxy.hold_next_watch()
-    stack.proxy.cut_watches()
-    wait_for(stack.proxy.held.is_set, 30, "the router's next watch held (its list has passed)")
-    _patch_ready(stack.cluster, pod, False)
-    # One more write, so that the compaction passes the watch's first revision (list + 1, the patch): a
-    # compaction exactly at it keeps that event but not the one before, and the API server answers 500
-    # "etcd event received with PrevKv=nil" instead (seen here; the router re-lists after that too).
-    stack.cluster.kubectl("create", "configmap", "revision-bump", "-n", NAMESPACE)
-    compact_etcd(stack.cluster)
-    stack.proxy.release()
-    wait_for(lambda: stack.view()["discovery"]["failures_total"].get("gone", 0) > gone_before, 10,
-             "the router meets 410 Gone")  # fmt: skip
-    wait_for(lambda: pod not in stack.discovered(), 10, f"{pod}'s change, made while not watching, followed")
-    wait_for(lambda: stack.view()["discovery"]["healthy"], 10, "discovery healthy again")
-    assert "expired resourceVersion (410 Gone)" in stack.router_log.read_text()
-    _patch_ready(stack.cluster, pod, True)
+    try:
+        stack.proxy.cut_watches()
+        wait_for(stack.proxy.held.is_set, 30, "the router's next watch held (its list has passed)")
+        _patch_ready(stack.cluster, pod, False)
+        # One more write, so that the compaction passes the watch's first revision (list + 1, the patch): a
+        # compaction exactly at it keeps that event but not the one before, and the API server answers 500
+        # "etcd event received with PrevKv=nil" instead (seen here; the router re-lists after that too).
+        stack.cluster.kubectl("create", "configmap", "revision-bump", "-n", NAMESPACE)
+        compact_etcd(stack.cluster)
+    finally:
+        stack.proxy.release()
+    try:
+        wait_for(lambda: stack.view()["discovery"]["failures_total"].get("gone", 0) > gone_before, 10,
+                 "the router meets 410 Gone")  # fmt: skip
+        wait_for(lambda: pod not in stack.discovered(), 10, f"{pod}'s change, made while not watching, seen")
+        wait_for(lambda: stack.view()["discovery"]["healthy"], 10, "discovery healthy again")
+        assert "expired resourceVersion (410 Gone)" in stack.router_log.read_text()
+    finally:
+        _patch_ready(stack.cluster, pod, True)
     wait_for(lambda: pod in stack.discovered(), FOLLOW_S, f"{pod} back")
 
 
@@ -248,20 +260,24 @@ def test_scale_up_and_down_under_load_and_an_api_server_restart(stack: Stack) ->
     with Load(stack.url) as load:
         wait_for(lambda: arrivals(engine) > 0, 30, f"requests served by {new_pod}")
 
+        scaled_down = time.time()  # the deletion comes after this: the bound below is, if anything, earlier
         stack.cluster.kubectl("scale", "deployment", ENGINES, "-n", NAMESPACE, "--replicas=2")
-        deleted = wait_for(lambda: stack.pods.gone and dict(stack.pods.gone), 30, "a Pod removed")
-        ((gone_pod, deleted_at),) = deleted.items()  # when the test bed saw it terminating (0.5 s polls)
+        deleted = wait_for(stack.pods.gone_pods, 30, "a Pod removed")
+        (gone_pod,) = deleted
         gone_engine = stack.pods.engine_of(gone_pod)
         wait_for(lambda: gone_pod not in stack.discovered(), FOLLOW_S, f"{gone_pod} out of the router")
-        # Nothing is to happen after deletion + 2 s: wait for that instant (a bound, not a state), then
-        # count what reached the engine; the load goes on for 40 more answers, which must add nothing.
-        time.sleep(max(0.0, deleted_at + FOLLOW_S - time.time()))
-        settled, answered = arrivals(gone_engine), len(load.codes)
+        # Nothing may reach the engine after deletion + 2 s: wait for that instant (a bound, not a state),
+        # then for what it still holds to finish, and count; 40 more answers of the load must add nothing.
+        time.sleep(max(0.0, scaled_down + FOLLOW_S - time.time()))
+        settled = wait_for(lambda: (c := requests_in(gone_engine))[1] == 0 and c, 30, f"{gone_pod} idle")
+        answered = len(load.codes)
         wait_for(lambda: len(load.codes) >= answered + 40, 60, "40 more answers after the scale-down")
-        assert arrivals(gone_engine) == settled, f"{gone_pod}'s engine got requests after its deletion + 2 s"
+        assert requests_in(gone_engine) == settled, f"{gone_pod}'s engine got requests after deletion + 2 s"
 
+        restarted = time.time()
         stack.cluster.restart_api_server()
-        wait_for(lambda: stack.view()["discovery"]["healthy"], 30, "discovery healthy after the restart")
+        wait_for(lambda: (d := stack.view()["discovery"])["since"] > restarted and d["healthy"], 30,
+                 "discovery healthy again after noticing the restart")  # fmt: skip
         assert_ready_condition_followed(stack)
         wait_for(lambda: len(stack.routable()) == 2, 10, "both engines routable again")
     stack.pods.stop_gone()

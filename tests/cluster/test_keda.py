@@ -113,6 +113,7 @@ class Autoscaled:
                 if p["metadata"]["name"].startswith(deployment + "-")}  # fmt: skip
 
     def routable(self) -> dict[str, list[str]]:
+        self.pods.check()  # a Pod's process that failed to start fails the test now, not at a timeout
         engines = httpx.get(f"{self.url}/engines", timeout=5).json()["engines"]
         return {e["name"]: e["models"] for e in engines if e["healthy"]}
 
@@ -137,14 +138,15 @@ def autoscaled(
             wait_workloads_ready(cluster, NAMESPACE)
         targets = PodTargets(work / "prometheus-targets")
         prometheus = start_cluster_prometheus(targets, work / "prometheus", prometheus_port)
-        kubeconfig = cluster.service_account_kubeconfig(
-            NAMESPACE, SERVICE_ACCOUNT, work / "router.kubeconfig"
-        )
-        pods = PodProcesses(cluster, NAMESPACE, documents, model_dir=tiny_model_dir, workdir=work / "pods",
-                            log_dir=engine_logs_dir, router_env={"KUBECONFIG": str(kubeconfig)},
-                            on_pods=targets.update)  # fmt: skip
         try:
+            kubeconfig = cluster.service_account_kubeconfig(
+                NAMESPACE, SERVICE_ACCOUNT, work / "router.kubeconfig"
+            )
+            pods = PodProcesses(cluster, NAMESPACE, documents, model_dir=tiny_model_dir, workdir=work / "pods",
+                                log_dir=engine_logs_dir, router_env={"KUBECONFIG": str(kubeconfig)},
+                                on_pods=targets.update)  # fmt: skip
             with pods, pods.follow():
+                wait_for(lambda: pods.check() or pods.routers, 30, "the router Pod's process started")
                 (router,) = pods.routers.values()
                 wait_http_ok(f"{router.url}/health", 60, router.process)
                 stack = Autoscaled(cluster, pods, router.url)

@@ -17,6 +17,7 @@ authorizes the client (a ServiceAccount token), not the proxy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import threading
@@ -76,8 +77,18 @@ class ApiProxy:
 
     def close(self) -> None:
         self._release.set()
+        with contextlib.suppress(Exception):  # the loop may be gone already
+            asyncio.run_coroutine_threadsafe(self._cancel_handlers(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+    async def _cancel_handlers(self) -> None:
+        """End the requests still being served (open watches), so that none is left pending at exit."""
+        current = asyncio.current_task()
+        handlers = [task for task in asyncio.all_tasks() if task is not current]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     # ---- the server (in its thread) --------------------------------------------------------------------
     def _serve(self) -> None:
@@ -118,8 +129,12 @@ class ApiProxy:
                 request.method, self.cluster.server + request.rel_url.human_repr(), headers=headers,
                 data=body or None, timeout=aiohttp.ClientTimeout(total=None, sock_read=None),
             )  # fmt: skip
-        except (OSError, aiohttp.ClientError) as error:  # the API server is away (a test restarts it)
-            return web.Response(status=503, text=f"API server unreachable through the proxy: {error}")
+        except (OSError, aiohttp.ClientError):
+            # The API server is away (a test restarts it): the client's connection is dropped, as it would
+            # be without the proxy, rather than answered with a status the API server never sent.
+            if request.transport is not None:
+                request.transport.abort()
+            return web.Response(status=502)  # never written: the connection is gone
         response = web.StreamResponse(
             status=upstream.status,
             headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP},
@@ -132,7 +147,10 @@ class ApiProxy:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
         except (ConnectionResetError, aiohttp.ClientError):
-            pass  # the client or the API server went away: so does this stream
+            # The client or the API server went away mid-stream: drop the client's connection too (a
+            # clean end would tell the client the server ended the watch on purpose).
+            if request.transport is not None:
+                request.transport.abort()
         finally:
             if transport is not None:
                 self._watches.discard(transport)

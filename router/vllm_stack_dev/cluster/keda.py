@@ -90,6 +90,10 @@ class Keda:
             raise
 
     def stop(self) -> None:
+        """Unregister the external metrics API (left behind, it would point at a stopped adapter and make
+        discovery of the API group fail for every client of the cluster), then stop both processes."""
+        self.cluster.kubectl("delete", "apiservice", API_SERVICE, "--ignore-not-found", "--wait=false",
+                             check=False)  # fmt: skip
         for process in reversed(self._processes):
             stop_group(process, timeout=10)
         self._processes.clear()

@@ -97,6 +97,7 @@ class PodProcesses:
         self.engines: dict[str, Engine] = {}  # by Pod name
         self.routers: dict[str, RouterProcess] = {}
         self.gone: dict[str, float] = {}  # Pod name -> when this test bed saw it gone (kept processes)
+        self.failed: dict[str, str] = {}  # Pod name -> why its process could not be started
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: list[str] = []
@@ -113,22 +114,30 @@ class PodProcesses:
 
     def sync(self) -> None:
         """Start a process for each Running Pod that has none; stop (or keep) those whose Pod is gone.
-        ClusterError when the Pods cannot be listed (nothing changed then)."""
+        ClusterError when the Pods cannot be listed (nothing changed then). A Pod whose process fails to
+        start is recorded (:meth:`check` raises it) and not tried again; the other Pods go on."""
         pods = self.pods()
         if self.on_pods is not None:
             self.on_pods(pods)
         present = set()
         with self._lock:
+            if self._stop.is_set():
+                return  # stop() has run or is running: start nothing it would not stop
             for pod in pods:
                 name, ip = pod["metadata"]["name"], _running_ip(pod)
                 component = (pod["metadata"].get("labels") or {}).get(COMPONENT)
                 if ip is None:
                     continue
                 present.add(name)
-                if component == ENGINE_COMPONENT and name not in self.engines:
-                    self.engines[name] = self._start_engine(pod, ip)
-                elif component == ROUTER_COMPONENT and name not in self.routers:
-                    self.routers[name] = self._start_router(pod, ip)
+                if name in self.engines or name in self.routers or name in self.failed:
+                    continue
+                try:
+                    if component == ENGINE_COMPONENT:
+                        self.engines[name] = self._start_engine(pod, ip)
+                    elif component == ROUTER_COMPONENT:
+                        self.routers[name] = self._start_router(pod, ip)
+                except Exception as error:  # noqa: BLE001 - recorded; the test fails on it via check()
+                    self.failed[name] = f"{type(error).__name__}: {error}"
             for name in [
                 n for n in (*self.engines, *self.routers) if n not in present and n not in self.gone
             ]:
@@ -171,7 +180,8 @@ class PodProcesses:
                 except ClusterError:
                     continue  # the API server is away (a test restarts it): the next round lists again
                 except Exception as error:  # noqa: BLE001 - reported by check() in the test's thread
-                    self._errors.append(f"{type(error).__name__}: {error}")
+                    if len(self._errors) < 10:  # the same failure, round after round, is said once enough
+                        self._errors.append(f"{type(error).__name__}: {error}")
 
         self.sync()
         thread = threading.Thread(target=loop, name="pod-processes", daemon=True)
@@ -184,9 +194,11 @@ class PodProcesses:
         self.check()
 
     def check(self) -> None:
-        """Raise what went wrong in the follower thread, if anything."""
-        if self._errors:
-            raise RuntimeError("pod processes: " + "; ".join(self._errors[:3]))
+        """Raise what went wrong (a process that could not be started, an error of the follower thread)."""
+        with self._lock:
+            problems = [f"{pod}: {why}" for pod, why in self.failed.items()] + self._errors[:3]
+        if problems:
+            raise RuntimeError("pod processes: " + "; ".join(problems))
 
     # ---- state ---------------------------------------------------------------------------------------
     def engine_of(self, pod: str) -> Engine:
@@ -197,6 +209,11 @@ class PodProcesses:
         """The engines whose Pods still exist."""
         with self._lock:
             return {name: e for name, e in self.engines.items() if name not in self.gone}
+
+    def gone_pods(self) -> dict[str, float]:
+        """The Pods seen gone whose processes are kept, with when they were seen gone."""
+        with self._lock:
+            return dict(self.gone)
 
     def stop_gone(self) -> None:
         """Stop the processes kept for Pods that are gone."""
@@ -218,6 +235,7 @@ class PodProcesses:
             self.routers.clear()
             self.engines.clear()
             self.gone.clear()
+            self.failed.clear()
 
 
 def _write_files(process: Process) -> None:

@@ -64,11 +64,14 @@ class PodTargets:
 
 
 def start_cluster_prometheus(targets: PodTargets, folder: Path, port: int) -> subprocess.Popen[bytes]:
-    """Prometheus on loopback ``port`` scraping what ``targets`` lists, every second; once ready."""
+    """Prometheus on loopback ``port`` scraping what ``targets`` lists every 2 s; returns once ready.
+
+    2 s, not less: an engine's /metrics can take over a second on two busy cores, and a timed-out scrape
+    drops the target's series (the queue KEDA scales on) until the next one."""
     jobs = [{"job_name": job, "file_sd_configs": [{"files": [str(targets.file(job))], "refresh_interval": "1s"}]}
             for job in JOBS.values()]  # fmt: skip
     configuration = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "1s"},
         "scrape_configs": jobs,
     }
     return launch_prometheus(configuration, folder, port)

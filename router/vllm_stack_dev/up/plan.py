@@ -239,7 +239,6 @@ class Planner:
         self._next_core = 0
         self._folders: dict[str, list[Path]] = {}
         self._cpu_pd = False  # a PD engine's connector became NixlConnector: the router follows
-        self._pod_host: str | None = None  # plan_pod_engine: the Pod's own IP, its ports kept
 
     # ------------------------------------------------------------------------------------------ driver
     def plan(self) -> StackPlan:
@@ -283,11 +282,7 @@ class Planner:
         talks to LMCache's servers, which the cluster tests do not run).
         """
         planned, command, env, files = self._pod_container(pod, "engine", host)
-        try:
-            self._pod_host = host
-            return self._engine(planned, command, env, files)
-        finally:
-            self._pod_host = None
+        return self._engine(planned, command, env, files, pod_host=host)
 
     def plan_pod_router(self, pod: dict, host: str) -> Process:
         """The router process for the router Pod of a cluster, exactly as rendered (Kubernetes discovery
@@ -311,14 +306,10 @@ class Planner:
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         planned = _Pod(pod["metadata"]["name"], component, labels, main, volumes, ports, names,
                        labels.get(MODEL_LABEL))  # fmt: skip
-        self._pod_host = host
-        try:
-            mounts, files = self._mounts(planned)
-            env = self._env(planned, [], mounts)
-            command = [*main.get("command", []), *main.get("args", [])]
-            return planned, [self._local(arg, [], mounts) for arg in command], env, files
-        finally:
-            self._pod_host = None
+        mounts, files = self._mounts(planned)
+        env = self._env(planned, [], mounts, pod_host=host)
+        command = [*main.get("command", []), *main.get("args", [])]
+        return planned, [self._local(arg, [], mounts) for arg in command], env, files
 
     def free_port(self) -> int:
         """A port no other part of this plan has: the source may give one twice (it only checks that the
@@ -493,7 +484,8 @@ class Planner:
             return dict(data)
         return {item["path"]: data[item["key"]] for item in items if item["key"] in data}
 
-    def _env(self, pod: _Pod, dns, mounts: dict[str, Path]) -> dict[str, str]:
+    def _env(self, pod: _Pod, dns, mounts: dict[str, Path], pod_host: str = LOOPBACK) -> dict[str, str]:
+        """The container's environment made local; ``status.*`` fields (the Pod's IP) are ``pod_host``."""
         env: dict[str, str] = {}
         for entry in pod.container.get("env", []):
             name = entry["name"]
@@ -521,7 +513,7 @@ class Planner:
             elif "fieldRef" in source:
                 path = source["fieldRef"]["fieldPath"]
                 value = {"metadata.name": pod.name, "metadata.namespace": self.namespace}.get(
-                    path, (self._pod_host or LOOPBACK) if path.startswith("status.") else None
+                    path, pod_host if path.startswith("status.") else None
                 )
                 if value is not None:
                     env[name] = value
@@ -540,7 +532,15 @@ class Planner:
             return self._cache_server(pod, command, env, files)
         return self._controller(pod, command, env, files, main_port)
 
-    def _engine(self, pod: _Pod, command: list[str], env: dict[str, str], files: dict[Path, str]) -> Process:
+    def _engine(
+        self,
+        pod: _Pod,
+        command: list[str],
+        env: dict[str, str],
+        files: dict[Path, str],
+        pod_host: str | None = None,
+    ) -> Process:
+        """The engine process of ``pod``; with ``pod_host`` (plan_pod_engine) it keeps its own ports there."""
         if command[:2] != ["vllm", "serve"] or len(command) < 3:
             raise PlanError(f"{pod.name}: the engine command is not `vllm serve MODEL ...`: {command[:3]}")
         model, args = command[2], command[3:]
@@ -592,7 +592,7 @@ class Planner:
                 "the file is in the cluster's image or volume, not here",
             )
             _drop(args, "--chat-template")
-        args = self._kv_events(pod, args)
+        args = self._kv_events(pod, args, pod_host)
         args = self._kv_transfer(pod, args, env)
         if "--enforce-eager" not in args:
             args.append("--enforce-eager")
@@ -662,14 +662,14 @@ class Planner:
                 )
         return folders
 
-    def _kv_events(self, pod: _Pod, args: list[str]) -> list[str]:
+    def _kv_events(self, pod: _Pod, args: list[str], pod_host: str | None = None) -> list[str]:
         config = _flag(args, "--kv-events-config")
         if config is None:
             return args
         events = json.loads(config)
         for key in ("endpoint", "replay_endpoint"):
-            if key in events and self._pod_host is not None:  # the Pod's own address, the port kept
-                events[key] = re.sub(r"//(\*|0\.0\.0\.0)(?=:)", f"//{self._pod_host}", events[key])
+            if key in events and pod_host is not None:  # the Pod's own address, the port kept
+                events[key] = re.sub(r"//(\*|0\.0\.0\.0)(?=:)", f"//{pod_host}", events[key])
             elif key in events and re.search(r":\d+$", events[key]):
                 local = re.sub(r":\d+$", f":{self.free_port()}", events[key])
                 self._say(pod.name, f"KV events {key} {events[key]}", local, "a free port per engine")

@@ -28,7 +28,9 @@ Why it is built this way:
   why not (``GET /engines``, and the router's ``discovery_healthy`` / ``discovery_failures_total``
   metrics); a refusal names the verb the ServiceAccount lacks and quotes the API server. It is healthy
   only once the list succeeded *and* the watch was accepted: a Role without ``watch`` lets every list
-  through, and the set would silently stop following the pods.
+  through, and the set would silently stop following the pods. (A watch accepted and then ended by an
+  ERROR event, 410 Gone, shows healthy for that instant. A connection that dies silently is noticed at
+  the watch's end, ``watch_timeout_seconds`` plus a grace: until then discovery is shown healthy.)
 """
 
 from __future__ import annotations
@@ -335,7 +337,7 @@ class KubernetesDiscovery:
         verb = "watch" if attempt.listed else "list"
         where = f"pods in namespace {self.namespace} (selector {self.label_selector!r})"
         if error is None:
-            return "closed_early", f"the API server closed the watch of {where} at once"
+            return "closed_early", f"the API server ended the watch of {where} early, without an event"
         if isinstance(error, ApiException):
             said = _status_message(error)
             if error.status == 403:
@@ -363,10 +365,8 @@ class KubernetesDiscovery:
         return "unexpected", f"the {verb} of {where} failed: {type(error).__name__}: {_describe(error)}"
 
     def _log_failure(self, error: Exception | None, message: str, failures: int, delay: float) -> None:
-        if isinstance(error, ApiException) and error.status == 410:
-            logger.info("kubernetes discovery: %s; re-listing in %.2fs", message, delay)
-        elif error is None:
-            logger.info("kubernetes discovery: %s; re-listing in %.2fs", message, delay)
+        if error is None or (isinstance(error, ApiException) and error.status == 410):
+            logger.info("kubernetes discovery: %s; re-listing in %.2fs", message, delay)  # routine
         else:
             expected = isinstance(
                 error, ApiException | aiohttp.ClientError | TimeoutError | OSError | _WatchProtocolError
