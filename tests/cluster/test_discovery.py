@@ -89,10 +89,10 @@ class Stack:
                 return line
         return None
 
-    def complete(self, prompt: str = "hello") -> httpx.Response:
-        return self.client.post(
-            "/v1/completions", json={"model": CHAT_MODEL, "prompt": prompt, "max_tokens": 2}
-        )
+    def chat(self, text: str = "hello") -> httpx.Response:
+        """A chat completion through the router."""
+        body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        return self.client.post("/v1/chat/completions", json=body)
 
     def engine_pods(self) -> list[dict]:
         return [
@@ -147,8 +147,9 @@ def test_the_router_finds_the_engine_pods_with_exactly_the_charts_role(stack: St
     for pod in stack.engine_pods():  # each engine stands at its Pod's own IP
         (engine,) = [e for e in stack.view()["engines"] if e["name"] == pod["metadata"]["name"]]
         assert engine["url"] == f"http://{pod['status']['podIP']}:8000"
-    answers = [stack.complete(f"question {i}") for i in range(6)]
+    answers = [stack.chat(f"question {i}") for i in range(6)]
     assert [a.status_code for a in answers] == [200] * 6, answers[-1].text
+    assert all(a.json()["choices"][0]["message"]["content"] is not None for a in answers)
     served = {
         name: e.metric_value("vllm:request_success_total") for name, e in stack.pods.live_engines().items()
     }
@@ -181,7 +182,7 @@ def test_a_role_without_a_verb_fails_visibly_and_recovers_once_restored(stack: S
         assert stack.metric('vllm_stack_router_discovery_healthy{source="k8s"}').endswith(" 0.0")
         assert stack.metric('vllm_stack_router_discovery_failures_total{reason="forbidden",source="k8s"}')
         assert f"refused to {verb} pods" in stack.router_log.read_text()
-        assert stack.complete().status_code == 200  # the last known engines still serve
+        assert stack.chat().status_code == 200  # the last known engines still serve
     finally:
         _set_verbs(stack.cluster, ["list", "watch"])
     restored = time.monotonic()
