@@ -312,7 +312,7 @@ STEPS = [
     Step("lmcache", "LMCache wheel for the chart's LMCache tests (.cache/wheels)", download_lmcache_wheels),
     Step(
         "control-plane",
-        "Kubernetes control plane, kwok and KEDA, built with Go (.tools/go)",
+        "Control plane, kwok and KEDA, built with Go (.tools/go)",
         install_cluster_tools,
     ),
 ]

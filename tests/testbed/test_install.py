@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from vllm_stack_dev.gotools import CONTROL_PLANE, STAMP_NAME, control_plane_binaries
+from vllm_stack_dev.gotools import CLUSTER_TOOLS, STAMP_NAME
 from vllm_stack_dev.paths import engine_python, helm_binary, repo_root
 
 
@@ -25,8 +25,8 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
         root / ".tools" / "node" / ".vllm-stack-stamp",
         root / ".tools" / "checkov-venv" / ".vllm-stack-stamp",
         root / ".cache" / "wheels" / ".vllm-stack-stamp",
-        *control_plane_binaries().values(),
-        *(tool.folder / STAMP_NAME for tool in CONTROL_PLANE),
+        *(tool.binary(name) for tool in CLUSTER_TOOLS for name, _ in tool.binaries),
+        *(tool.folder / STAMP_NAME for tool in CLUSTER_TOOLS),
     ]
     subprocess.run(
         ["make", "-s", "install"], cwd=root, check=True, capture_output=True
