@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from vllm_stack_dev.testbed.engines import Engine
+from vllm_stack_dev.testbed.engines import Engine, metric_sum
 
 from tests.conftest import CHAT_MODEL
 
@@ -60,16 +60,13 @@ class Load:
             thread.join(timeout=120)
 
 
-def _sum(metrics: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith(name) and line[len(name)] in "{ ")  # fmt: skip
-
-
 def requests_in(engine: Engine) -> tuple[float, float]:
     """(finished, still in the engine: running or waiting), from one scrape of the engine's /metrics."""
     metrics = engine.metrics()
-    inside = _sum(metrics, "vllm:num_requests_running") + _sum(metrics, "vllm:num_requests_waiting")
-    return _sum(metrics, "vllm:request_success_total"), inside
+    inside = metric_sum(metrics, "vllm:num_requests_running") + metric_sum(
+        metrics, "vllm:num_requests_waiting"
+    )
+    return metric_sum(metrics, "vllm:request_success_total"), inside
 
 
 def arrivals(engine: Engine) -> float:

@@ -102,7 +102,7 @@ class _Component:
     log: Path
 
 
-def _insecure_get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+def probe(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=3, context=context) as response:
             return response.status, response.read()
@@ -219,7 +219,7 @@ class Cluster:
                 "--log-level=warn",
             ],
         )
-        self._wait(etcd, lambda: _insecure_get(client + "/health")[0] == 200)
+        self._wait(etcd, lambda: probe(client + "/health")[0] == 200)
 
     def _client_context(self) -> ssl.SSLContext:
         assert self.pki is not None
@@ -265,7 +265,7 @@ class Cluster:
             ],
         )
         context = self._client_context()
-        self._wait(api, lambda: _insecure_get(self.server + "/readyz", context) == (200, b"ok"))
+        self._wait(api, lambda: probe(self.server + "/readyz", context) == (200, b"ok"))
 
     def _component_auth_args(self, name: str) -> list[str]:
         kubeconfig = self.workdir / f"{name}.kubeconfig"
@@ -299,9 +299,7 @@ class Cluster:
                 f"--horizontal-pod-autoscaler-sync-period={self.options.hpa_sync_period}",
             ],
         )
-        self._wait(
-            manager, lambda: _insecure_get(f"https://{LOOPBACK}:{port}/healthz", _unverified())[0] == 200
-        )
+        self._wait(manager, lambda: probe(f"https://{LOOPBACK}:{port}/healthz", unverified_tls())[0] == 200)
 
     def _start_scheduler(self) -> None:
         port = port_for_later()
@@ -313,9 +311,7 @@ class Cluster:
                 f"--secure-port={port}",
             ],
         )
-        self._wait(
-            scheduler, lambda: _insecure_get(f"https://{LOOPBACK}:{port}/healthz", _unverified())[0] == 200
-        )
+        self._wait(scheduler, lambda: probe(f"https://{LOOPBACK}:{port}/healthz", unverified_tls())[0] == 200)
 
     def _start_kwok(self) -> None:
         stages = kwok_stages_dir()
@@ -403,7 +399,7 @@ class Cluster:
         return self.kubectl("create", "token", name, "-n", namespace, f"--duration={duration}").stdout.strip()
 
 
-def _unverified() -> ssl.SSLContext:
+def unverified_tls() -> ssl.SSLContext:
     """For the components' own /healthz on loopback, served with a certificate they made themselves."""
     context = ssl.create_default_context()
     context.check_hostname = False

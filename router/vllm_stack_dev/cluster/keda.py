@@ -17,13 +17,18 @@ RBAC is under test here, not KEDA's). The HPA controller is the controller manag
 from __future__ import annotations
 
 import base64
-import ssl
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
-from vllm_stack_dev.cluster.control_plane import LOOPBACK, Cluster, ClusterError, tool_env
+from vllm_stack_dev.cluster.control_plane import (
+    LOOPBACK,
+    Cluster,
+    ClusterError,
+    probe,
+    tool_env,
+    unverified_tls,
+)
 from vllm_stack_dev.cluster.pki import make_tls_bundle
 from vllm_stack_dev.gotools import KEDA
 from vllm_stack_dev.testbed.engines import port_for_later, spawn_logged, stop_group
@@ -41,14 +46,6 @@ def keda_binaries() -> dict[str, Path]:
 
 def keda_crds_dir() -> Path:
     return KEDA.folder / "crds"
-
-
-def _healthy(url: str, context: ssl.SSLContext | None = None) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2, context=context) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 class Keda:
@@ -136,7 +133,7 @@ class Keda:
             cwd=self.workdir,
         )
         self._processes.append(process)
-        wait_until(lambda: _healthy(f"http://{LOOPBACK}:{health}/readyz"), START_TIMEOUT, process,
+        wait_until(lambda: probe(f"http://{LOOPBACK}:{health}/readyz")[0] == 200, START_TIMEOUT, process,
                    f"keda operator (log {self.operator_log})")  # fmt: skip
         return grpc_port
 
@@ -162,10 +159,7 @@ class Keda:
             cwd=self.workdir,
         )
         self._processes.append(process)
-        unverified = ssl.create_default_context()
-        unverified.check_hostname = False
-        unverified.verify_mode = ssl.CERT_NONE
-        wait_until(lambda: _healthy(f"https://{LOOPBACK}:{port}/readyz", unverified), START_TIMEOUT, process,
+        wait_until(lambda: probe(f"https://{LOOPBACK}:{port}/readyz", unverified_tls())[0] == 200, START_TIMEOUT, process,
                    f"keda metrics adapter (log {self.adapter_log})")  # fmt: skip
         return port
 

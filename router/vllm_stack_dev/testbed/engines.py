@@ -217,11 +217,7 @@ class Engine:
 
     def metric_value(self, name: str) -> float:
         """Sum of every sample of `name` (e.g. `vllm:num_requests_running`) in the engine's metrics."""
-        total = 0.0
-        for line in self.metrics().splitlines():
-            if line.startswith(name) and line[len(name)] in "{ ":
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return metric_sum(self.metrics(), name)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM the engine's process group, then SIGKILL what is left after `timeout` seconds."""
@@ -237,6 +233,15 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
+
+
+def metric_sum(metrics: str, name: str) -> float:
+    """Sum of every sample of `name` in Prometheus exposition text (one scrape read several times)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name)] in "{ ":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:
