@@ -8,7 +8,9 @@ of that tree (min of 3 x 20,000 requests) in its own process, for a strategy and
 the answer; the table gives medians over the rounds, min-max, and after/before ratios.
 
 ``session`` requests carry a body ``user`` so that the session key is hashed (the affinity path, not
-the no-key fallback).
+the no-key fallback). ``prefixaware`` runs the prefix-cache picker (character blocks of the prompt,
+the index, the answer's usage read back by its response-complete hook): the path with the most
+plugin work per request.
 
 Usage: ``python benchmarks/router/compare_handler_cost.py --before REV [--rounds 5]``
 Results: ``benchmarks/results/handler_cost_compare.{md,json}``.
@@ -25,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LOGICS = ("roundrobin", "session")
+LOGICS = ("roundrobin", "session", "prefixaware")
 MODES = ("one_read", "per_token_reads")
 
 _CELL = r"""

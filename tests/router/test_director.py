@@ -21,7 +21,7 @@ from vllm_stack.app import build_router
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import ERROR_MARKER
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.plugins import builtin_registry
 from vllm_stack.scheduling.registry import Parameters, PluginContext, PluginRegistry
 
@@ -34,6 +34,7 @@ class LastEnginePicker:
     """Picks the candidate whose name sorts last: a strategy no built-in has."""
 
     type_name = "test-last-engine-picker"
+    roles = (Role.PICKER,)
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -62,6 +63,7 @@ class IndexingTracker:
     """A response-complete plugin keeping its counts in the router's plugin state."""
 
     type_name = "test-indexing-tracker"
+    roles = (Role.RESPONSE_COMPLETE,)
 
     def __init__(self, name: str, index: RequestIndex) -> None:
         self.name = name
@@ -77,10 +79,29 @@ class IndexingTracker:
             by[completion.engine.name] = by.get(completion.engine.name, 0) + 1
 
 
+class ContextRecorder:
+    """A response-complete hook keeping the request contexts it is told of."""
+
+    type_name = "test-context-recorder"
+    roles = (Role.RESPONSE_COMPLETE,)
+    seen: list[RequestContext] = []  # noqa: RUF012 - the test reads what the hook saw
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> ContextRecorder:
+        return cls(name)
+
+    def response_complete(self, ctx: RequestContext, completion: Any) -> None:  # noqa: ANN401
+        ContextRecorder.seen.append(ctx)
+
+
 class PromptLengthScorer:
     """Reads what the ``prompt-length`` prepare-data plugin left in the cycle state."""
 
     type_name = "test-prompt-length-scorer"
+    roles = (Role.SCORER,)
     seen: list[int] = []  # noqa: RUF012 - the test reads what the scorer saw
 
     def __init__(self, name: str) -> None:
@@ -99,6 +120,7 @@ class GatedPreRequest:
     """An asynchronous pre-request hook: the request waits on a future the test controls."""
 
     type_name = "test-gated-pre-request"
+    roles = (Role.PRE_REQUEST,)
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -447,3 +469,27 @@ async def test_a_retried_request_releases_the_prefill_booked_on_the_engine_that_
             assert r.status_code == 200 and len(a.seen) + len(b.seen) == 3  # retried once
             assert [e.prefill_tokens for e in router.registry.engines()] == [0, 0]
             assert all(e.in_flight == 0 for e in router.registry.engines())
+
+
+async def test_the_request_context_carries_what_the_request_is_and_what_was_decided(tmp_path: Path) -> None:
+    """One context per request, reached by every stage: a response-complete hook finds its id (the
+    client's), metric label, the deciding profile and reason, its TTFT and duration there."""
+    ContextRecorder.seen.clear()
+    engine = StubEngine("a", ["stub-model"])
+    async with stubs(engine) as urls:
+        sched = scheduling(
+            {"type": "round-robin-picker"},
+            {"type": "test-context-recorder"},
+            profile=[{"pluginRef": "round-robin-picker"}],
+        )
+        path = write_config(tmp_path / "r.yaml", urls, sched)
+        async with router_from(path, registry_with(ContextRecorder), 1) as (url, _), http(url) as h:
+            r = await h.post(
+                "/v1/chat/completions", json={**BODY, "stream": True}, headers={"x-request-id": "ctx-1"}
+            )
+            assert r.status_code == 200
+            await wait_for(lambda: len(ContextRecorder.seen) == 1, what="the hook told")
+    ctx = ContextRecorder.seen[0]
+    assert (ctx.request_id, ctx.model, ctx.model_label) == (b"ctx-1", "stub-model", "stub-model")
+    assert (ctx.profile, ctx.reason) == ("custom", "round_robin")
+    assert ctx.ttft is not None and 0 < ctx.ttft <= ctx.duration

@@ -196,7 +196,16 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         lines += (b"authorization: ", key, b"\r\n")
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
     ctx = RequestContext(
-        model, session_key, prefix, path=path, body=body, prompt=prompt, cache_salt=cache_salt
+        model,
+        session_key,
+        prefix,
+        path=path,
+        body=body,
+        prompt=prompt,
+        cache_salt=cache_salt,
+        request_id=request_id,
+        model_label=model_label,
+        arrived=started,
     )
     if spec is not None:
         ctx.adapter = spec
@@ -205,4 +214,4 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         ctx.priority = priority
     # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
-    ProxiedRequest(director, conn, request, ctx, request_id, tail, started, model_label)  # starts it
+    ProxiedRequest(director, conn, request, ctx, tail)  # starts it

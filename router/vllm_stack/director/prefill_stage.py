@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from vllm_stack.director import disagg
+from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.request_id import new_request_id
 from vllm_stack.scheduling.framework import DEFERRED_CLAIMS
@@ -44,7 +45,18 @@ log = logging.getLogger(__name__)
 class PrefillStage:
     """The prefill leg of one request and what it booked (see the module docstring)."""
 
-    __slots__ = ("owner", "settings", "request", "engine", "booked", "exchange", "decode", "req_id", "timer")
+    __slots__ = (
+        "owner",
+        "settings",
+        "request",
+        "engine",
+        "tokens",
+        "booking",
+        "exchange",
+        "decode",
+        "req_id",
+        "timer",
+    )
 
     def __init__(
         self,
@@ -52,14 +64,15 @@ class PrefillStage:
         settings: disagg.DisaggSettings,
         request: dict[str, Any],
         engine: Engine,
-        booked: int,
+        tokens: int,
         decode: Engine | None,
     ) -> None:
         self.owner = owner
         self.settings = settings
         self.request = request  # the client's body, parsed once for both legs
         self.engine = engine  # the prefill engine
-        self.booked = booked  # prompt tokens booked on engine.prefill_tokens
+        self.tokens = tokens  # the prompt tokens it is expected to prefill
+        self.booking: EngineBooking | None = None  # what the prefill leg holds on it while it runs
         self.exchange: disagg.PrefillExchange | None = None
         self.decode = decode  # lmcache: the decode engine the KV is sent to
         self.req_id = ""  # lmcache: the disagg_spec's id, which its notification carries
@@ -75,7 +88,7 @@ class PrefillStage:
         if settings is None or not candidates:
             return None
         metrics = director.metrics
-        label = owner.model_label
+        label = owner.ctx.model_label
         profile = director.scheduler.profiles.get(PREFILL_PROFILE)
         if profile is None:  # a scheduling configuration of the user's without one
             metrics.disagg(label, "no_prefill_profile")
@@ -141,45 +154,35 @@ class PrefillStage:
             pool.host_header,
         )
         body = disagg.prefill_body(self.request, params)
-        engine.breaker.acquire()
-        engine.in_flight += 1
-        engine.prefill_tokens += self.booked
-        director.metrics.in_flight_child(engine.name).inc()
+        self.booking = EngineBooking(engine, director.metrics.in_flight_child(engine.name), self.tokens)
         upstream = line + ctx.upstream_headers + disagg.with_body(owner.tail, ctx.body, body)
         self.exchange = disagg.PrefillExchange(self, pool, upstream)
 
-    def _settle(self) -> disagg.PrefillExchange:
-        """Release the prefill engine's books (the breaker's outcome is the caller's)."""
+    def _settle(self, outcome: str) -> disagg.PrefillExchange:
+        """The prefill leg is over: the prefill engine's books released, its breaker told ``outcome``."""
         exchange = self.exchange
-        assert exchange is not None
+        assert exchange is not None and self.booking is not None
         self.exchange = None
-        engine = self.engine
-        engine.in_flight -= 1
-        engine.prefill_tokens -= self.booked
-        self.booked = 0
+        self.booking.settle(outcome)
+        self.booking = None
         metrics = self.owner.director.metrics
-        metrics.in_flight_child(engine.name).dec()
-        metrics.observe_prefill(self.owner.model_label, time.perf_counter() - exchange.started)
+        metrics.observe_prefill(self.owner.ctx.model_label, time.perf_counter() - exchange.started)
         return exchange
 
     # ---- what the prefill leg reports (disagg.PrefillOwner) ------------------------------------------
     def prefill_answered(self, exchange: disagg.PrefillExchange, status: int, answer: bytes) -> None:
         if exchange is not self.exchange:
             return
-        self._settle()
+        self._settle(FAILURE if status >= 500 else SUCCESS)
         engine = self.engine
-        if status >= 500:
-            engine.breaker.failure()
-        else:
-            engine.breaker.success()
         is_object, params = disagg.answer_params(answer) if status == 200 else (False, None)
         metrics = self.owner.director.metrics
         if not is_object:
             log.warning("prefill engine %s answered %d; serving decode-only", engine.name, status)
-            metrics.disagg(self.owner.model_label, "prefill_failed")
+            metrics.disagg(self.owner.ctx.model_label, "prefill_failed")
             self.owner.resume_after_prefill(None)
             return
-        metrics.disagg(self.owner.model_label, "disaggregated")
+        metrics.disagg(self.owner.ctx.model_label, "disaggregated")
         if self.decode is not None:  # lmcache: the KV goes to that engine; decode once it is there
             notifications = self.owner.director.pd_notifications
             assert notifications is not None
@@ -196,18 +199,12 @@ class PrefillStage:
     def prefill_failed(self, exchange: disagg.PrefillExchange, message: str, reason: str) -> None:
         if exchange is not self.exchange:
             return
-        self._settle()
-        engine = self.engine
         director = self.owner.director
         if reason == "connect_error":
-            engine.breaker.failure()
-            director.registry.eject(engine, reason)
-        elif reason == "upstream_closed":
-            engine.breaker.release()
-        else:
-            engine.breaker.failure()
+            director.registry.eject(self.engine, reason)
+        self._settle(RELEASED if reason == "upstream_closed" else FAILURE)
         log.warning("%s; serving decode-only", message)
-        director.metrics.disagg(self.owner.model_label, "prefill_failed")
+        director.metrics.disagg(self.owner.ctx.model_label, "prefill_failed")
         self.owner.resume_after_prefill(None)
 
     # ---- lmcache: the notification ------------------------------------------------------------------
@@ -227,7 +224,7 @@ class PrefillStage:
         log.warning(
             "no PD notification for %s within %gs; decoding anyway", self.req_id, self.settings.notify_timeout
         )
-        self.owner.director.metrics.disagg(self.owner.model_label, "notify_timeout")
+        self.owner.director.metrics.disagg(self.owner.ctx.model_label, "notify_timeout")
         self.owner.resume_after_prefill(self.decode)
 
     # ---- the client side ------------------------------------------------------------------------------
@@ -236,8 +233,7 @@ class PrefillStage:
         exchange = self.exchange
         if exchange is not None:
             exchange.abort()
-            self._settle()
-            self.engine.breaker.release()
+            self._settle(RELEASED)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

@@ -14,6 +14,11 @@ common path (no hook, or synchronous ones) runs start to upstream write in one c
 leaves during any stage ends the request: the awaitable the stage is waiting on is cancelled, the
 leg's connection is closed (the engine aborts the request), and the engine's books are settled.
 
+What an attempt holds on its engine (breaker turn, in-flight count, prefill estimate, gauge) is one
+:class:`~vllm_stack.engines.booking.EngineBooking`, released on every way out by :meth:`_settle`.
+What the request is (id, model, metric label, arrival, the decision's profile and reason, TTFT) is
+its :class:`~vllm_stack.scheduling.framework.RequestContext`, which every stage, plugin and leg reads.
+
 Breaker accounting lives here, not in the relay (a leg only reports how its exchange ended):
 - ``connect_error``: the engine could not be reached; it is ejected until healthy again;
 - ``upstream_broken``: it began an answer and broke it; the breaker counts a failure;
@@ -34,9 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_stack.director.disagg import DISAGG_PATHS
 from vllm_stack.director.prefill_stage import PrefillStage
+from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
-from vllm_stack.metrics import _Value
 from vllm_stack.relay.leg import Leg
 from vllm_stack.scheduling.config import Hooks
 from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
@@ -67,22 +72,16 @@ class ProxiedRequest:
         "conn",
         "request",
         "ctx",
-        "request_id",
         "tail",
-        "started",
-        "model_label",
         "attempts_left",
         "engine",
-        "gauge",
-        "in_attempt",
+        "booking",
         "last_error",
         "status",
         "done",
         "leg",
         "waiting",
-        "ttft",
         "answer_end",
-        "prefill_tokens",
         "queue_seq",
         "queued_at",
         "disagg_pending",
@@ -96,31 +95,22 @@ class ProxiedRequest:
         conn: HttpConnection,
         request: HttpRequest,
         ctx: RequestContext,
-        request_id: bytes,
         tail: bytes,
-        started: float,
-        model_label: str,
     ) -> None:
         self.director = director
         self.conn = conn
         self.request = request
-        self.ctx = ctx
-        self.request_id = request_id
+        self.ctx = ctx  # request_id, model_label and arrived are set by the API layer
         self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
-        self.started = started
-        self.model_label = model_label
         self.attempts_left = 1 + director.settings.retries
-        self.engine: Engine | None = None
-        self.gauge: _Value | None = None
-        self.in_attempt = False
+        self.engine: Engine | None = None  # the engine of the current (or last) attempt
+        self.booking: EngineBooking | None = None  # what the current attempt holds on it
         self.last_error: RouterError | None = None
         self.status = "none"  # the outcome label of the request counter
         self.done = False
         self.leg: Leg | None = None
         self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
-        self.ttft: float | None = None
         self.answer_end: bytes | None = None
-        self.prefill_tokens = 0  # booked on self.engine.prefill_tokens for the current attempt
         self.queue_seq = 0  # its entry in the model's queue while it waits there (director.queue)
         self.queued_at = 0.0
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
@@ -232,12 +222,14 @@ class ProxiedRequest:
         scheduler = director.scheduler
         schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
         result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        ctx.profile = result.profile
+        ctx.reason = result.reason
         engine = result.engine
         if engine is None:
             self._wait_or_fail(result.reason)
             return
         if director.settings.debug_headers:
-            self._note_route(result.profile, result.reason, engine)
+            self._note_route(engine)
         self._start(engine)
 
     # ---- disaggregated prefill (.prefill_stage) -------------------------------------------------------
@@ -246,15 +238,18 @@ class ProxiedRequest:
         was sent to, when it can still take the request), else schedule as for any request."""
         self.pd = None
         if engine is not None and engine.routable() and engine.breaker.available():
+            ctx = self.ctx
+            ctx.profile, ctx.reason = "prefill", "disaggregated"
             if self.director.settings.debug_headers:
-                self._note_route("prefill", "disaggregated", engine)
+                self._note_route(engine)
             self._start(engine)
         else:
             self._attempt()
 
-    def _note_route(self, profile: str, reason: str, engine: Engine) -> None:
-        """What the answer's x-vllm-stack-route will say (debug_headers on)."""
-        self.route = route_header(profile, reason, engine.name, self.ctx.route_note)
+    def _note_route(self, engine: Engine) -> None:
+        """What the answer's x-vllm-stack-route will say (debug_headers on): the decision in the context."""
+        ctx = self.ctx
+        self.route = route_header(ctx.profile, ctx.reason, engine.name, ctx.route_note)
 
     def _may_wait(self, reason: str) -> bool:
         """Whether the request waits in its model's queue for ``reason`` (not a sheddable one when
@@ -286,10 +281,12 @@ class ProxiedRequest:
         scheduler = director.scheduler
         schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
         result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        ctx.profile = result.profile
+        ctx.reason = result.reason
         if result.engine is not None:
             self.queue_seq = 0
             if director.settings.debug_headers:
-                self._note_route(result.profile, result.reason, result.engine)
+                self._note_route(result.engine)
             self._start(result.engine)
             return "dispatched"
         if self._may_wait(result.reason):
@@ -307,14 +304,9 @@ class ProxiedRequest:
         director = self.director
         ctx = self.ctx
         self.engine = engine
-        engine.breaker.acquire()
-        engine.in_flight += 1
-        tokens = self.prefill_tokens = ctx.prefill_tokens
-        if tokens:
-            engine.prefill_tokens += tokens
-        gauge = self.gauge = director.metrics.in_flight_child(engine.name)
-        gauge.inc()
-        self.in_attempt = True
+        self.booking = EngineBooking(
+            engine, director.metrics.in_flight_child(engine.name), ctx.prefill_tokens
+        )
         hooks = director.hooks
         if hooks.pre_request:
             ctx.upstream_headers = b""
@@ -340,26 +332,23 @@ class ProxiedRequest:
         if self.ctx.keep_answer_end:
             leg.answer_end = b""  # before any read: none is handled before this returns
 
-    def _end_attempt(self) -> None:
-        if self.in_attempt:
-            self.in_attempt = False
-            engine = self.engine
-            assert engine is not None and self.gauge is not None
-            engine.in_flight -= 1
-            self.gauge.dec()
-            self.first_token()
+    def _settle(self, outcome: str) -> None:
+        """The current attempt is over: its engine's books released, its breaker told ``outcome``
+        (engines.booking), and a request waiting for that engine's model given a try. The one way
+        out of an attempt; nothing happens when none is open."""
+        booking = self.booking
+        if booking is not None:
+            self.booking = None
+            booking.settle(outcome)
             queue = self.director.queue
-            if queue.length:
+            if queue.length:  # its engine has room for one waiting
                 queue.kick(self.ctx.pool or self.ctx.model)
 
     def first_token(self) -> None:
-        """Release the prefill booked on the engine (its first token is out, or the attempt ended)."""
-        tokens = self.prefill_tokens
-        if tokens:
-            self.prefill_tokens = 0
-            engine = self.engine
-            assert engine is not None
-            engine.prefill_tokens -= tokens
+        """The engine has prefilled the prompt (its first token is out): its prefill estimate is released."""
+        booking = self.booking
+        if booking is not None:
+            booking.first_token()
 
     def _other_candidate(self) -> bool:
         excluded = self.ctx.excluded
@@ -383,23 +372,18 @@ class ProxiedRequest:
             if adapter is None or adapter.name not in engine.models:
                 return False
             self.director.registry.forget_adapter(engine, adapter.name)
-            engine.breaker.release()
             leg.abort()
             self.leg = None
-            self._end_attempt()
+            self._settle(RELEASED)
             self.director.metrics.retry(self.ctx.model, "adapter_missing")
             self._attempt()
             return True
         self.ctx.exclude(engine.name)
         if not self._other_candidate():
             return False
-        if status >= 500:
-            engine.breaker.failure()
-        else:
-            engine.breaker.release()
         leg.abort()
         self.leg = None
-        self._end_attempt()
+        self._settle(FAILURE if status >= 500 else RELEASED)
         self.director.metrics.retry(self.ctx.model, str(status))
         self._attempt()
         return True
@@ -408,20 +392,17 @@ class ProxiedRequest:
         """Nothing reached the client: count the failure as ``reason`` says and try another engine."""
         engine = self.engine
         assert engine is not None
+        self.leg = None
         if reason == "connect_error":
-            engine.breaker.failure()
-            self.director.registry.eject(engine, reason)
+            self.director.registry.eject(engine, reason)  # before the queue is kicked by the release
             self.last_error = RouterError(502, message, code="upstream_unreachable")
         elif reason == "upstream_closed":
-            engine.breaker.release()
             self.last_error = RouterError(502, message, code="upstream_closed")
         else:
-            engine.breaker.failure()
             self.last_error = RouterError(502, message, code="upstream_broken")
+        self._settle(RELEASED if reason == "upstream_closed" else FAILURE)
         self.ctx.exclude(engine.name)
         self.status = "upstream_error"
-        self.leg = None
-        self._end_attempt()
         if self.attempts_left > 0:
             self.director.metrics.retry(self.ctx.model, reason)
         self._attempt()
@@ -429,36 +410,20 @@ class ProxiedRequest:
     def leg_complete(self, leg: Leg) -> None:
         self.done = True
         self.leg = None  # the leg points back here: no cycle left behind
-        engine = self.engine
-        assert engine is not None and self.gauge is not None
         status = leg.status
         self.status = str(status)
-        self.ttft = leg.ttft
+        self.ctx.ttft = leg.ttft
         self.answer_end = leg.answer_end
-        if status >= 500:
-            engine.breaker.failure()
-        else:
-            engine.breaker.success()
-        self.in_attempt = False  # _end_attempt, inlined: this is every request's way out
-        engine.in_flight -= 1
-        self.gauge.dec()
-        if self.prefill_tokens:
-            self.first_token()
-        queue = self.director.queue
-        if queue.length:  # its engine has room for one waiting
-            queue.kick(self.ctx.pool or self.ctx.model)
+        self._settle(FAILURE if status >= 500 else SUCCESS)
         self.conn.finish(leg.keep_alive)
         self._account()
 
     def leg_broken(self, leg: Leg, error: BaseException | str) -> None:
         self.done = True
         self.leg = None
-        engine = self.engine
-        assert engine is not None
-        engine.breaker.failure()
         self.status = "upstream_error"
-        self.ttft = leg.ttft
-        self._end_attempt()
+        self.ctx.ttft = leg.ttft
+        self._settle(FAILURE)
         self.conn.finish(leg.keep_alive)
         self._account()
 
@@ -480,11 +445,9 @@ class ProxiedRequest:
         leg = self.leg
         if leg is not None:
             self.leg = None
-            self.ttft = leg.ttft
+            self.ctx.ttft = leg.ttft
             leg.abort()  # the engine sees the connection close and aborts the request
-        if self.in_attempt and self.engine is not None:
-            self.engine.breaker.release()
-        self._end_attempt()
+        self._settle(RELEASED)
         self._account()
 
     def pause(self) -> None:
@@ -523,12 +486,10 @@ class ProxiedRequest:
             self.pd.check_timeout(now, timeout)
             return
         if leg is None:
-            if self.waiting is not None and now - self.started >= timeout:
+            if self.waiting is not None and now - self.ctx.arrived >= timeout:
                 waiting, self.waiting = self.waiting, None
                 waiting.cancel()
-                if self.in_attempt and self.engine is not None:
-                    self.engine.breaker.release()
-                self._end_attempt()
+                self._settle(RELEASED)
                 self._fail(
                     RouterError(
                         504, f"The request was not routed within {timeout:g}s.", code="routing_timeout"
@@ -542,9 +503,7 @@ class ProxiedRequest:
             return
         leg.abort()
         self.leg = None
-        if self.engine is not None and self.in_attempt:
-            self.engine.breaker.failure()
-        self._end_attempt()
+        self._settle(FAILURE)
         self._fail(
             RouterError(
                 504,
@@ -555,15 +514,11 @@ class ProxiedRequest:
 
     # ---- endings -----------------------------------------------------------------------------------------
     def _refused(self, refusal: Refusal) -> None:
-        if self.in_attempt and self.engine is not None:
-            self.engine.breaker.release()
-        self._end_attempt()
+        self._settle(RELEASED)
         self._fail(self.director.error_for(refusal.reason, self.ctx.model, refusal.message))
 
     def _plugin_failed(self) -> None:
-        if self.in_attempt and self.engine is not None:
-            self.engine.breaker.release()
-        self._end_attempt()
+        self._settle(RELEASED)
         self._fail(RouterError(500, "A routing plugin failed; see the router's log.", code="plugin_error"))
 
     def _fail(self, error: RouterError) -> None:
@@ -572,7 +527,7 @@ class ProxiedRequest:
             return
         self.done = True
         self.status = str(error.status)
-        self.conn.send_error(error, self.request_id, self.request.keep_alive)
+        self.conn.send_error(error, self.ctx.request_id, self.request.keep_alive)
         self._account()
 
     def engine_name(self) -> str:
@@ -581,10 +536,11 @@ class ProxiedRequest:
 
     def _account(self) -> None:
         director = self.director
-        duration = time.perf_counter() - self.started
+        ctx = self.ctx
+        duration = ctx.duration = time.perf_counter() - ctx.arrived
         engine = self.engine
         engine_name = engine.name if engine is not None else "none"
-        director.metrics.observe_request(self.model_label, engine_name, self.status, duration)
+        director.metrics.observe_request(ctx.model_label, engine_name, self.status, duration)
         if director.settings.access_log:
             request = self.request
             log.info(
@@ -597,9 +553,9 @@ class ProxiedRequest:
             )
         hooks = director.hooks.response_complete
         if hooks:
-            completion = Completion(self.engine, self.status, duration, self.ttft, self.answer_end)
+            completion = Completion(self.engine, self.status, duration, ctx.ttft, self.answer_end)
             for fn in hooks:
                 try:
-                    fn(self.ctx, completion)
+                    fn(ctx, completion)
                 except Exception:  # noqa: BLE001 - the answer is already out; log and go on
                     log.exception("response-complete hook %r failed", fn)

@@ -142,14 +142,20 @@ def chunked_end(body: bytes) -> int | None:
     return low
 
 
-class LegOwner(Protocol):
-    """What a leg reports to (the director's request). Each leg ends in exactly one of
-    :meth:`leg_complete`, :meth:`leg_failed`, :meth:`leg_broken`, or an abort by the owner.
-    The leg reads the request's id, metric label and arrival time from it (not copied per leg)."""
+class LegRequest(Protocol):
+    """What a leg reads of its request's context (the scheduling layer's ``RequestContext``, a peer
+    of this layer, so named here by what is read): not copied per leg."""
 
     request_id: bytes
     model_label: str
-    started: float
+    arrived: float  # time.perf_counter() at the request's arrival (TTFT counts from here)
+
+
+class LegOwner(Protocol):
+    """What a leg reports to (the director's request). Each leg ends in exactly one of
+    :meth:`leg_complete`, :meth:`leg_failed`, :meth:`leg_broken`, or an abort by the owner."""
+
+    ctx: LegRequest
 
     def engine_name(self) -> str: ...
 
@@ -293,7 +299,7 @@ class Leg(PooledExchange):
             head = _without_hop_by_hop(status, head, _HOP_BY_HOP_BUT_FRAMING)
         extra = []
         if b"\r\nx-request-id:" not in lowered:
-            extra += (b"x-request-id: ", self.owner.request_id, b"\r\n")
+            extra += (b"x-request-id: ", self.owner.ctx.request_id, b"\r\n")
         route = self.owner.route
         if route is not None:
             extra += (b"x-vllm-stack-route: ", route, b"\r\n")
@@ -312,7 +318,7 @@ class Leg(PooledExchange):
         """From here the answer is forwarded as it arrives; no retry and no error JSON any more."""
         self.committed = True
         if self.sse:
-            self.itl = self.metrics.itl_child(self.owner.model_label)
+            self.itl = self.metrics.itl_child(self.owner.ctx.model_label)
         self.out.append(self.head)
         if self.held:
             self.out += self.held
@@ -397,8 +403,9 @@ class Leg(PooledExchange):
             self.itl.observe(now - self.last_event)
         else:
             owner = self.owner
-            self.ttft = now - owner.started
-            self.metrics.observe_ttft(owner.model_label, self.ttft)
+            ctx = owner.ctx
+            self.ttft = now - ctx.arrived
+            self.metrics.observe_ttft(ctx.model_label, self.ttft)
             owner.first_token()
         if events > 1:
             self.itl.observe_zeros(events - 1)

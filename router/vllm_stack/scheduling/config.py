@@ -20,9 +20,9 @@ Extension's ``EndpointPickerConfig``::
               weight: 2
             - pluginRef: max-score-picker
 
-What a plugin is follows from what it implements: ``filter`` (filter), ``score`` (scorer), ``pick``
-(picker), ``pick_profiles`` (profile handler), and the hooks ``prepare``, ``admit``, ``pre_request``,
-``response_complete``. A profile without a picker gets a ``max-score-picker``; without a listed profile
+What a plugin is, its class declares (``roles``, checked against the protocols when the type is
+registered): filter, scorer, picker, profile handler, and the hooks prepare-data, admission,
+pre-request, response-complete. A profile without a picker gets a ``max-score-picker``; without a listed profile
 handler, one profile gets the ``single-profile-handler`` (several profiles need one listed). The
 ``--routing-logic`` names are built-in configurations of this shape (:mod:`.profiles`).
 """
@@ -37,7 +37,15 @@ from vllm_stack.config import ConfigError
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.scheduling.framework import Filter, Picker, Profile, ProfileHandler, Scheduler, Scorer
+from vllm_stack.scheduling.framework import (
+    Filter,
+    Picker,
+    Profile,
+    ProfileHandler,
+    Role,
+    Scheduler,
+    Scorer,
+)
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
 from vllm_stack.scheduling.plugins.single_profile_handler import SingleProfileHandler
 from vllm_stack.scheduling.registry import PluginContext, PluginRegistry, PluginState
@@ -61,6 +69,10 @@ class SchedulingSetup:
     hooks: Hooks
     plugins: Mapping[str, Any] = field(default_factory=dict)
     description: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: The roles a profile's plugin reference may take.
+_PROFILE_ROLES = frozenset({Role.FILTER, Role.SCORER, Role.PICKER})
 
 
 def _key(entry: Mapping[str, Any], *names: str) -> Any:  # noqa: ANN401 - YAML values
@@ -110,20 +122,17 @@ def _profile(entry: Any, instances: Mapping[str, Any], metrics: RouterMetrics) -
             raise ConfigError(f"profile {name!r}: no plugin named {ref_name!r}")
         plugin = instances[ref_name]
         weight = _key(ref, "weight") if isinstance(ref, Mapping) else None
-        used = False
-        if hasattr(plugin, "filter"):
+        roles = plugin.roles
+        if Role.FILTER in roles:
             filters.append(plugin)
-            used = True
-        if hasattr(plugin, "score"):
+        if Role.SCORER in roles:
             w = 1.0 if weight is None else weight
             if isinstance(w, bool) or not isinstance(w, int | float) or w < 0:
                 raise ConfigError(f"profile {name!r}: weight of {ref_name!r} must be a number >= 0")
             scorers.append((plugin, float(w)))
-            used = True
-        if hasattr(plugin, "pick"):
+        if Role.PICKER in roles:
             pickers.append(plugin)
-            used = True
-        if not used:
+        if _PROFILE_ROLES.isdisjoint(roles):
             raise ConfigError(f"profile {name!r}: {ref_name!r} is not a filter, scorer or picker")
     if len(pickers) > 1:
         raise ConfigError(f"profile {name!r}: more than one picker")
@@ -159,7 +168,7 @@ def build_scheduling(
             if profile.name in profiles:
                 raise ConfigError(f"scheduling: profile {profile.name!r} is defined twice")
             profiles[profile.name] = profile
-        handlers = [p for p in instances.values() if hasattr(p, "pick_profiles")]
+        handlers = [p for p in instances.values() if Role.PROFILE_HANDLER in p.roles]
         if len(handlers) > 1:
             raise ConfigError("scheduling: more than one profile handler")
         handler: ProfileHandler = handlers[0] if handlers else SingleProfileHandler()
@@ -168,10 +177,12 @@ def build_scheduling(
             check(profiles)
         ordered = list(instances.values())
         hooks = Hooks(
-            prepare=tuple(p.prepare for p in ordered if hasattr(p, "prepare")),
-            admission=tuple(p.admit for p in ordered if hasattr(p, "admit")),
-            pre_request=tuple(p.pre_request for p in ordered if hasattr(p, "pre_request")),
-            response_complete=tuple(p.response_complete for p in ordered if hasattr(p, "response_complete")),
+            prepare=tuple(p.prepare for p in ordered if Role.PREPARE_DATA in p.roles),
+            admission=tuple(p.admit for p in ordered if Role.ADMISSION in p.roles),
+            pre_request=tuple(p.pre_request for p in ordered if Role.PRE_REQUEST in p.roles),
+            response_complete=tuple(
+                p.response_complete for p in ordered if Role.RESPONSE_COMPLETE in p.roles
+            ),
         )
         description = {
             "plugins": types,

@@ -9,10 +9,11 @@ turns into one error in one place.
 from __future__ import annotations
 
 import enum
+import inspect
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from vllm_stack.engines.adapters import AdapterSpec
 from vllm_stack.engines.engine import Engine
@@ -57,7 +58,10 @@ _MAX_RESULTS = 4096  # cached scheduling results per profile
 
 @dataclass(slots=True)
 class RequestContext:
-    """What routing may look at: the fields the API layer parsed, never more of the body than that."""
+    """One request's context, the one place every stage, plugin and leg reads it from: what the API
+    layer parsed (never more of the body than that), what the request is (id, metric label, arrival),
+    what was decided for it (profile, reason) and when things happened (TTFT, duration); with
+    tracing on, its server span."""
 
     model: str  # what the engine is asked for (a base model or an adapter)
     session_key: str | None = None  # header value or body "user"
@@ -81,6 +85,17 @@ class RequestContext:
     # A picker's words on its decision (e.g. where LMCache's controller found the prompt), for the
     # x-vllm-stack-route debug header
     route_note: str = ""
+    # What the request is, set by the API layer:
+    request_id: bytes = b""  # the client's valid X-Request-Id, or the router's own
+    model_label: str = ""  # the model's label in metrics
+    arrived: float = 0.0  # time.perf_counter() when the request was parsed
+    # What was decided for it (the latest scheduling: a retry or the queue decides again):
+    profile: str = ""  # the profile that ran
+    reason: str = ""  # its picker's reason for the engine, or the Reason no engine was picked
+    # Timings, seconds from ``arrived``:
+    ttft: float | None = None  # the first streamed event (streamed answers)
+    duration: float = 0.0  # the end of the request, once it ended
+    span: Any = None  # the request's server span while tracing is on (vllm_stack.tracing)
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:
@@ -117,6 +132,20 @@ class Completion:
 
 
 # ---- plugin protocols (a plugin implements one or several) ----------------------------------------------
+class Role(enum.StrEnum):
+    """What a plugin does, declared by its class (``roles = (Role.FILTER,)``): each role is one of the
+    protocols below, and a plugin is used in exactly the roles it declares (see :func:`plugin_roles`)."""
+
+    FILTER = "filter"
+    SCORER = "scorer"
+    PICKER = "picker"
+    PROFILE_HANDLER = "profile-handler"
+    PREPARE_DATA = "prepare-data"
+    ADMISSION = "admission"
+    PRE_REQUEST = "pre-request"
+    RESPONSE_COMPLETE = "response-complete"
+
+
 class Filter(Protocol):
     """Removes candidates that must not receive the request. ``empty_reason`` is the :class:`Reason`
     reported when the filter leaves none (``ALL_FILTERED`` unless it declares another)."""
@@ -144,14 +173,12 @@ class Picker(Protocol):
     ) -> tuple[Engine, str]: ...
 
 
-@runtime_checkable
 class PrepareData(Protocol):
     """Computes request data before scheduling (tokens, block keys) into ``ctx.cycle``."""
 
     def prepare(self, ctx: RequestContext) -> Awaitable[None] | None: ...
 
 
-@runtime_checkable
 class Admission(Protocol):
     """Admits a request before any work is done for it: None to admit, a :class:`Refusal` to refuse."""
 
@@ -160,7 +187,6 @@ class Admission(Protocol):
     ) -> Refusal | Awaitable[Refusal | None] | None: ...
 
 
-@runtime_checkable
 class PreRequest(Protocol):
     """Runs once an engine is picked, before the request is sent (e.g. load an adapter there)."""
 
@@ -169,7 +195,6 @@ class PreRequest(Protocol):
     ) -> Refusal | Awaitable[Refusal | None] | None: ...
 
 
-@runtime_checkable
 class ResponseComplete(Protocol):
     """Told once per request how it ended (synchronous; a failure is logged, never raised)."""
 
@@ -257,6 +282,75 @@ class ProfileHandler(Protocol):
     def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]: ...
 
     def combine(self, ctx: RequestContext, results: Mapping[str, SchedulingResult]) -> SchedulingResult: ...
+
+
+#: Each role's protocol: the methods a plugin declaring the role must have, called with these arguments.
+ROLE_PROTOCOLS: Mapping[Role, type] = {
+    Role.FILTER: Filter,
+    Role.SCORER: Scorer,
+    Role.PICKER: Picker,
+    Role.PROFILE_HANDLER: ProfileHandler,
+    Role.PREPARE_DATA: PrepareData,
+    Role.ADMISSION: Admission,
+    Role.PRE_REQUEST: PreRequest,
+    Role.RESPONSE_COMPLETE: ResponseComplete,
+}
+
+
+def _protocol_methods(protocol: type) -> dict[str, int]:
+    """A protocol's methods and how many arguments each is called with (``self`` not counted)."""
+    return {
+        name: len(inspect.signature(fn).parameters) - 1
+        for name, fn in vars(protocol).items()
+        if inspect.isfunction(fn) and not name.startswith("_")
+    }
+
+
+_ROLE_METHODS: Mapping[Role, dict[str, int]] = {
+    role: _protocol_methods(p) for role, p in ROLE_PROTOCOLS.items()
+}
+
+
+def plugin_roles(plugin: object) -> frozenset[Role]:
+    """The roles ``plugin`` (a plugin class, or an instance a factory made) declares, checked against
+    the protocols: each declared role's methods exist and take the protocol's arguments, and no
+    method of an undeclared role is there (a ``score`` nobody declared would silently never run).
+    Raises ``TypeError`` naming what is wrong. Run when a type is registered and when a
+    configuration is built, never per request."""
+    what = plugin.__name__ if isinstance(plugin, type) else type(plugin).__name__
+    declared = getattr(plugin, "roles", None)
+    if isinstance(declared, str) or not isinstance(declared, Collection) or not declared:
+        raise TypeError(
+            f"plugin {what}: declare its roles, e.g. roles = (Role.FILTER,); roles: "
+            + ", ".join(r.value for r in Role)
+        )
+    try:
+        roles = frozenset(Role(r) for r in declared)
+    except ValueError as err:
+        raise TypeError(f"plugin {what}: {err}; roles: {', '.join(r.value for r in Role)}") from None
+    for role, methods in _ROLE_METHODS.items():
+        for method, arity in methods.items():
+            impl = getattr(plugin, method, None)
+            if role not in roles:
+                if impl is not None:
+                    raise TypeError(
+                        f"plugin {what} has {method}() but does not declare the role {role.value!r}; "
+                        "add it to roles, or rename the method"
+                    )
+                continue
+            if not callable(impl):
+                raise TypeError(f"plugin {what} declares {role.value!r} but has no {method}() method")
+            unbound = isinstance(plugin, type) and inspect.isfunction(impl)  # self comes first
+            try:
+                inspect.signature(impl).bind(*([None] * (arity + unbound)))
+            except TypeError:
+                raise TypeError(
+                    f"plugin {what}: {method}() must take the {arity} arguments of the "
+                    f"{role.value!r} protocol ({ROLE_PROTOCOLS[role].__name__})"
+                ) from None
+            except ValueError:  # a builtin without a signature: nothing to check
+                pass
+    return roles
 
 
 class Scheduler:

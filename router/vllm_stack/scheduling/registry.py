@@ -1,6 +1,8 @@
 """Plugin types by name, their parameters, and the state that outlives a configuration reload.
 
-A plugin type is a class with a ``type_name`` and a ``create(name, parameters, context)`` class method.
+A plugin type is a class with a ``type_name``, a ``create(name, parameters, context)`` class method and
+its ``roles`` (:class:`~vllm_stack.scheduling.framework.Role`), which registration checks against the
+framework's protocols.
 A :class:`PluginRegistry` maps type names to such classes; the router is given one (the built-ins of
 :func:`vllm_stack.scheduling.plugins.builtin_registry`, plus whatever a caller registers), so a new
 strategy is one file and one registration, and a test can add one without touching the package.
@@ -14,7 +16,7 @@ gets the same object back after a reload.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -22,6 +24,7 @@ from vllm_stack.config import SWITCH_VALUES, ConfigError, switch_value
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.metrics import RouterMetrics
+from vllm_stack.scheduling.framework import Role, plugin_roles
 
 T = TypeVar("T")
 
@@ -150,9 +153,10 @@ class Parameters:
 
 
 class PluginType(Protocol):
-    """A plugin class: its registered type name and its factory."""
+    """A plugin class: its registered type name, what it does, and its factory."""
 
     type_name: ClassVar[str]
+    roles: ClassVar[Collection[Role]]
 
     @classmethod
     def create(cls, name: str, parameters: Parameters, context: PluginContext) -> Any: ...  # noqa: ANN401
@@ -165,7 +169,9 @@ class PluginRegistry:
         self._types: dict[str, type[PluginType]] = {}
 
     def register(self, plugin: type[PluginType]) -> type[PluginType]:
-        """Add a plugin type (usable as a class decorator). A name can be registered once."""
+        """Add a plugin type (usable as a class decorator). A name can be registered once; a class
+        whose roles do not match its methods is refused (``TypeError``, see ``plugin_roles``)."""
+        plugin_roles(plugin)
         name = plugin.type_name
         if name in self._types and self._types[name] is not plugin:
             raise ValueError(f"plugin type {name!r} is already registered")
@@ -183,6 +189,10 @@ class PluginRegistry:
         params = Parameters(name, parameters)
         instance = plugin.create(name, params, context)
         params.done()
+        try:
+            plugin_roles(instance)  # what the factory made is what runs: its roles are checked too
+        except TypeError as err:
+            raise ConfigError(f"plugin {name!r}: {err}") from None
         return instance
 
     def types(self) -> list[str]:

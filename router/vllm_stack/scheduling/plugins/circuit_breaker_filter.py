@@ -6,12 +6,13 @@ from collections.abc import Sequence
 
 from vllm_stack.engines.circuit import BreakerState
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class CircuitBreakerFilter:
     type_name = "circuit-breaker-filter"
+    roles = (Role.FILTER,)
 
     def __init__(self, name: str = "circuit_breaker") -> None:
         self.name = name

@@ -16,7 +16,7 @@ from operator import attrgetter
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import bounded_capacity, in_flight
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 VNODES = 64
@@ -46,6 +46,7 @@ class ConsistentHashPicker:
     """
 
     type_name = "consistent-hash-picker"
+    roles = (Role.PICKER,)
 
     def __init__(
         self, name: str, key_of: Callable[[RequestContext], bytes | None], epsilon: float = 0.25

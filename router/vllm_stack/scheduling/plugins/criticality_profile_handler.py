@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vllm_stack.config import ConfigError
-from vllm_stack.scheduling.framework import Profile, RequestContext, SchedulingResult
+from vllm_stack.scheduling.framework import Profile, RequestContext, Role, SchedulingResult
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class CriticalityProfileHandler:
     type_name = "criticality-profile-handler"
+    roles = (Role.PROFILE_HANDLER,)
 
     def __init__(self, name: str, critical: str = "critical", default: str = "") -> None:
         self.name = name

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import engine_loads
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class LeastLoadedScorer:
     type_name = "least-loaded-scorer"
+    roles = (Role.SCORER,)
 
     def __init__(self, name: str = "least_loaded") -> None:
         self.name = name

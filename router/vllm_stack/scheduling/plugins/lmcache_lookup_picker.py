@@ -31,7 +31,7 @@ from typing import Any
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import bounded_capacity, engine_loads
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.index.lmcache_controller import Holder, LmcacheController, LookupFailed
 from vllm_stack.scheduling.plugins.prefix_cache_picker import DEFAULT_BLOCK_TOKENS, PrefixCachePicker
 from vllm_stack.scheduling.registry import Parameters, PluginContext
@@ -43,6 +43,7 @@ LMCACHE_CHUNK_TOKENS = 256  # the controller's lookup cuts tokens into 256-token
 
 class LmcacheLookupPicker(PrefixCachePicker):
     type_name = "lmcache-lookup-picker"
+    roles = (Role.PREPARE_DATA, Role.PICKER, Role.RESPONSE_COMPLETE)
 
     controller: LmcacheController
     threshold: float

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Sequence
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.adapter_placement import AdapterLoadError, AdapterPlacement
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
+from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 _HELD = "lora-affinity"  # ctx.cycle key: the engine this request holds its adapter on
@@ -28,6 +28,7 @@ _HELD = "lora-affinity"  # ctx.cycle key: the engine this request holds its adap
 
 class LoraAffinity:
     type_name = "lora-affinity-filter"
+    roles = (Role.FILTER, Role.PRE_REQUEST, Role.RESPONSE_COMPLETE)
 
     def __init__(self, name: str, placement: AdapterPlacement) -> None:
         self.name = name

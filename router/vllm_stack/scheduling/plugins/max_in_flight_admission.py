@@ -11,12 +11,13 @@ from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import in_flight
-from vllm_stack.scheduling.framework import Reason, Refusal, RequestContext
+from vllm_stack.scheduling.framework import Reason, Refusal, RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class MaxInFlightAdmission:
     type_name = "max-in-flight-admission"
+    roles = (Role.ADMISSION,)
 
     def __init__(self, name: str = "max-in-flight", per_engine: float = 256) -> None:
         self.name = name

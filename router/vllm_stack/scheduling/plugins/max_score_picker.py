@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class MaxScorePicker:
     type_name = "max-score-picker"
+    roles = (Role.PICKER,)
 
     def __init__(self, name: str = "max_score", reason: str = "max_score") -> None:
         self.name = name

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vllm_stack.config import ConfigError
-from vllm_stack.scheduling.framework import Profile, RequestContext, SchedulingResult
+from vllm_stack.scheduling.framework import Profile, RequestContext, Role, SchedulingResult
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class ModelProfileHandler:
     type_name = "model-profile-handler"
+    roles = (Role.PROFILE_HANDLER,)
 
     def __init__(self, name: str, by_model: Mapping[str, str], default: str = "") -> None:
         self.name = name

@@ -11,12 +11,13 @@ from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import engine_loads
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class PowerOfTwoPicker:
     type_name = "power-of-two-picker"
+    roles = (Role.PICKER,)
 
     def __init__(self, rng: random.Random | None = None, name: str = "p2c") -> None:
         self.name = name

@@ -53,7 +53,7 @@ from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import bounded_capacity, engine_loads
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.scheduling.framework import DEFERRED_CLAIMS, Completion, RequestContext
+from vllm_stack.scheduling.framework import DEFERRED_CLAIMS, Completion, RequestContext, Role
 from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of, token_block_keys
 from vllm_stack.scheduling.index.kv_events import EventBatch, KvEventIndexer
 from vllm_stack.scheduling.index.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
@@ -72,6 +72,7 @@ DEFAULT_BLOCK_TOKENS = 128  # vLLM's CPU block size; engines report theirs in vl
 
 class PrefixCachePicker:
     type_name = "prefix-cache-picker"
+    roles = (Role.PREPARE_DATA, Role.PICKER, Role.RESPONSE_COMPLETE)
 
     def __init__(
         self,

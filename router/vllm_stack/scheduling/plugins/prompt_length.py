@@ -7,12 +7,13 @@ cheap proxy for the prompt's token count until a plugin tokenizes.
 
 from __future__ import annotations
 
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class PromptLength:
     type_name = "prompt-length"
+    roles = (Role.PREPARE_DATA,)
 
     def __init__(self, name: str = "prompt-length") -> None:
         self.name = name

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import fresh_telemetry, queue_estimate, queue_estimates
-from vllm_stack.scheduling.framework import Reason, RequestContext
+from vllm_stack.scheduling.framework import Reason, RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
@@ -29,6 +29,7 @@ def _least(engines: Sequence[Engine], values: Sequence[float]) -> Sequence[Engin
 
 class LowQueueFilter:
     type_name = "low-queue-filter"
+    roles = (Role.FILTER,)
     empty_reason = Reason.ALL_SATURATED
 
     #: The description's value for critical requests; the router's ``critical_max_waiting`` by default.
@@ -51,6 +52,7 @@ class LowQueueFilter:
 
 class LeastQueueFilter:
     type_name = "least-queue-filter"
+    roles = (Role.FILTER,)
 
     def __init__(self, name: str = "least-queue") -> None:
         self.name = name
@@ -67,6 +69,7 @@ class LeastQueueFilter:
 
 class LeastKvCacheFilter:
     type_name = "least-kv-cache-filter"
+    roles = (Role.FILTER,)
 
     def __init__(self, name: str = "least-kv-cache") -> None:
         self.name = name

@@ -6,12 +6,13 @@ import random
 from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class RandomPicker:
     type_name = "random-picker"
+    roles = (Role.PICKER,)
 
     def __init__(self, rng: random.Random | None = None, name: str = "random") -> None:
         self.name = name

@@ -7,12 +7,13 @@ reload with the engine, leaves with it, and shows in ``GET /engines``.
 
 from __future__ import annotations
 
-from vllm_stack.scheduling.framework import Completion, RequestContext
+from vllm_stack.scheduling.framework import Completion, RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class RequestTracker:
     type_name = "request-tracker"
+    roles = (Role.RESPONSE_COMPLETE,)
 
     def __init__(self, name: str = "request-tracker") -> None:
         self.name = name

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
@@ -24,6 +24,7 @@ class Turn:
 
 class RoundRobinPicker:
     type_name = "round-robin-picker"
+    roles = (Role.PICKER,)
 
     def __init__(self, name: str = "round_robin", turn: Turn | None = None) -> None:
         self.name = name

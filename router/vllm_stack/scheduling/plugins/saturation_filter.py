@@ -15,12 +15,13 @@ from collections.abc import Callable, Sequence
 
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import SaturationLimits, saturation_rule
-from vllm_stack.scheduling.framework import Reason, RequestContext
+from vllm_stack.scheduling.framework import Reason, RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class SaturationFilter:
     type_name = "saturation-filter"
+    roles = (Role.FILTER,)
     empty_reason = Reason.ALL_SATURATED
 
     def __init__(self, name: str = "saturation", limits: SaturationLimits | None = None) -> None:
@@ -30,6 +31,10 @@ class SaturationFilter:
         self.filter: Callable[[RequestContext, Sequence[Engine]], Sequence[Engine]] = saturation_rule(
             self.limits
         )
+
+    def filter(self, ctx: RequestContext, engines: Sequence[Engine]) -> Sequence[Engine]:
+        """The protocol's method; instances shadow it with the rule itself (see ``__init__``)."""
+        return saturation_rule(self.limits)(ctx, engines)
 
     @classmethod
     def create(cls, name: str, parameters: Parameters, context: PluginContext) -> SaturationFilter:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from vllm_stack.config import ConfigError
-from vllm_stack.scheduling.framework import Profile, RequestContext, SchedulingResult
+from vllm_stack.scheduling.framework import Profile, RequestContext, Role, SchedulingResult
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 
 class SingleProfileHandler:
     type_name = "single-profile-handler"
+    roles = (Role.PROFILE_HANDLER,)
     single = True  # the scheduler may run the only profile directly
 
     def __init__(self, name: str = "single-profile-handler", profile: str = "") -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -24,6 +24,7 @@ def _checked(plugin: str, name: str, value: str) -> bytes:
 
 class UpstreamHeaders:
     type_name = "upstream-headers"
+    roles = (Role.PRE_REQUEST,)
 
     def __init__(self, name: str, fixed: bytes, engine_header: bytes) -> None:
         self.name = name
