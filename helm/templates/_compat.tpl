@@ -18,7 +18,6 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- if $r.enableRouter }}{{ range (include "vllm-stack.router.extraArgs" . | fromYaml).dropped }}{{ $n = append $n (printf "routerSpec.extraArgs: %s" .) }}{{ end }}{{ end -}}
 {{- if hasKey $r "requestStatsWindow" }}{{ $n = append $n "routerSpec.requestStatsWindow: ignored: the vllm-stack router takes its load signals from the engines' /metrics every engineScrapeInterval, not from a window of its own requests" }}{{ end -}}
 {{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
-{{- with $r.otel }}{{ $n = append $n (printf "routerSpec.otel: the vllm-stack router has no tracing yet: no spans are sent%s (the engines' own OTEL_* env, if any, is passed through)" (ternary (printf " to %s" .endpoint) "" (not (empty .endpoint)))) }}{{ end -}}
 {{- with $r.lmcacheConfig }}{{ $n = append $n "routerSpec.lmcacheConfig: ignored: production-stack's router embeds LMCache for kvaware routing; this router embeds none (with kvaware it asks the chart's lmcache_controller)" }}{{ end -}}
 {{- if and $r.hf_token (not (has $r.routingLogic (list "prefixaware" "kvaware"))) }}{{ $n = append $n (printf "routerSpec.hf_token: unused with routingLogic %s: the vllm-stack router fetches tokenizers only for prefixaware and kvaware routing" $r.routingLogic) }}{{ end -}}
 {{- $ctlPorts := list -}}

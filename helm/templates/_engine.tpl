@@ -109,6 +109,10 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- with $root.Values.servingEngineSpec.kvEvents.replayPort }}{{ $_ := set $kv "replay_endpoint" (printf "tcp://*:%d" (int .)) }}{{ end -}}
 {{- $args = append (append $args "--kv-events-config") (toJson $kv) -}}
 {{- end -}}
+{{- /* Tracing: vLLM's spans of each request join the router's trace (the router sends traceparent). */ -}}
+{{- with ($root.Values.servingEngineSpec.tracing | default dict).endpoint }}{{ if not (has "--otlp-traces-endpoint" ($vc.extraArgs | default list)) }}
+{{- $args = append (append $args "--otlp-traces-endpoint") . -}}
+{{- end }}{{ end -}}
 {{- /* The engine's cached-token count per request: the router's predicted-versus-actual hit metric. */ -}}
 {{- if and (eq (include "vllm-stack.router.prefixAware" $root) "true") (not (has "--enable-prompt-tokens-details" ($vc.extraArgs | default list))) -}}
 {{- $args = append $args "--enable-prompt-tokens-details" -}}
@@ -318,6 +322,17 @@ secretKeyRef:
 {{- with $vc.prometheusMultiprocDir }}
 - name: PROMETHEUS_MULTIPROC_DIR
   value: {{ . | quote }}
+{{- end }}
+{{- $tracing := $root.Values.servingEngineSpec.tracing | default dict }}
+{{- if $tracing.endpoint }}
+{{- if not (has "OTEL_SERVICE_NAME" $ownEnv) }}
+- name: OTEL_SERVICE_NAME
+  value: {{ $tracing.serviceName | default "vllm-engine" | quote }}
+{{- end }}
+{{- if and $tracing.protocol (not (has "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" $ownEnv)) }}
+- name: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+  value: {{ $tracing.protocol | quote }}
+{{- end }}
 {{- end }}
 {{- end -}}
 

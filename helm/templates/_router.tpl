@@ -26,6 +26,13 @@
 {{- /* What is left of the pod's grace period after the preStop sleep, minus 5 s to exit cleanly. */}}
 {{- $grace := max 1 (sub (sub (int $r.terminationGracePeriodSeconds) (int $r.preStopSleepSeconds)) 5) -}}
 {{- $args = concat $args (list "--shutdown-grace" (toString $grace)) -}}
+{{- /* Tracing: production-stack's routerSpec.otel, rendered as its chart does (serviceName vllm-router by default). */ -}}
+{{- with ($r.otel | default dict) }}{{ if .endpoint }}
+{{- $args = concat $args (list "--otel-endpoint" .endpoint "--otel-service-name" (.serviceName | default "vllm-router")) -}}
+{{- if .secure }}{{ $args = append $args "--otel-secure" }}{{ end -}}
+{{- with .protocol }}{{ $args = concat $args (list "--otlp-traces-protocol" .) }}{{ end -}}
+{{- if not (kindIs "invalid" .sampleRatio) }}{{ $args = concat $args (list "--trace-sample-ratio" (toString .sampleRatio)) }}{{ end -}}
+{{- end }}{{ end -}}
 {{- if (include "vllm-stack.router.config" .) }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
 {{- if $r.adminApiKeysSecret }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}

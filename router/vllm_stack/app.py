@@ -16,7 +16,7 @@ import logging
 import os
 import ssl
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -40,6 +40,7 @@ from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.priority import served_models
+from vllm_stack.relay.headers import REQUEST_DROP
 from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.config import SchedulingSetup, build_scheduling
 from vllm_stack.scheduling.framework import Scheduler
@@ -50,6 +51,10 @@ from vllm_stack.scheduling.registry import PluginRegistry, PluginState
 from vllm_stack.server.asgi_bridge import AsgiCall
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.telemetry.scraper import EngineScraper
+from vllm_stack.tracing import TRACE_HEADERS
+
+if TYPE_CHECKING:
+    from vllm_stack.tracing.otel import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,11 @@ RESTART_ONLY: Mapping[str, str] = {
     "disagg_protocol": "LMCache's notification socket is bound at start (or not)",
     "disagg_notify_port": "LMCache's notification socket is bound at start",
     "engine_ca_file": "the engines' TLS context (pooled connections, control session) is built at start",
+    "otlp_traces_endpoint": "the tracer and its exporter are built at start",
+    "otlp_traces_protocol": "the tracer and its exporter are built at start",
+    "otel_service_name": "the tracer and its exporter are built at start",
+    "otel_secure": "the tracer and its exporter are built at start",
+    "trace_sample_ratio": "the tracer's sampler is built at start",
 }
 
 
@@ -91,6 +101,7 @@ class Router:
         environ: Mapping[str, str] | None = None,
         cli_settings: Mapping[str, Any] | None = None,
         plugins: PluginRegistry | None = None,
+        span_exporter: Any = None,  # noqa: ANN401 - an OpenTelemetry SpanExporter (tests: in memory)
     ) -> None:
         environ = os.environ if environ is None else environ
         self.config = config
@@ -133,6 +144,9 @@ class Router:
             if config.disaggregated and config.disagg_protocol == "lmcache"
             else None
         )
+        self.tracer = _build_tracer(config, span_exporter)
+        # Request headers not sent upstream: with tracing on, each leg sends its own traceparent
+        self.request_drop = REQUEST_DROP | TRACE_HEADERS if self.tracer is not None else REQUEST_DROP
         self.director = Director(
             self.registry,
             self.pools,
@@ -141,6 +155,7 @@ class Router:
             self._proxy_settings(config),
             self.queue,
             self.pd_notifications,
+            self.tracer,
         )
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
@@ -407,6 +422,8 @@ class Router:
         await self.plugin_state.close()
         if self.control_session is not None:
             await self.control_session.close()
+        if self.tracer is not None:  # the spans still buffered go out (blocking: off the loop)
+            await asyncio.to_thread(self.tracer.shutdown)
 
     # ---- ASGI ----------------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -434,6 +451,22 @@ class Router:
                     await self.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _build_tracer(config: RouterConfig, exporter: Any) -> RequestTracer | None:  # noqa: ANN401
+    """The router's tracer, or None with tracing off (then OpenTelemetry is never imported)."""
+    if not config.otlp_traces_endpoint and exporter is None:
+        return None
+    from vllm_stack.tracing.otel import RequestTracer, TracingSettings  # lazy: only with tracing on
+
+    settings = TracingSettings(
+        config.otlp_traces_endpoint or "",
+        config.otlp_traces_protocol,
+        config.otel_service_name,
+        insecure=not config.otel_secure,
+        sample_ratio=config.trace_sample_ratio,
+    )
+    return RequestTracer(settings, exporter)
 
 
 def _registry_limits(config: RouterConfig) -> dict[str, Any]:
@@ -472,7 +505,15 @@ def build_router(
     discovery: Discovery | None = None,
     environ: Mapping[str, str] | None = None,
     plugins: PluginRegistry | None = None,
+    span_exporter: Any = None,  # noqa: ANN401 - an OpenTelemetry SpanExporter instead of OTLP (tests)
 ) -> Router:
     """Load the configuration and assemble a router (``ConfigError`` when either fails)."""
     config = load_config(cli, config_file, environ)
-    return Router(config, discovery=discovery, environ=environ, cli_settings=cli, plugins=plugins)
+    return Router(
+        config,
+        discovery=discovery,
+        environ=environ,
+        cli_settings=cli,
+        plugins=plugins,
+        span_exporter=span_exporter,
+    )

@@ -25,6 +25,7 @@ JSON_PARSERS = ("msgspec", "orjson")
 ENGINE_ROLES = ("both", "prefill", "decode")  # an engine's role (vllm_stack.engines.engine.ROLES)
 DISAGG_PROTOCOLS = ("vllm", "lmcache")  # vllm_stack.director.disagg
 SWITCH_VALUES = ("auto", "on", "off")
+TRACE_PROTOCOLS = ("grpc", "http/protobuf")  # OTLP exporters (vllm_stack.tracing.otel)
 KV_EVENT_MODES = SWITCH_VALUES
 
 
@@ -138,6 +139,13 @@ class RouterConfig:
     # Keys that may load and unload adapters through the router (none: those endpoints are refused)
     admin_api_keys_file: str | None = None
     admin_api_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+    # Tracing (vllm_stack.tracing): off unless an OTLP endpoint is given; host:port for gRPC (as
+    # production-stack's --otel-endpoint), a URL for HTTP/protobuf
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = "grpc"
+    otel_service_name: str = "vllm-stack-router"
+    otel_secure: bool = False  # gRPC with TLS
+    trace_sample_ratio: float = 1.0  # of new traces; a client's traceparent decides for its own
     shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"
     log_level: str = "info"
@@ -224,6 +232,10 @@ class RouterConfig:
             raise ConfigError("queue_max_per_model must be >= 0 and queue_timeout > 0")
         if not self.priority_header or self.priority_header.lower() != self.priority_header.strip().lower():
             raise ConfigError("priority_header must be a header name")
+        if self.otlp_traces_protocol not in TRACE_PROTOCOLS:
+            raise ConfigError(f"otlp_traces_protocol must be one of {', '.join(TRACE_PROTOCOLS)}")
+        if not 0 <= self.trace_sample_ratio <= 1:
+            raise ConfigError("trace_sample_ratio must be in [0, 1]")
         return self
 
 

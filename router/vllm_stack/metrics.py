@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    Exemplar,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 
 from vllm_stack.version import router_version
@@ -52,16 +61,28 @@ class _Value:
 
 
 class _HistogramChild:
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("bounds", "counts", "sum", "exemplars")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # last: +Inf
         self.sum = 0.0
+        # Per bucket, the latest traced observation (trace id, value, time): made on the first one
+        self.exemplars: list[tuple[str, float, float] | None] | None = None
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
+
+    def observe_traced(self, value: float, trace_id: str) -> None:
+        """An observation whose request is traced: it becomes its bucket's exemplar (OpenMetrics)."""
+        i = bisect.bisect_left(self.bounds, value)
+        self.counts[i] += 1
+        self.sum += value
+        exemplars = self.exemplars
+        if exemplars is None:
+            exemplars = self.exemplars = [None] * len(self.counts)
+        exemplars[i] = (trace_id, value, time.time())
 
     def observe_zeros(self, n: int) -> None:
         """``n`` observations of 0 at once (stream events that arrived together)."""
@@ -109,10 +130,18 @@ class _Family:
             fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
             for key, h in self.children.items():
                 assert isinstance(h, _HistogramChild)
-                cumulative, running = [], 0
-                for bound, count in zip((*self.buckets, math.inf), h.counts, strict=True):
+                cumulative: list[Any] = []
+                running = 0
+                exemplars = h.exemplars
+                for i, (bound, count) in enumerate(zip((*self.buckets, math.inf), h.counts, strict=True)):
                     running += count
-                    cumulative.append(("+Inf" if bound == math.inf else _fmt(bound), running))
+                    le = "+Inf" if bound == math.inf else _fmt(bound)
+                    exemplar = exemplars[i] if exemplars is not None else None
+                    if exemplar is None:
+                        cumulative.append((le, running))
+                    else:
+                        trace_id, value, at = exemplar
+                        cumulative.append((le, running, Exemplar({"trace_id": trace_id}, value, at)))
                 fam.add_metric(key, cumulative, h.sum)
         return fam
 
@@ -343,6 +372,10 @@ class RouterMetrics:
     def observe_ttft(self, model: str, seconds: float) -> None:
         self.ttft.child(model).observe(seconds)  # type: ignore[union-attr]
 
+    def observe_ttft_traced(self, model: str, seconds: float, trace_id: str) -> None:
+        """TTFT of a traced request: its trace id becomes the bucket's exemplar (the dashboard's link)."""
+        self.ttft.child(model).observe_traced(seconds, trace_id)  # type: ignore[union-attr]
+
     def itl_child(self, model: str) -> _HistogramChild:
         """The ITL histogram of a model (an exchange holds it for the length of its stream)."""
         return self.itl.child(model)  # type: ignore[return-value]
@@ -406,6 +439,9 @@ class RouterMetrics:
             if labels[0] == engine:
                 self.engine_healthy.remove(*labels)
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The text exposition of this router's registry and its content type."""
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """This router's registry in the format the scraper accepts: OpenMetrics (which carries the
+        TTFT exemplars) when its ``Accept`` names it, as Prometheus's does, else the text format."""
+        if "application/openmetrics-text" in accept:
+            return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -149,6 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-parser", choices=("msgspec", "orjson"))
     p.add_argument("--session-balance-epsilon", type=float, help="bounded-load factor e of session affinity")
     p.add_argument("--access-log", action="store_const", const=True, help="log every request")
+    # Tracing: vLLM's flag name, and production-stack's (its chart renders --otel-endpoint host:4317)
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        "--otel-endpoint",
+        dest="otlp_traces_endpoint",
+        help="send OpenTelemetry traces here (OTLP: host:port for grpc, a URL for http/protobuf); off when unset",
+    )
+    p.add_argument(
+        "--otlp-traces-protocol", choices=("grpc", "http/protobuf"), help="OTLP transport (default grpc)"
+    )
+    p.add_argument(
+        "--otel-service-name", help="service.name of the router's spans (default vllm-stack-router)"
+    )
+    p.add_argument("--otel-secure", action="store_const", const=True, help="OTLP over gRPC with TLS")
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        help="share of new traces kept, 0..1 (default 1; a client's traceparent decides)",
+    )
     # production-stack's router hosts an LMCache controller itself for kvaware; this one asks a
     # separate lmcache_controller. Its flags are taken only to say so (see main).
     for flag in HOSTED_CONTROLLER_FLAGS:

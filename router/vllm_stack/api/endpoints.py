@@ -34,7 +34,8 @@ async def version(router: RouterState, scope: dict[str, Any], receive: Receive, 
 
 
 async def metrics(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-    body, content_type = router.metrics.exposition()
+    accept = next((v for k, v in scope["headers"] if k == b"accept"), b"").decode("latin-1")
+    body, content_type = router.metrics.exposition(accept)
     await send_bytes(send, 200, body, content_type.encode())
 
 

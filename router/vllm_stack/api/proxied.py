@@ -15,7 +15,7 @@ from vllm_stack.api.state import RouterState
 from vllm_stack.director.request import ProxiedRequest
 from vllm_stack.engines.adapters import AdapterCatalog, AdapterSpec
 from vllm_stack.errors import RouterError, model_not_found
-from vllm_stack.relay.headers import REQUEST_DROP, connection_listed
+from vllm_stack.relay.headers import connection_listed
 from vllm_stack.request_id import new_request_id, valid_request_id
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
@@ -132,8 +132,9 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     priority_value: bytes | None = None
     # One pass over the headers finds the routed ones and builds the upstream header lines.
     lines: list[bytes] = []
+    drop = router.request_drop
     for name, value in request.headers:
-        if name in REQUEST_DROP:
+        if name in drop:
             if name == b"connection":
                 connection = value
             continue
@@ -151,7 +152,7 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     if connection is not None:  # rare: headers the client declared hop-by-hop stay on this hop
         listed = connection_listed(request.headers)
         if listed:
-            lines = _header_lines(request.headers, REQUEST_DROP | listed)
+            lines = _header_lines(request.headers, drop | listed)
             if b"x-request-id" in listed:  # the client's id was for this hop only: the router's own
                 request_id = None
     if request_id is None:
@@ -188,6 +189,9 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         router.metrics.observe_request(
             UNKNOWN_MODEL_LABEL, "none", str(err.status), time.perf_counter() - started
         )
+        tracer = router.director.tracer
+        if tracer is not None:
+            tracer.answered_early(request.method, path, request.headers, started, err.status)
         conn.send_error(err, request_id, request.keep_alive)
         return
     director = router.director

@@ -33,6 +33,7 @@ class RouterState(Protocol):
     parser: BodyParser
     priority: PriorityPolicy
     session_header: bytes
+    request_drop: frozenset[bytes]  # request headers not sent upstream (hop-by-hop; traceparent when tracing)
     max_body_bytes: int
     engine_api_key: str | None
     control_session: aiohttp.ClientSession | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.pd_notify import PdNotifications
@@ -20,6 +21,9 @@ from vllm_stack.metrics import RouterMetrics
 from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.config import Hooks, SchedulingSetup
 from vllm_stack.scheduling.framework import Reason, Scheduler
+
+if TYPE_CHECKING:
+    from vllm_stack.tracing.otel import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,7 @@ class Director:
         "settings",
         "queue",
         "pd_notifications",
+        "tracer",
     )
 
     def __init__(
@@ -91,6 +96,7 @@ class Director:
         settings: ProxySettings,
         queue: RequestQueue | None = None,
         pd_notifications: PdNotifications | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.queue = queue if queue is not None else RequestQueue(metrics)
         self.registry = registry
@@ -101,6 +107,7 @@ class Director:
         self.settings = settings
         # LMCache's PD notifications (the lmcache hand-over protocol only; None otherwise)
         self.pd_notifications = pd_notifications
+        self.tracer = tracer  # None: tracing off (vllm_stack.tracing is then never imported)
 
     def configure(self, setup: SchedulingSetup, settings: ProxySettings) -> None:
         """A reload: new scheduling and settings for the requests that start from now on."""

@@ -103,10 +103,16 @@ class PrefillStage:
         claims: list[Callable[[], None]] = []
         cycle = ctx.cycle
         cycle[DEFERRED_CLAIMS] = claims
+        trace = ctx.trace
+        if trace is not None:
+            trace.schedule_begin()
         try:
-            engine = profile.run(ctx, candidates).engine
+            result = profile.run(ctx, candidates)
         finally:
             del cycle[DEFERRED_CLAIMS]
+        engine = result.engine
+        if trace is not None:
+            trace.schedule_end(result.profile, result.reason, engine and engine.name, ctx.predicted_cached)
         tokens, ctx.prefill_tokens = ctx.prefill_tokens, 0
         if engine is None:
             metrics.disagg(label, "no_prefill_engine")
@@ -155,16 +161,22 @@ class PrefillStage:
         )
         body = disagg.prefill_body(self.request, params)
         self.booking = EngineBooking(engine, director.metrics.in_flight_child(engine.name), self.tokens)
+        if ctx.trace is not None:  # the prefill leg's span, sent as its traceparent
+            line += ctx.trace.leg_begin("prefill", engine.name, pool.host_header.decode("latin-1"))
         upstream = line + ctx.upstream_headers + disagg.with_body(owner.tail, ctx.body, body)
         self.exchange = disagg.PrefillExchange(self, pool, upstream)
 
-    def _settle(self, outcome: str) -> disagg.PrefillExchange:
-        """The prefill leg is over: the prefill engine's books released, its breaker told ``outcome``."""
+    def _settle(self, outcome: str, status: int = 0, error: str = "") -> disagg.PrefillExchange:
+        """The prefill leg is over: the prefill engine's books released, its breaker told ``outcome``,
+        its span (tracing on) ended with the answer's ``status`` or the ``error``."""
         exchange = self.exchange
         assert exchange is not None and self.booking is not None
         self.exchange = None
         self.booking.settle(outcome)
         self.booking = None
+        trace = self.owner.ctx.trace
+        if trace is not None:
+            trace.leg_end(status, error)
         metrics = self.owner.director.metrics
         metrics.observe_prefill(self.owner.ctx.model_label, time.perf_counter() - exchange.started)
         return exchange
@@ -173,7 +185,7 @@ class PrefillStage:
     def prefill_answered(self, exchange: disagg.PrefillExchange, status: int, answer: bytes) -> None:
         if exchange is not self.exchange:
             return
-        self._settle(FAILURE if status >= 500 else SUCCESS)
+        self._settle(FAILURE if status >= 500 else SUCCESS, status)
         engine = self.engine
         is_object, params = disagg.answer_params(answer) if status == 200 else (False, None)
         metrics = self.owner.director.metrics
@@ -202,7 +214,7 @@ class PrefillStage:
         director = self.owner.director
         if reason == "connect_error":
             director.registry.eject(self.engine, reason)
-        self._settle(RELEASED if reason == "upstream_closed" else FAILURE)
+        self._settle(RELEASED if reason == "upstream_closed" else FAILURE, error=reason)
         log.warning("%s; serving decode-only", message)
         director.metrics.disagg(self.owner.ctx.model_label, "prefill_failed")
         self.owner.resume_after_prefill(None)
@@ -233,7 +245,7 @@ class PrefillStage:
         exchange = self.exchange
         if exchange is not None:
             exchange.abort()
-            self._settle(RELEASED)
+            self._settle(RELEASED, error="client_closed")
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

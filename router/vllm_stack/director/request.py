@@ -120,6 +120,20 @@ class ProxiedRequest:
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         hooks = director.hooks
+        tracer = director.tracer
+        if tracer is not None:
+            ctx.trace = tracer.begin(
+                request.method,
+                ctx.path,
+                request.headers,
+                ctx.arrived,
+                ctx.model,
+                ctx.request_id,
+                ctx.priority,
+            )
+            ctx.keep_answer_end = True  # the usage (token counts) of the answer, for the server span
+            if hooks.admission:
+                ctx.trace.stage_begin("admission")
         if hooks.admission or hooks.prepare:
             self._run_hooks(hooks, _ADMIT, 0)
         else:
@@ -166,6 +180,8 @@ class ProxiedRequest:
                 return
             if stage == _ADMIT:
                 stage, index = _PREPARE, 0
+                if ctx.trace is not None:
+                    ctx.trace.stage_end()  # admitted
             elif stage == _PREPARE:
                 self._attempt()
                 return
@@ -174,6 +190,9 @@ class ProxiedRequest:
                 return
 
     def _wait(self, awaitable: Awaitable[Any], hooks: Hooks, stage: int, index: int) -> None:
+        trace = self.ctx.trace
+        if trace is not None and stage != _ADMIT:  # admission has its span already
+            self._trace_hook(trace, stage, hooks, index - 1)
         future = self.waiting = asyncio.ensure_future(awaitable)
         future.add_done_callback(lambda f: self._resumed(f, hooks, stage, index))
 
@@ -198,7 +217,22 @@ class ProxiedRequest:
             log.error("%s hook resolved to %r", _STAGE_NAMES[stage], outcome)
             self._plugin_failed()
             return
+        trace = self.ctx.trace
+        if trace is not None and stage != _ADMIT:  # (a refusal ends the span in _refused, marked)
+            trace.stage_end()
         self._run_hooks(hooks, stage, index)
+
+    def _trace_hook(self, trace: Any, stage: int, hooks: Hooks, index: int) -> None:  # noqa: ANN401
+        """A span for an awaited prepare-data or pre-request hook (a LoRA adapter load is the
+        lora-affinity plugin's awaited pre-request hook: the adapter is named on the span)."""
+        fns = hooks.prepare if stage == _PREPARE else hooks.pre_request
+        plugin = getattr(getattr(fns[index], "__self__", None), "name", "")
+        attributes: dict[str, Any] = {"vllm_stack.plugin": str(plugin)}
+        adapter = self.ctx.adapter
+        if stage == _PRE_REQUEST and adapter is not None:
+            attributes["vllm_stack.adapter"] = adapter.name
+            attributes["vllm_stack.engine"] = self.engine_name()
+        trace.stage_begin(_STAGE_NAMES[stage].replace("-", "_"), **attributes)
 
     def _attempt(self) -> None:
         """Schedule (again, after a failure), then pre-request hooks, then a leg; or wait in the
@@ -221,10 +255,15 @@ class ProxiedRequest:
         ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
         scheduler = director.scheduler
         schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
+        trace = ctx.trace
+        if trace is not None:
+            trace.schedule_begin()
         result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
         ctx.profile = result.profile
         ctx.reason = result.reason
         engine = result.engine
+        if trace is not None:
+            trace.schedule_end(result.profile, result.reason, engine and engine.name, ctx.predicted_cached)
         if engine is None:
             self._wait_or_fail(result.reason)
             return
@@ -268,6 +307,8 @@ class ProxiedRequest:
             self._fail(self.last_error or director.error_for(reason, ctx.model))
         elif not director.queue.add(ctx.pool or ctx.model, self):
             self._fail(director.error_for(Reason.QUEUE_FULL, ctx.model))
+        elif ctx.trace is not None:
+            ctx.trace.queued()
 
     @property
     def priority(self) -> int:
@@ -284,6 +325,11 @@ class ProxiedRequest:
         ctx.profile = result.profile
         ctx.reason = result.reason
         if result.engine is not None:
+            trace = ctx.trace
+            if trace is not None:
+                trace.dequeued("dispatched")
+                trace.schedule_begin()  # the decision that took it out of the queue
+                trace.schedule_end(result.profile, result.reason, result.engine.name, ctx.predicted_cached)
             self.queue_seq = 0
             if director.settings.debug_headers:
                 self._note_route(result.engine)
@@ -326,10 +372,14 @@ class ProxiedRequest:
             request.target,
             pool.host_header,
         )
+        ctx = self.ctx
+        trace = ctx.trace
+        if trace is not None:  # the leg's span, sent as its traceparent (the engine's spans join it)
+            line += trace.leg_begin("upstream", engine.name, pool.host_header.decode("latin-1"))
         leg = self.leg = Leg(
-            self, self.conn, request, pool, director.metrics, line + self.ctx.upstream_headers + self.tail
+            self, self.conn, request, pool, director.metrics, line + ctx.upstream_headers + self.tail
         )
-        if self.ctx.keep_answer_end:
+        if ctx.keep_answer_end:
             leg.answer_end = b""  # before any read: none is handled before this returns
 
     def _settle(self, outcome: str) -> None:
@@ -375,6 +425,8 @@ class ProxiedRequest:
             leg.abort()
             self.leg = None
             self._settle(RELEASED)
+            if self.ctx.trace is not None:
+                self.ctx.trace.leg_end(status, "adapter_missing")
             self.director.metrics.retry(self.ctx.model, "adapter_missing")
             self._attempt()
             return True
@@ -384,6 +436,8 @@ class ProxiedRequest:
         leg.abort()
         self.leg = None
         self._settle(FAILURE if status >= 500 else RELEASED)
+        if self.ctx.trace is not None:
+            self.ctx.trace.leg_end(status, f"retried after {status}")
         self.director.metrics.retry(self.ctx.model, str(status))
         self._attempt()
         return True
@@ -401,6 +455,8 @@ class ProxiedRequest:
         else:
             self.last_error = RouterError(502, message, code="upstream_broken")
         self._settle(RELEASED if reason == "upstream_closed" else FAILURE)
+        if self.ctx.trace is not None:
+            self.ctx.trace.leg_end(0, reason)
         self.ctx.exclude(engine.name)
         self.status = "upstream_error"
         if self.attempts_left > 0:
@@ -415,6 +471,8 @@ class ProxiedRequest:
         self.ctx.ttft = leg.ttft
         self.answer_end = leg.answer_end
         self._settle(FAILURE if status >= 500 else SUCCESS)
+        if self.ctx.trace is not None:
+            self.ctx.trace.leg_end(status, stream=leg.sse)
         self.conn.finish(leg.keep_alive)
         self._account()
 
@@ -424,6 +482,8 @@ class ProxiedRequest:
         self.status = "upstream_error"
         self.ctx.ttft = leg.ttft
         self._settle(FAILURE)
+        if self.ctx.trace is not None:
+            self.ctx.trace.leg_end(leg.status, f"broken: {error}", stream=leg.sse)
         self.conn.finish(leg.keep_alive)
         self._account()
 
@@ -504,6 +564,8 @@ class ProxiedRequest:
         leg.abort()
         self.leg = None
         self._settle(FAILURE)
+        if self.ctx.trace is not None:
+            self.ctx.trace.leg_end(0, "upstream_timeout")
         self._fail(
             RouterError(
                 504,
@@ -515,6 +577,8 @@ class ProxiedRequest:
     # ---- endings -----------------------------------------------------------------------------------------
     def _refused(self, refusal: Refusal) -> None:
         self._settle(RELEASED)
+        if self.ctx.trace is not None:
+            self.ctx.trace.stage_end(str(refusal.reason))
         self._fail(self.director.error_for(refusal.reason, self.ctx.model, refusal.message))
 
     def _plugin_failed(self) -> None:
@@ -541,15 +605,19 @@ class ProxiedRequest:
         engine = self.engine
         engine_name = engine.name if engine is not None else "none"
         director.metrics.observe_request(ctx.model_label, engine_name, self.status, duration)
+        trace = ctx.trace
+        if trace is not None:
+            trace.end(self.status, self.answer_end)
         if director.settings.access_log:
             request = self.request
             log.info(
-                "%s %s -> %s %s %.1f ms",
+                "%s %s -> %s %s %.1f ms%s",
                 request.method,
                 request.path,
                 self.status,
                 engine_name,
                 duration * 1e3,
+                f" trace_id={trace.trace_id}" if trace is not None and trace.trace_id else "",
             )
         hooks = director.hooks.response_complete
         if hooks:

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import re
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import httptools
 
@@ -149,6 +149,7 @@ class LegRequest(Protocol):
     request_id: bytes
     model_label: str
     arrived: float  # time.perf_counter() at the request's arrival (TTFT counts from here)
+    trace: Any  # with tracing on, its spans; ``trace.trace_id`` marks the TTFT exemplar
 
 
 class LegOwner(Protocol):
@@ -404,8 +405,12 @@ class Leg(PooledExchange):
         else:
             owner = self.owner
             ctx = owner.ctx
-            self.ttft = now - ctx.arrived
-            self.metrics.observe_ttft(ctx.model_label, self.ttft)
+            ttft = self.ttft = now - ctx.arrived
+            trace = ctx.trace
+            if trace is not None and trace.trace_id:
+                self.metrics.observe_ttft_traced(ctx.model_label, ttft, trace.trace_id)
+            else:
+                self.metrics.observe_ttft(ctx.model_label, ttft)
             owner.first_token()
         if events > 1:
             self.itl.observe_zeros(events - 1)

@@ -61,7 +61,7 @@ class RequestContext:
     """One request's context, the one place every stage, plugin and leg reads it from: what the API
     layer parsed (never more of the body than that), what the request is (id, metric label, arrival),
     what was decided for it (profile, reason) and when things happened (TTFT, duration); with
-    tracing on, its server span."""
+    tracing on, its spans."""
 
     model: str  # what the engine is asked for (a base model or an adapter)
     session_key: str | None = None  # header value or body "user"
@@ -85,6 +85,8 @@ class RequestContext:
     # A picker's words on its decision (e.g. where LMCache's controller found the prompt), for the
     # x-vllm-stack-route debug header
     route_note: str = ""
+    # The prompt tokens the picker predicts cached on the chosen engine (prefix-cache routing)
+    predicted_cached: int | None = None
     # What the request is, set by the API layer:
     request_id: bytes = b""  # the client's valid X-Request-Id, or the router's own
     model_label: str = ""  # the model's label in metrics
@@ -95,7 +97,9 @@ class RequestContext:
     # Timings, seconds from ``arrived``:
     ttft: float | None = None  # the first streamed event (streamed answers)
     duration: float = 0.0  # the end of the request, once it ended
-    span: Any = None  # the request's server span while tracing is on (vllm_stack.tracing)
+    # With tracing on, the request's spans (vllm_stack.tracing.otel.RequestTrace: ``trace.span`` is the
+    # server span, ``trace.trace_id`` the id logs and exemplars carry); None with tracing off.
+    trace: Any = None
     _cycle: CycleState | None = None
 
     def exclude(self, name: str) -> None:

@@ -277,6 +277,7 @@ class PrefixCachePicker:
         keys = self._keys(ctx, block_tokens)
         ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
         predicted = (cached[chosen], block_tokens)
+        ctx.predicted_cached = cached[chosen]
         cycle = ctx.cycle
         deferred = cycle.get(DEFERRED_CLAIMS)
         if deferred is None:  # inline: the common path, one call less than self.claim
