@@ -11,8 +11,8 @@ the same between runs. Instructions are not time (a cache miss costs more than a
 complements the interleaved CPU-time runs (``compare_handler_cost.py``, ``compare.py``), it does not
 replace them.
 
-Usage: ``python benchmarks/router/compare_instructions.py --before REV [--extra 500] [--jobs 2]``
-Results: ``benchmarks/results/instructions_compare.{md,json}``.
+Usage: ``python benchmarks/router/compare_instructions.py --before REV [--after REV] [--extra 500] [--jobs 2] [--name NAME]``
+Results: ``benchmarks/results/NAME.{md,json}`` (default ``instructions_compare``).
 """
 
 from __future__ import annotations
@@ -61,12 +61,21 @@ def per_request(tree: Path, logic: str, mode: str, extra: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True)
+    parser.add_argument("--after", help="a git revision instead of the working tree (edits meanwhile do not count)")
     parser.add_argument("--extra", type=int, default=500)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cases", help="comma-separated logic/mode cells (default: all)")
+    parser.add_argument("--name", default="instructions_compare", help="results file name (without suffix)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"before": export_tree(args.before, Path(tmp)), "after": ROOT}
+        after = ROOT
+        if args.after:
+            after = Path(tmp) / "after"
+            after.mkdir()
+            export_tree(args.after, after)
+        before = Path(tmp) / "before"
+        before.mkdir()
+        trees = {"before": export_tree(args.before, before), "after": after}
         wanted = set(args.cases.split(",")) if args.cases else None
         cells = [
             (name, logic, mode)
@@ -91,8 +100,8 @@ def main() -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     out = ROOT / "benchmarks" / "results"
-    (out / "instructions_compare.md").write_text(table)
-    (out / "instructions_compare.json").write_text(
+    (out / f"{args.name}.md").write_text(table)
+    (out / f"{args.name}.json").write_text(
         json.dumps({"before": args.before, "cells": result}, indent=1)
     )
     return 0
