@@ -59,13 +59,14 @@ LMC = 'namespace="$namespace", served_model_name=~"$model", pod=~"$engine"'
 SERVER_ERROR = 'status=~"5..|upstream_error"'
 
 
-def _query(expr: str, legend: str, ref: str) -> gp.Dataquery:
-    return gp.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS).range()
+def _query(expr: str, legend: str, ref: str, exemplars: bool = False) -> gp.Dataquery:
+    query = gp.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS).range()
+    return query.exemplar(True) if exemplars else query
 
 
-def _targets(panel, queries: list[tuple[str, str]]):
+def _targets(panel, queries: list[tuple[str, str]], exemplars: bool = False):
     for i, (expr, legend) in enumerate(queries):
-        panel = panel.with_target(_query(expr, legend, chr(ord("A") + i)))
+        panel = panel.with_target(_query(expr, legend, chr(ord("A") + i), exemplars))
     return panel
 
 
@@ -79,6 +80,7 @@ def timeseries(
     height: int = 8,
     min_val: float | None = 0,
     max_val: float | None = None,
+    exemplars: bool = False,
 ) -> gts.Panel:
     panel = (
         gts.Panel()
@@ -102,7 +104,7 @@ def timeseries(
         panel = panel.min(min_val)
     if max_val is not None:
         panel = panel.max(max_val)
-    return _targets(panel, queries)
+    return _targets(panel, queries, exemplars)
 
 
 def stat(
@@ -412,6 +414,25 @@ def router() -> gd.Dashboard:
                 )
             ],
             width=8,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Time to first token, with traces",
+            "p50 and p90 TTFT as clients see it through the router. With the router's tracing on "
+            "(routerSpec.otel), each point on the curve is an exemplar: the trace_id of a request in that "
+            "TTFT bucket; with the chart's Grafana datasource (monitoring.grafanaDatasource.tracesUrl) a "
+            "click opens that request's trace, router spans and the engine's.",
+            "s",
+            [
+                (
+                    f"histogram_quantile({q}, sum by (model, le) (rate(vllm_stack_router_ttft_seconds_bucket{{{RTR}}}[{RATE}])))",
+                    f"{{{{model}}}} p{int(q * 100)}",
+                )
+                for q in (0.5, 0.9)
+            ],
+            width=8,
+            exemplars=True,
         )
     )
     d = d.with_panel(
