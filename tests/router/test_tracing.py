@@ -9,6 +9,7 @@ engines' own spans joined, are ``tests/tracing`` (engine tier).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -185,13 +186,43 @@ async def test_an_adapter_load_is_a_span_of_its_request(load_status: int) -> Non
     (load,) = _by_name(spans, "pre_request")
     assert load.parent is not None and load.parent.span_id == server.context.span_id
     attributes = load.attributes or {}
-    assert attributes["vllm_stack.plugin"] == "lora-affinity-filter" and attributes["vllm_stack.adapter"] == "ad1"
+    assert (
+        attributes["vllm_stack.plugin"] == "lora-affinity-filter"
+        and attributes["vllm_stack.adapter"] == "ad1"
+    )
     assert attributes["vllm_stack.engine"] == router.registry.engines()[0].name
     if load_status == 200:
         assert load.status.status_code is StatusCode.UNSET and len(_by_name(spans, "upstream")) == 1
     else:
         assert attributes["vllm_stack.refused"] == "adapter_unavailable"
         assert load.status.status_code is StatusCode.ERROR and not _by_name(spans, "upstream")
+
+
+async def test_a_request_that_waits_in_the_queue_has_a_queue_span_and_the_decision_that_ended_it() -> None:
+    """A configured model with no engine yet (scale from zero): the request waits in its queue until
+    the engine serves the model; the queue span ends ``dispatched`` and a schedule span follows it."""
+    engine = StubEngine("a", ["stub-model"])
+    async with (
+        stubs(engine) as urls,
+        traced_router(urls, models=["stub-model", "cold-model"]) as (url, router, exporter),
+    ):
+        async with http(url) as h:
+            waiting = asyncio.create_task(
+                h.post("/v1/chat/completions", json={**BODY, "model": "cold-model"})
+            )
+            await wait_for(lambda: router.queue.length == 1, what="the request queued")
+            engine.add_model("cold-model")  # the next probe learns it: the queue is kicked
+            r = await asyncio.wait_for(waiting, 10)
+            assert r.status_code == 200
+        spans = await _spans_of_one_request(router, exporter)
+    (server,) = [s for s in spans if s.kind is SpanKind.SERVER]
+    (queue,) = _by_name(spans, "queue")
+    assert queue.parent is not None and queue.parent.span_id == server.context.span_id
+    assert (queue.attributes or {})["vllm_stack.queue.outcome"] == "dispatched"
+    decisions = sorted(_by_name(spans, "schedule"), key=lambda s: s.start_time or 0)
+    assert [(d.attributes or {})["vllm_stack.reason"] for d in decisions][0] == "no_candidate"
+    assert "vllm_stack.engine" in (decisions[-1].attributes or {})
+    assert (queue.end_time or 0) <= (decisions[-1].end_time or 0)
 
 
 async def test_an_unknown_model_is_traced_too() -> None:
