@@ -200,16 +200,7 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         lines += (b"authorization: ", key, b"\r\n")
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
     ctx = RequestContext(
-        model,
-        session_key,
-        prefix,
-        path=path,
-        body=body,
-        prompt=prompt,
-        cache_salt=cache_salt,
-        request_id=request_id,
-        model_label=model_label,
-        arrived=started,
+        model, session_key, prefix, path, body, prompt, cache_salt, request_id, model_label, started
     )
     if spec is not None:
         ctx.adapter = spec

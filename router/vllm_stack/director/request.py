@@ -397,7 +397,7 @@ class ProxiedRequest:
     def first_token(self) -> None:
         """The engine has prefilled the prompt (its first token is out): its prefill estimate is released."""
         booking = self.booking
-        if booking is not None:
+        if booking is not None and booking.prefill_tokens:  # (a call less for most requests)
             booking.first_token()
 
     def _other_candidate(self) -> bool:
@@ -468,11 +468,19 @@ class ProxiedRequest:
         self.leg = None  # the leg points back here: no cycle left behind
         status = leg.status
         self.status = str(status)
-        self.ctx.ttft = leg.ttft
+        ctx = self.ctx
+        ctx.ttft = leg.ttft
         self.answer_end = leg.answer_end
-        self._settle(FAILURE if status >= 500 else SUCCESS)
-        if self.ctx.trace is not None:
-            self.ctx.trace.leg_end(status, stream=leg.sse)
+        # _settle, inlined: this is every request's way out
+        booking = self.booking
+        if booking is not None:
+            self.booking = None
+            booking.settle(FAILURE if status >= 500 else SUCCESS)
+            queue = self.director.queue
+            if queue.length:  # its engine has room for one waiting
+                queue.kick(ctx.pool or ctx.model)
+        if ctx.trace is not None:
+            ctx.trace.leg_end(status, stream=leg.sse)
         self.conn.finish(leg.keep_alive)
         self._account()
 

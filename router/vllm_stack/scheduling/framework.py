@@ -70,6 +70,10 @@ class RequestContext:
     body: bytes = b""  # the raw request body (read-only: prepare-data plugins may look)
     prompt: bytes | memoryview | None = None  # the raw prompt / messages / input JSON, whole
     cache_salt: str | None = None  # the request's ``cache_salt`` (vLLM keeps such caches apart)
+    # What the request is, set by the API layer (positionally: the fields above and these three):
+    request_id: bytes = b""  # the client's valid X-Request-Id, or the router's own
+    model_label: str = ""  # the model's label in metrics
+    arrived: float = 0.0  # time.perf_counter() when the request was parsed
     excluded: set[str] | frozenset[str] = _NO_ENGINES  # engines already tried (retries): see exclude()
     upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
     keep_answer_end: bool = False  # a plugin wants Completion.answer_end (e.g. the engine's usage)
@@ -87,10 +91,6 @@ class RequestContext:
     route_note: str = ""
     # The prompt tokens the picker predicts cached on the chosen engine (prefix-cache routing)
     predicted_cached: int | None = None
-    # What the request is, set by the API layer:
-    request_id: bytes = b""  # the client's valid X-Request-Id, or the router's own
-    model_label: str = ""  # the model's label in metrics
-    arrived: float = 0.0  # time.perf_counter() when the request was parsed
     # What was decided for it (the latest scheduling: a retry or the queue decides again):
     profile: str = ""  # the profile that ran
     reason: str = ""  # its picker's reason for the engine, or the Reason no engine was picked
