@@ -225,6 +225,28 @@ async def test_a_request_that_waits_in_the_queue_has_a_queue_span_and_the_decisi
     assert (queue.end_time or 0) <= (decisions[-1].end_time or 0)
 
 
+async def test_a_request_the_sampler_drops_makes_no_span_and_tells_the_engine_so() -> None:
+    """At ratio 0 nothing is kept, but the leg still sends the trace context with the sampled flag
+    off, so that the engine's parent-based sampler drops its spans too; a client's sampled parent is
+    followed whatever the ratio."""
+    engine = StubEngine("a", ["stub-model"])
+    async with stubs(engine) as urls, traced_router(urls, trace_sample_ratio=0.0) as (url, router, exporter):
+        async with http(url) as h:
+            assert (await h.post("/v1/chat/completions", json={**BODY, "stream": True})).status_code == 200
+            _flush(router)
+            assert exporter.get_finished_spans() == ()
+            assert int(engine.seen[-1].headers["traceparent"].rsplit("-", 1)[1], 16) & 1 == 0
+            metrics = await h.get(
+                "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+            )
+            assert "trace_id" not in metrics.text
+            parent = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
+            r = await h.post("/v1/chat/completions", json=BODY, headers={"traceparent": parent})
+            assert r.status_code == 200
+        spans = await _spans_of_one_request(router, exporter)
+    assert {format(s.context.trace_id, "032x") for s in spans} == {CLIENT_TRACE}
+
+
 async def test_an_unknown_model_is_traced_too() -> None:
     engine = StubEngine("a", ["stub-model"])
     async with stubs(engine) as urls, traced_router(urls) as (url, router, exporter), http(url) as h:

@@ -104,11 +104,17 @@ class RequestTracer:
         model: str,
         request_id: bytes,
         priority: int,
-    ) -> RequestTrace:
-        """The request's server span, started at its arrival (``arrived``: perf_counter)."""
+    ) -> RequestTrace | UnsampledTrace:
+        """The request's server span, started at its arrival (``arrived``: perf_counter). A trace the
+        sampler drops is an :class:`UnsampledTrace`: no more spans, its decision passed upstream."""
         carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k in TRACE_HEADERS}
         parent = self.propagator.extract(carrier) if carrier else None
         start = time.time_ns() - int((time.perf_counter() - arrived) * 1e9)
+        span = self.tracer.start_span(
+            f"{method} {path}", context=parent, kind=SpanKind.SERVER, start_time=start
+        )
+        if not span.is_recording():
+            return UnsampledTrace(span, self.traceparent(span))
         attributes: dict[str, Any] = {
             "http.request.method": method,
             "url.path": path,
@@ -119,10 +125,14 @@ class RequestTracer:
         if request_id:
             attributes["vllm_stack.request_id"] = request_id.decode("latin-1")
             attributes["vllm_stack.priority"] = priority
-        span = self.tracer.start_span(
-            f"{method} {path}", context=parent, kind=SpanKind.SERVER, start_time=start, attributes=attributes
-        )
+        span.set_attributes(attributes)
         return RequestTrace(self, span)
+
+    def traceparent(self, span: Span) -> bytes:
+        """The header lines that make ``span`` the parent of what the engine does (W3C trace context)."""
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, context=set_span_in_context(span))
+        return "".join(f"{k}: {v}\r\n" for k, v in carrier.items()).encode("latin-1")
 
     def answered_early(
         self, method: str, path: str, headers: Sequence[tuple[bytes, bytes]], arrived: float, status: int
@@ -136,9 +146,52 @@ class RequestTracer:
         self.provider.shutdown()
 
 
+class UnsampledTrace:
+    """A request whose trace the sampler dropped: no span is made for it, but its legs send the
+    server span's context (flag 00) so that the engines do not sample it either (parent-based)."""
+
+    __slots__ = ("span", "header")
+    trace_id = ""  # nothing is kept: no exemplar, no id in the log
+
+    def __init__(self, span: Span, header: bytes) -> None:
+        self.span = span  # non-recording
+        self.header = header
+
+    def stage_begin(self, name: str, **attributes: Any) -> None:  # noqa: ANN401
+        pass
+
+    def stage_end(self, refused: str = "") -> None:
+        pass
+
+    def queued(self) -> None:
+        pass
+
+    def dequeued(self, outcome: str) -> None:
+        pass
+
+    def schedule_begin(self) -> None:
+        pass
+
+    def schedule_end(
+        self, profile: str, reason: str, engine: str | None, predicted_cached: int | None
+    ) -> None:
+        pass
+
+    def leg_begin(self, kind: str, engine: str, address: str) -> bytes:
+        return self.header
+
+    def leg_end(self, status: int = 0, error: str = "", stream: bool | None = None) -> None:
+        pass
+
+    def end(self, status: str, answer_end: bytes | None) -> None:
+        pass
+
+
 class RequestTrace:
-    """One request's spans (see the module docstring). Every method is called by the director with
-    tracing on; spans still open when the request ends are ended with it."""
+    """One sampled request's spans (see the module docstring). Every method is called by the director
+    with tracing on; spans still open when the request ends are ended with it. Attributes are given
+    when a span starts or in one call before it ends: each ``set_attribute`` of the SDK takes the
+    span's lock, and this runs for every request."""
 
     __slots__ = (
         "tracer",
@@ -147,49 +200,54 @@ class RequestTrace:
         "trace_id",
         "stage",
         "queue",
-        "schedule",
+        "schedule_started",
         "leg",
         "leg_kind",
         "attempts",
         "prefilled",
+        "stream",
     )
 
     def __init__(self, tracer: RequestTracer, span: Span) -> None:
         self.tracer = tracer
         self.span = span
         self.context: Context = set_span_in_context(span)
-        span_context = span.get_span_context()
-        # The id logs and TTFT exemplars carry: only for a trace that is kept (sampled).
-        self.trace_id = format(span_context.trace_id, "032x") if span_context.trace_flags.sampled else ""
+        # The id logs and TTFT exemplars carry (the trace is kept: the sampler chose it)
+        self.trace_id = format(span.get_span_context().trace_id, "032x")
         self.stage: Span | None = None  # admission, or an awaited stage hook
         self.queue: Span | None = None
-        self.schedule: Span | None = None
+        self.schedule_started = 0  # time.time_ns() when the decision under way began
         self.leg: Span | None = None
         self.leg_kind = ""
         self.attempts = 0  # legs sent (a prefill leg, decode legs, retries)
         self.prefilled = False  # a prefill leg was answered: the next leg is the decode leg
+        self.stream: bool | None = None  # what the engine answered with (an SSE stream or not)
 
-    def _child(self, name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> Span:  # noqa: ANN401
-        return self.tracer.tracer.start_span(name, context=self.context, kind=kind, attributes=attributes)
+    def _child(
+        self, name: str, kind: SpanKind, attributes: dict[str, Any] | None, start: int | None = None
+    ) -> Span:
+        return self.tracer.tracer.start_span(
+            name, context=self.context, kind=kind, attributes=attributes, start_time=start
+        )
 
     # ---- stages ------------------------------------------------------------------------------------
     def stage_begin(self, name: str, **attributes: Any) -> None:  # noqa: ANN401
         if self.stage is not None:
             self.stage.end()
-        self.stage = self._child(name, **attributes)
+        self.stage = self._child(name, SpanKind.INTERNAL, attributes)
 
     def stage_end(self, refused: str = "") -> None:
         stage = self.stage
         if stage is not None:
             self.stage = None
             if refused:
-                stage.set_status(Status(StatusCode.ERROR, refused))
                 stage.set_attribute("vllm_stack.refused", refused)
+                stage.set_status(Status(StatusCode.ERROR, refused))
             stage.end()
 
     def queued(self) -> None:
         if self.queue is None:
-            self.queue = self._child("queue")
+            self.queue = self._child("queue", SpanKind.INTERNAL, None)
 
     def dequeued(self, outcome: str) -> None:
         queue = self.queue
@@ -199,24 +257,18 @@ class RequestTrace:
             queue.end()
 
     def schedule_begin(self) -> None:
-        if self.schedule is not None:
-            self.schedule.end()
-        self.schedule = self._child("schedule")
+        self.schedule_started = time.time_ns()
 
     def schedule_end(
         self, profile: str, reason: str, engine: str | None, predicted_cached: int | None
     ) -> None:
-        span = self.schedule
-        if span is None:
-            return
-        self.schedule = None
-        span.set_attribute("vllm_stack.profile", profile)
-        span.set_attribute("vllm_stack.reason", reason)
+        """The decision's span, from schedule_begin to now, its outcome in its attributes."""
+        attributes: dict[str, Any] = {"vllm_stack.profile": profile, "vllm_stack.reason": reason}
         if engine is not None:
-            span.set_attribute("vllm_stack.engine", engine)
+            attributes["vllm_stack.engine"] = engine
         if predicted_cached is not None:
-            span.set_attribute("vllm_stack.predicted_cached_tokens", predicted_cached)
-        span.end()
+            attributes["vllm_stack.predicted_cached_tokens"] = predicted_cached
+        self._child("schedule", SpanKind.INTERNAL, attributes, self.schedule_started or None).end()
 
     # ---- legs --------------------------------------------------------------------------------------
     def leg_begin(self, kind: str, engine: str, address: str) -> bytes:
@@ -230,11 +282,9 @@ class RequestTrace:
         span = self.leg = self._child(
             kind,
             SpanKind.CLIENT,
-            **{"vllm_stack.engine": engine, "server.address": address, "vllm_stack.attempt": self.attempts},
+            {"vllm_stack.engine": engine, "server.address": address, "vllm_stack.attempt": self.attempts},
         )
-        carrier: dict[str, str] = {}
-        self.tracer.propagator.inject(carrier, context=set_span_in_context(span))
-        return "".join(f"{k}: {v}\r\n" for k, v in carrier.items()).encode("latin-1")
+        return self.tracer.traceparent(span)
 
     def leg_end(self, status: int = 0, error: str = "", stream: bool | None = None) -> None:
         """The leg's answer (``status``), or why it failed (``error``: no answer, a retry's reason)."""
@@ -242,17 +292,20 @@ class RequestTrace:
         if span is None:
             return
         self.leg = None
+        if stream is not None:
+            self.stream = stream
         if self.leg_kind == "prefill" and status == 200 and not error:
             self.prefilled = True
-        if status:
-            span.set_attribute("http.response.status_code", status)
-        if stream is not None:
-            self.span.set_attribute("gen_ai.request.stream", stream)  # what the engine answered with
         if error:
-            span.set_attribute("vllm_stack.leg.error", error)
+            attributes: dict[str, Any] = {"vllm_stack.leg.error": error}
+            if status:
+                attributes["http.response.status_code"] = status
+            span.set_attributes(attributes)
             span.set_status(Status(StatusCode.ERROR, error))
-        elif status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
+        elif status:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
         span.end()
 
     # ---- the end -----------------------------------------------------------------------------------
@@ -260,25 +313,28 @@ class RequestTrace:
         """The request ended with the request counter's ``status`` label ("200", "client_closed", ...)."""
         self.stage_end()
         self.dequeued(status)
-        if self.schedule is not None:
-            self.schedule.end()
-            self.schedule = None
-        self.leg_end(error=status if not status.isdigit() else "")
+        if self.leg is not None:
+            self.leg_end(error=status if not status.isdigit() else "")
         span = self.span
-        if status.isdigit():
-            code = int(status)
-            span.set_attribute("http.response.status_code", code)
-            if code >= 500:
-                span.set_status(Status(StatusCode.ERROR))
-        else:
-            span.set_attribute("vllm_stack.outcome", status)
-            if status != "client_closed":
-                span.set_status(Status(StatusCode.ERROR, status))
+        attributes: dict[str, Any] = {}
+        if self.stream is not None:
+            attributes["gen_ai.request.stream"] = self.stream
         if answer_end:
             prompt = _PROMPT_TOKENS.findall(answer_end)
             completion = _COMPLETION_TOKENS.findall(answer_end)
             if prompt:
-                span.set_attribute("gen_ai.usage.input_tokens", int(prompt[-1]))
+                attributes["gen_ai.usage.input_tokens"] = int(prompt[-1])
             if completion:
-                span.set_attribute("gen_ai.usage.output_tokens", int(completion[-1]))
+                attributes["gen_ai.usage.output_tokens"] = int(completion[-1])
+        if status.isdigit():
+            code = int(status)
+            attributes["http.response.status_code"] = code
+            span.set_attributes(attributes)
+            if code >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+        else:
+            attributes["vllm_stack.outcome"] = status
+            span.set_attributes(attributes)
+            if status != "client_closed":
+                span.set_status(Status(StatusCode.ERROR, status))
         span.end()
