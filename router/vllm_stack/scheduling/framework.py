@@ -97,8 +97,9 @@ class RequestContext:
     # Timings, seconds from ``arrived``:
     ttft: float | None = None  # the first streamed event (streamed answers)
     duration: float = 0.0  # the end of the request, once it ended
-    # With tracing on, the request's spans (vllm_stack.tracing.otel.RequestTrace: ``trace.span`` is the
-    # server span, ``trace.trace_id`` the id logs and exemplars carry); None with tracing off.
+    # With tracing on, the request's spans (vllm_stack.tracing.otel.RequestTrace, or UnsampledTrace when
+    # the sampler dropped it: ``trace.span`` is the server span, ``trace.trace_id`` the id logs and
+    # exemplars carry, "" when dropped); None with tracing off.
     trace: Any = None
     _cycle: CycleState | None = None
 
