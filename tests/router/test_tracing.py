@@ -247,6 +247,44 @@ async def test_a_request_the_sampler_drops_makes_no_span_and_tells_the_engine_so
     assert {format(s.context.trace_id, "032x") for s in spans} == {CLIENT_TRACE}
 
 
+async def test_admission_is_a_span_and_a_refusal_marks_it() -> None:
+    """An admission plugin (one request in flight per engine): the first request's admission span is
+    clean, the second, refused while the first is in flight, says why."""
+    engine = StubEngine("a", ["stub-model"], behaviour=StubBehaviour(delay_s=1.0))
+    scheduling = {
+        "plugins": [
+            {"type": "max-in-flight-admission", "parameters": {"per_engine": 1}},
+            {"type": "round-robin-picker"},
+        ],
+        "schedulingProfiles": [{"name": "default", "plugins": [{"pluginRef": "round-robin-picker"}]}],
+    }
+    async with stubs(engine) as urls, traced_router(urls, scheduling=scheduling) as (url, router, exporter):
+        async with http(url) as h:
+            first = asyncio.create_task(
+                h.post("/v1/chat/completions", json=BODY, headers={"x-request-id": "in"})
+            )
+            await wait_for(lambda: engine.running == 1, what="the first request at the engine")
+            refused = await h.post("/v1/chat/completions", json=BODY, headers={"x-request-id": "out"})
+            assert refused.status_code == 429 and (await first).status_code == 200
+        await wait_for(
+            lambda: _flush(router) or len(_by_name(exporter.get_finished_spans(), "admission")) == 2,
+            what="two admission spans",
+        )
+        spans = exporter.get_finished_spans()
+    servers = {(s.attributes or {})["vllm_stack.request_id"]: s for s in spans if s.kind is SpanKind.SERVER}
+    admissions = {
+        request_id: [a for a in _by_name(spans, "admission") if a.context.trace_id == server.context.trace_id]
+        for request_id, server in servers.items()
+    }
+    (admitted,), (turned_away,) = admissions["in"], admissions["out"]
+    assert admitted.status.status_code is StatusCode.UNSET and "vllm_stack.refused" not in (
+        admitted.attributes or {}
+    )
+    assert (turned_away.attributes or {})["vllm_stack.refused"] == "overloaded"
+    assert turned_away.status.status_code is StatusCode.ERROR
+    assert (servers["out"].attributes or {})["http.response.status_code"] == 429
+
+
 async def test_an_unknown_model_is_traced_too() -> None:
     engine = StubEngine("a", ["stub-model"])
     async with stubs(engine) as urls, traced_router(urls) as (url, router, exporter), http(url) as h:
