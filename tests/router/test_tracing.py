@@ -285,6 +285,21 @@ async def test_admission_is_a_span_and_a_refusal_marks_it() -> None:
     assert (servers["out"].attributes or {})["http.response.status_code"] == 429
 
 
+async def test_a_request_s_warnings_name_its_request_and_trace(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine that breaks its stream: the router's warning says which request and which trace."""
+    caplog.set_level("WARNING", logger="vllm_stack.relay.leg")
+    engine = StubEngine("a", ["stub-model"], behaviour=StubBehaviour(break_after_chunks=2))
+    async with stubs(engine) as urls, traced_router(urls) as (url, router, exporter), http(url) as h:
+        with contextlib.suppress(Exception):  # the answer is cut: the client sees a broken stream
+            await h.post(
+                "/v1/chat/completions", json={**BODY, "stream": True}, headers={"x-request-id": "cut-1"}
+            )
+        spans = await _spans_of_one_request(router, exporter)
+    (server,) = [s for s in spans if s.kind is SpanKind.SERVER]
+    trace_id = format(server.context.trace_id, "032x")
+    assert any(f"(request cut-1, trace_id={trace_id})" in m for m in caplog.messages), caplog.messages
+
+
 async def test_an_unknown_model_is_traced_too() -> None:
     engine = StubEngine("a", ["stub-model"])
     async with stubs(engine) as urls, traced_router(urls) as (url, router, exporter), http(url) as h:

@@ -190,7 +190,12 @@ class PrefillStage:
         is_object, params = disagg.answer_params(answer) if status == 200 else (False, None)
         metrics = self.owner.director.metrics
         if not is_object:
-            log.warning("prefill engine %s answered %d; serving decode-only", engine.name, status)
+            log.warning(
+                "prefill engine %s answered %d; serving decode-only (%s)",
+                engine.name,
+                status,
+                self.owner.ctx.log_ref(),
+            )
             metrics.disagg(self.owner.ctx.model_label, "prefill_failed")
             self.owner.resume_after_prefill(None)
             return
@@ -215,7 +220,7 @@ class PrefillStage:
         if reason == "connect_error":
             director.registry.eject(self.engine, reason)
         self._settle(RELEASED if reason == "upstream_closed" else FAILURE, error=reason)
-        log.warning("%s; serving decode-only", message)
+        log.warning("%s; serving decode-only (%s)", message, self.owner.ctx.log_ref())
         director.metrics.disagg(self.owner.ctx.model_label, "prefill_failed")
         self.owner.resume_after_prefill(None)
 

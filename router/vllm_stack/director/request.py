@@ -164,7 +164,7 @@ class ProxiedRequest:
                     else:
                         outcome = fn(ctx, self.engine)
                 except Exception:  # noqa: BLE001 - a plugin's bug fails its request, not the router
-                    log.exception("%s hook %r failed", _STAGE_NAMES[stage], fn)
+                    log.exception("%s hook %r failed (%s)", _STAGE_NAMES[stage], fn, ctx.log_ref())
                     self._plugin_failed()
                     return
                 if outcome is None:
@@ -175,7 +175,7 @@ class ProxiedRequest:
                 if inspect.isawaitable(outcome):
                     self._wait(outcome, hooks, stage, index)
                     return
-                log.error("%s hook %r returned %r", _STAGE_NAMES[stage], fn, outcome)
+                log.error("%s hook %r returned %r (%s)", _STAGE_NAMES[stage], fn, outcome, ctx.log_ref())
                 self._plugin_failed()
                 return
             if stage == _ADMIT:
@@ -201,12 +201,12 @@ class ProxiedRequest:
             return
         self.waiting = None
         if future.cancelled():
-            log.error("%s hook's awaitable was cancelled", _STAGE_NAMES[stage])
+            log.error("%s hook's awaitable was cancelled (%s)", _STAGE_NAMES[stage], self.ctx.log_ref())
             self._plugin_failed()
             return
         exc = future.exception()
         if exc is not None:
-            log.error("%s hook failed", _STAGE_NAMES[stage], exc_info=exc)
+            log.error("%s hook failed (%s)", _STAGE_NAMES[stage], self.ctx.log_ref(), exc_info=exc)
             self._plugin_failed()
             return
         outcome = future.result()
@@ -214,7 +214,7 @@ class ProxiedRequest:
             self._refused(outcome)
             return
         if outcome is not None:
-            log.error("%s hook resolved to %r", _STAGE_NAMES[stage], outcome)
+            log.error("%s hook resolved to %r (%s)", _STAGE_NAMES[stage], outcome, self.ctx.log_ref())
             self._plugin_failed()
             return
         trace = self.ctx.trace
@@ -634,4 +634,4 @@ class ProxiedRequest:
                 try:
                     fn(ctx, completion)
                 except Exception:  # noqa: BLE001 - the answer is already out; log and go on
-                    log.exception("response-complete hook %r failed", fn)
+                    log.exception("response-complete hook %r failed (%s)", fn, ctx.log_ref())

@@ -151,6 +151,10 @@ class LegRequest(Protocol):
     arrived: float  # time.perf_counter() at the request's arrival (TTFT counts from here)
     trace: Any  # with tracing on, its spans; ``trace.trace_id`` marks the TTFT exemplar
 
+    def log_ref(self) -> str:
+        """The request in a log line (its id, and its trace id when the trace is kept)."""
+        ...
+
 
 class LegOwner(Protocol):
     """What a leg reports to (the director's request). Each leg ends in exactly one of
@@ -264,7 +268,12 @@ class Leg(PooledExchange):
     # ---- sending (the connection's life: PooledExchange) --------------------------------------------------
     def connect_failed(self, error: BaseException) -> None:
         if not isinstance(error, UpstreamConnectError):
-            log.error("connecting to %s failed unexpectedly", self.owner.engine_name(), exc_info=error)
+            log.error(
+                "connecting to %s failed unexpectedly (%s)",
+                self.owner.engine_name(),
+                self.owner.ctx.log_ref(),
+                exc_info=error,
+            )
         self.owner.leg_failed(
             self, f"Could not reach engine {self.owner.engine_name()}: {error}", "connect_error"
         )
@@ -440,7 +449,12 @@ class Leg(PooledExchange):
     def break_midway(self, message: str, error: BaseException | str) -> None:
         """The answer was being forwarded and cannot go on: end an SSE stream with an error event,
         else cut the connection (the only honest signal left in HTTP/1.1); then tell the owner."""
-        log.warning("upstream %s broke mid-response: %s", self.owner.engine_name(), error)
+        log.warning(
+            "upstream %s broke mid-response: %s (%s)",
+            self.owner.engine_name(),
+            error,
+            self.owner.ctx.log_ref(),
+        )
         self.abort()
         conn = self.conn
         # An event can be appended only where the engine's framing left off cleanly: after a whole

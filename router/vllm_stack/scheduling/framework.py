@@ -103,6 +103,12 @@ class RequestContext:
     trace: Any = None
     _cycle: CycleState | None = None
 
+    def log_ref(self) -> str:
+        """The request in a log line: its id and, when its trace is kept, the trace id."""
+        trace_id = self.trace.trace_id if self.trace is not None else ""
+        rid = self.request_id.decode("latin-1")
+        return f"request {rid}, trace_id={trace_id}" if trace_id else f"request {rid}"
+
     def exclude(self, name: str) -> None:
         """Leave engine ``name`` out of the next scheduling (it was tried); the set is made on first use."""
         excluded = self.excluded
