@@ -16,7 +16,8 @@ Imported only when tracing is on (see the package docstring). Each proxied reque
   carries why). Each leg sends its own span as ``traceparent``, so vLLM's ``llm_request`` span
   (engines started with ``--otlp-traces-endpoint``) is its child.
 
-Spans go out in batches (the SDK's BatchSpanProcessor, its own thread) over OTLP, gRPC by default
+A request the sampler drops is an :class:`UnsampledTrace` instead: no span beyond the decision, which
+its legs pass on. Spans go out in batches (the SDK's BatchSpanProcessor, its own thread) over OTLP, gRPC by default
 (production-stack's ``--otel-endpoint host:4317``) or HTTP/protobuf. The provider is the router's,
 never the process-global one.
 """
@@ -39,8 +40,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from vllm_stack.tracing import TRACE_HEADERS
 from vllm_stack.version import router_version
-
-PROTOCOLS = ("grpc", "http/protobuf")
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
