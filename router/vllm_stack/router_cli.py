@@ -7,7 +7,7 @@ import gc
 import logging
 import sys
 
-from vllm_stack.config import ConfigError
+from vllm_stack.config import TRACE_PROTOCOLS, ConfigError
 from vllm_stack.scheduling.profiles import ROUTING_LOGICS
 
 
@@ -156,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="otlp_traces_endpoint",
         help="send OpenTelemetry traces here (OTLP: host:port for grpc, a URL for http/protobuf); off when unset",
     )
-    p.add_argument(
-        "--otlp-traces-protocol", choices=("grpc", "http/protobuf"), help="OTLP transport (default grpc)"
-    )
+    p.add_argument("--otlp-traces-protocol", choices=TRACE_PROTOCOLS, help="OTLP transport (default grpc)")
     p.add_argument(
         "--otel-service-name", help="service.name of the router's spans (default vllm-stack-router)"
     )
