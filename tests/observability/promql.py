@@ -243,7 +243,12 @@ class Prometheus:
     stale at once)."""
 
     def __init__(
-        self, targets: list[Target], rule_files: list[Path], log_dir: Path | None = None, interval: str = "2s"
+        self,
+        targets: list[Target],
+        rule_files: list[Path],
+        log_dir: Path | None = None,
+        interval: str = "2s",
+        exemplars: bool = False,
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="vllm-stack-prom-"))
         self.port = free_port()
@@ -266,6 +271,7 @@ class Prometheus:
                 f"--storage.tsdb.path={self.dir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--web.enable-lifecycle",
+                *(["--enable-feature=exemplar-storage"] if exemplars else []),
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -288,6 +294,11 @@ class Prometheus:
         if at is not None:
             params["time"] = f"{at:.3f}"
         return self.client.get("/api/v1/query", params=params).json()
+
+    def query_exemplars(self, expr: str, start: float, end: float) -> dict:
+        """``/api/v1/query_exemplars`` (exemplar storage on): the series' exemplars in [start, end]."""
+        params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}"}
+        return self.client.get("/api/v1/query_exemplars", params=params).json()
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> dict:
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step}"}

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from vllm_stack_dev.testbed.collector import Collector
 from vllm_stack_dev.testbed.engines import stop_process
 
 from .promql import (
@@ -138,7 +139,7 @@ def _router_command() -> list[str]:
 
 
 class Router:
-    def __init__(self, backends: list[str], log_dir: Path) -> None:
+    def __init__(self, backends: list[str], log_dir: Path, traces_endpoint: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / "router.log"
@@ -157,6 +158,7 @@ class Router:
             "--static-backends", ",".join(backends),
             "--engine-scrape-interval", "1",
             "--health-check-interval", "1",
+            "--otlp-traces-endpoint", traces_endpoint,
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 60
@@ -266,11 +268,14 @@ def drive_traffic(router_url: str) -> dict[str, int]:
 def stack(engines, tmp_path_factory) -> Iterator[dict]:
     log_dir = tmp_path_factory.mktemp("observability-live")
     failing = FailingBackend()
-    router = Router([e.url for e in engines] + [f"http://{failing.address}"], log_dir)
+    collector = Collector(log_dir / "collector").start()  # the router's traces: the exemplars' targets
+    router = Router(
+        [e.url for e in engines] + [f"http://{failing.address}"], log_dir, collector.grpc_endpoint
+    )
     targets = [
         Target("vllm-stack-engine", e.address, {"namespace": NAMESPACE, "pod": e.address}) for e in engines
     ] + [Target("vllm-stack-router", f"127.0.0.1:{router.port}", {"namespace": NAMESPACE, "pod": "router-0"})]
-    prom = Prometheus(targets, [RULES], log_dir)
+    prom = Prometheus(targets, [RULES], log_dir, exemplars=True)
     try:
         # Two scrapes of every target before the traffic, so that counters start from their idle values.
         prom.wait_for({"count(count_over_time(up[1m]) >= 2)": len(targets)})
@@ -299,11 +304,13 @@ def stack(engines, tmp_path_factory) -> Iterator[dict]:
             "ended": ended,
             "statuses": statuses,
             "log_dir": log_dir,
+            "collector": collector,
         }
     finally:
         prom.stop()
         router.stop()
         failing.stop()
+        collector.stop()
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -367,6 +374,33 @@ def test_traffic_went_through(stack) -> None:
     prom = stack["prom"]
     up = prom.query("up", stack["at"])["data"]["result"]
     assert len(up) == len(stack["engines"]) + 1 and all(s["value"][1] == "1" for s in up), prom.diagnostics()
+
+
+def test_ttft_exemplars_in_prometheus_lead_to_the_requests_traces(stack) -> None:
+    """The router's TTFT histogram carries the trace id of traced requests as exemplars (OpenMetrics);
+    a real Prometheus with exemplar storage keeps them, and each names a trace the collector holds:
+    the router's server span of a streamed request, with its engine leg. What a dashboard's exemplar
+    link opens is that trace."""
+    prom, collector = stack["prom"], stack["collector"]
+    answer = prom.query_exemplars(
+        f'vllm_stack_router_ttft_seconds_bucket{{namespace="{NAMESPACE}"}}',
+        stack["started"] - 60,
+        stack["at"],
+    )
+    assert answer["status"] == "success", answer
+    trace_ids = {e["labels"]["trace_id"] for series in answer["data"] for e in series["exemplars"]}
+    assert trace_ids, answer
+
+    def servers(spans: list) -> dict[str, object]:
+        return {s.trace_id: s for s in spans if s.service == "vllm-stack-router" and s.kind == "server"}
+
+    spans = collector.wait_for(lambda spans: trace_ids <= set(servers(spans)))
+    for trace_id in trace_ids:
+        server = servers(spans)[trace_id]
+        assert server.attributes["gen_ai.request.stream"] is True, server  # TTFT is a streamed request's
+        assert any(
+            s.trace_id == trace_id and s.kind == "client" and s.parent_id == server.span_id for s in spans
+        )
 
 
 def test_dashboard_panels_return_data(stack) -> None:
