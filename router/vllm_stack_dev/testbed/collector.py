@@ -11,7 +11,6 @@ attributes.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 from vllm_stack_dev.gotools import collector_binary
 from vllm_stack_dev.testbed.engines import free_port, spawn_logged, stop_process
+from vllm_stack_dev.waiting import tcp_open, wait_until
 
 #: OTLP's span kinds (SpanKind in the protocol's JSON)
 KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
@@ -129,23 +129,17 @@ class Collector:
         config = self.folder / "collector.yaml"
         config.write_text(json.dumps(self.config(), indent=1))
         self.process = spawn_logged([str(collector_binary()), "--config", str(config)], self.log_path, None)
-        deadline = time.monotonic() + timeout
-        while not all(self._accepts(port) for port in (self.grpc_port, self.http_port)):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"the collector did not start; its log:\n{self.log_path.read_text()[-3000:]}"
-                )
-            time.sleep(0.1)
-        return self
-
-    @staticmethod
-    def _accepts(port: int) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            return False
+            wait_until(
+                lambda: tcp_open(self.grpc_port) and tcp_open(self.http_port),
+                timeout,
+                self.process,
+                "the collector",
+            )
+        except RuntimeError as error:
+            self.stop()
+            raise RuntimeError(f"{error}; its log:\n{self.log_path.read_text()[-3000:]}") from None
+        return self
 
     def spans(self) -> list[SpanRecord]:
         """Every span received and written so far."""
