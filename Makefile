@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet --disable-pip-version-check uv 2> >(grep -v 'is ignored' >&2)
 	@$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
+	@$(BIN)/python -m vllm_stack_dev.protofix  # xds-protos overwrites opentelemetry-proto's modules
 	@touch $@
 
 install: $(STAMP)

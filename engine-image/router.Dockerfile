@@ -13,6 +13,7 @@ COPY pyproject.toml README.md ./
 COPY router ./router
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install . \
+ && /opt/venv/bin/python -m vllm_stack_dev.protofix \
  && /opt/venv/bin/vllm-stack --help >/dev/null
 
 FROM ${PYTHON_IMAGE}

@@ -260,7 +260,19 @@ OTELCOL = CollectorTool(
         f"github.com/open-telemetry/opentelemetry-collector-contrib/exporter/fileexporter {OTELCOL_VERSION}",
     ),
 )
-TEST_TOOLS = (*CLUSTER_TOOLS, OTELCOL)
+# The Gateway API Inference Extension's endpoint picker (EPP), the interop tests' and routing benchmark's
+# anchor. v1.5.0 is the last release with `cmd/epp` (later releases moved it to llm-d's router); its go.mod
+# (`go 1.25.0`) has no replace directives. It reports its version only in its start-up log.
+EPP = GoTool(
+    name="epp",
+    module="sigs.k8s.io/gateway-api-inference-extension",
+    version="v1.5.0",
+    binaries=(("epp", "sigs.k8s.io/gateway-api-inference-extension/cmd/epp"),),
+    ldflags=("-s", "-w"),
+    version_args=(),
+    assets=(("config/crd/bases", "crds"),),  # InferencePool, InferenceObjective, ...
+)
+TEST_TOOLS = (*CLUSTER_TOOLS, OTELCOL, EPP)
 
 
 def _tail(text: str) -> str:
@@ -476,6 +488,11 @@ def install_control_plane() -> str:
 def install_test_tools() -> str:
     """Every tool the tests run: the cluster tools and the tracing tests' collector (`make install`)."""
     return install_tools(TEST_TOOLS)
+
+
+def epp_binary() -> Path:
+    """The upstream endpoint picker the interop tests run (it exists once install_test_tools() returned)."""
+    return EPP.binary("epp")
 
 
 def collector_binary() -> Path:
