@@ -80,6 +80,11 @@ RESTART_ONLY: Mapping[str, str] = {
     "otel_service_name": "the tracer and its exporter are built at start",
     "otel_secure": "the tracer and its exporter are built at start",
     "trace_sample_ratio": "the tracer's sampler is built at start",
+    "ext_proc_port": "the endpoint picker's gRPC server is bound at start",
+    "inference_pool": "the InferencePool's selector and port are read at start",
+    "endpoint_picker": "the endpoint picker's channel is opened at start",
+    "endpoint_picker_timeout": "the endpoint picker's client is built at start",
+    "endpoint_picker_fail_open": "the endpoint picker's client is built at start",
 }
 
 
@@ -156,7 +161,9 @@ class Router:
             self.queue,
             self.pd_notifications,
             self.tracer,
+            _build_endpoint_picker(config, self.metrics),
         )
+        self.picker_server: Any = None  # the endpoint picker's gRPC server (ext_proc_port), built at start
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
         self.registry.on_rebuilt.append(self.queue.kick_all)
@@ -400,9 +407,29 @@ class Router:
             self._tasks.append(asyncio.ensure_future(self._watch_config(config.config_file)))
         if self.pd_notifications is not None:
             self._tasks.append(asyncio.ensure_future(self.pd_notifications.run()))
+        if config.ext_proc_port:
+            from vllm_stack.epp.inference_objects import Objectives  # lazy: gRPC and Envoy's messages
+            from vllm_stack.epp.server import PickerServer
+
+            objectives = (
+                Objectives(config.k8s_namespace, config.inference_pool)
+                if config.inference_pool
+                else Objectives()
+            )
+            self.picker_server = PickerServer(
+                self,
+                config.host,
+                config.ext_proc_port,
+                objectives,
+                buffer_limit=config.max_buffered_body_bytes,
+                max_streams=config.max_connections,
+            )
+            await self.picker_server.start()
 
     async def _run_discovery(self) -> None:
         try:
+            if self.config.inference_pool:
+                await self._read_inference_pool()
             await self.discovery.run(self.registry.apply_snapshot)
         except asyncio.CancelledError:
             raise
@@ -410,7 +437,29 @@ class Router:
             log.exception("discovery stopped")
             raise
 
+    async def _read_inference_pool(self) -> None:
+        """The engines are the InferencePool's pods: its selector and port, read until it can be."""
+        from vllm_stack.epp.inference_objects import PoolError, read_pool
+
+        config = self.config
+        delay = 1.0
+        while True:
+            try:
+                selector, port = await read_pool(config.k8s_namespace, config.inference_pool)
+                break
+            except (PoolError, OSError) as error:
+                log.warning("%s; reading it again in %gs", error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        log.info("InferencePool %s: pods %r, port %d", config.inference_pool, selector, port)
+        self.discovery.label_selector = selector  # type: ignore[attr-defined]
+        self.discovery.port = port  # type: ignore[attr-defined]
+
     async def stop(self) -> None:
+        if self.picker_server is not None:
+            await self.picker_server.stop(grace=min(self.config.shutdown_grace, 5.0))
+        if self.director.endpoint_picker is not None:
+            await self.director.endpoint_picker.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -497,6 +546,17 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime_ns
     except OSError:
         return None
+
+
+def _build_endpoint_picker(config: RouterConfig, metrics: RouterMetrics) -> Any:  # noqa: ANN401
+    """Gateway mode's client of an external endpoint picker, or None (imported only when configured)."""
+    if not config.endpoint_picker:
+        return None
+    from vllm_stack.director.endpoint_picker import EndpointPickerClient
+
+    return EndpointPickerClient(
+        config.endpoint_picker, config.endpoint_picker_timeout, config.endpoint_picker_fail_open, metrics
+    )
 
 
 def build_router(

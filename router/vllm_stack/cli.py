@@ -16,6 +16,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_stack.router_cli import main as router_main
 
         return router_main(argv[1:])
+    if argv and argv[0] == "epp":  # the router's scheduling served to a gateway (ext_proc on 9002)
+        from vllm_stack.router_cli import main as router_main
+
+        return router_main(["--ext-proc-port", "9002", *argv[1:]], prog="vllm-stack epp")
     from vllm_stack_dev.cli import main as dev_main  # development commands: models, engines, run
 
     return dev_main(argv)

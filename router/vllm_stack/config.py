@@ -146,6 +146,14 @@ class RouterConfig:
     otel_service_name: str = "vllm-stack-router"
     otel_secure: bool = False  # gRPC with TLS
     trace_sample_ratio: float = 1.0  # of new traces; a client's traceparent decides for its own
+    # The Inference Extension (docs/inference-extension.md). Endpoint picker: an ext_proc server on this
+    # port (0: none) scheduling for a gateway; its engines the pods of this InferencePool (k8s discovery)
+    ext_proc_port: int = 0
+    inference_pool: str = ""
+    # Gateway mode: each request's engine asked of this endpoint picker (grpc://host:port; empty: ours)
+    endpoint_picker: str = ""
+    endpoint_picker_timeout: float = 1.0  # seconds for its answer, after the request body was sent
+    endpoint_picker_fail_open: bool = True  # it is down or slow: schedule here (False: 503)
     shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"
     log_level: str = "info"
@@ -236,6 +244,19 @@ class RouterConfig:
             raise ConfigError(f"otlp_traces_protocol must be one of {', '.join(TRACE_PROTOCOLS)}")
         if not 0 <= self.trace_sample_ratio <= 1:
             raise ConfigError("trace_sample_ratio must be in [0, 1]")
+        if not 0 <= self.ext_proc_port <= 65535:
+            raise ConfigError("ext_proc_port must be a port number (0: no endpoint picker)")
+        if self.inference_pool and self.service_discovery != "k8s":
+            raise ConfigError("inference_pool needs service_discovery k8s (its pods are the engines)")
+        if self.endpoint_picker:
+            if not self.endpoint_picker.startswith("grpc://") or ":" not in self.endpoint_picker[7:]:
+                raise ConfigError("endpoint_picker must be grpc://HOST:PORT")
+            if self.ext_proc_port:
+                raise ConfigError(
+                    "endpoint_picker (gateway mode) and ext_proc_port (endpoint picker) exclude each other"
+                )
+        if self.endpoint_picker_timeout <= 0:
+            raise ConfigError("endpoint_picker_timeout must be > 0")
         return self
 
 

@@ -293,7 +293,35 @@ class RouterMetrics:
             [],
             LATENCY_BUCKETS,
         )
+        # The Inference Extension: gateway mode's questions to an endpoint picker, and our picker's streams
+        self.endpoint_picker = _Family(
+            PREFIX + "endpoint_picker_requests_total",
+            "Gateway mode: requests whose engine was asked of the endpoint picker, by outcome: picked, "
+            "immediate (it answered the client itself, e.g. 429), unknown_endpoint (it named no engine of "
+            "this router), error (down or broken), timeout. error, timeout and unknown_endpoint are "
+            "scheduled here (fail-open) or answered 503 (fail-closed).",
+            "counter",
+            ["outcome"],
+        )
+        self.endpoint_picker_seconds_family = _Family(
+            PREFIX + "endpoint_picker_seconds",
+            "Gateway mode: time from sending a request's body to the endpoint picker to its answer.",
+            "histogram",
+            [],
+            LATENCY_BUCKETS,
+        )
+        self.ext_proc_streams = _Family(
+            PREFIX + "ext_proc_streams_total",
+            "Endpoint picker: ext_proc streams (one per gateway request) by outcome: picked, immediate "
+            "(an error answered by the gateway), header_only (no body: any engine), aborted (the stream "
+            "ended before an answer), protocol_error.",
+            "counter",
+            ["outcome"],
+        )
         self._fast = [
+            self.endpoint_picker,
+            self.endpoint_picker_seconds_family,
+            self.ext_proc_streams,
             self.lmcache_lookups,
             self.lmcache_lookup_seconds_family,
             self.disagg_requests,
@@ -316,6 +344,7 @@ class RouterMetrics:
         r.register(_FastCollector(self._fast))
         self._decision_seconds = self.routing_decision_seconds.child()
         self.lmcache_lookup_seconds = self.lmcache_lookup_seconds_family.child()
+        self.endpoint_picker_seconds = self.endpoint_picker_seconds_family.child()
 
         self.engine_healthy = Gauge(
             PREFIX + "engine_healthy",

@@ -11,11 +11,9 @@ from vllm_stack.config import TRACE_PROTOCOLS, ConfigError
 from vllm_stack.scheduling.profiles import ROUTING_LOGICS
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "vllm-stack router") -> argparse.ArgumentParser:
     """Flags of docs/contracts.md (plus a few extras). Defaults are None so the YAML file can set them."""
-    p = argparse.ArgumentParser(
-        prog="vllm-stack router", description="OpenAI-compatible router for vLLM engines."
-    )
+    p = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible router for vLLM engines.")
     p.add_argument("--host", help="listen address (default 0.0.0.0)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--config", dest="config_file", help="YAML configuration file; reloaded on change")
@@ -166,6 +164,29 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="share of new traces kept, 0..1 (default 1; a client's traceparent decides)",
     )
+    # The Gateway API Inference Extension (docs/inference-extension.md)
+    p.add_argument(
+        "--ext-proc-port",
+        type=int,
+        help="serve this router's scheduling as an endpoint picker (ext_proc v3 gRPC) on this port",
+    )
+    p.add_argument(
+        "--inference-pool",
+        help="engines: the pods of this InferencePool (its selector and target port; with k8s discovery)",
+    )
+    p.add_argument(
+        "--endpoint-picker",
+        help="gateway mode: ask this endpoint picker (grpc://HOST:PORT) for each request's engine",
+    )
+    p.add_argument(
+        "--endpoint-picker-timeout", type=float, help="seconds the endpoint picker may take (default 1)"
+    )
+    p.add_argument(
+        "--endpoint-picker-fail-open",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when the endpoint picker is down or slow, schedule here (default) or answer 503",
+    )
     # production-stack's router hosts an LMCache controller itself for kvaware; this one asks a
     # separate lmcache_controller. Its flags are taken only to say so (see main).
     for flag in HOSTED_CONTROLLER_FLAGS:
@@ -183,8 +204,8 @@ HOSTED_CONTROLLER_FLAGS = (
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "vllm-stack router") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     hosted = [f for f in HOSTED_CONTROLLER_FLAGS if getattr(args, "hosted_" + f[2:].replace("-", "_"))]
     if hosted:

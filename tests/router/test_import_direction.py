@@ -19,6 +19,7 @@ LAYERS = {
     "cli": 9,  # the console script: `router` or, lazily, the development commands
     "router_cli": 8,  # flags, process set-up
     "app": 7,  # assembly
+    "epp": 6.5,  # the endpoint picker: the API layer's parsing and the director, for a gateway
     "api": 6,
     "director": 5,
     "scheduling": 4,
@@ -27,6 +28,7 @@ LAYERS = {
     "tracing": 4,
     "engines": 3,
     "server": 3,
+    "extproc": 2,  # Envoy's ext_proc messages as the Inference Extension uses them
     "config": 1,
     "metrics": 1,
     "errors": 1,

@@ -119,6 +119,50 @@ def _header_lines(headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]) ->
     return parts
 
 
+def resolve(
+    router: RouterState,
+    path: str,
+    body: bytes,
+    content_type: bytes,
+    session_value: bytes | None,
+    priority_value: bytes | None,
+    headers: list[tuple[bytes, bytes]],
+) -> RequestContext:
+    """The request's context from its body and routed headers: the routing fields parsed, a weighted
+    model name retargeted, the model resolved (400 / 404) and the priority (400 / 403); ``ctx.body`` is
+    the body as the engine gets it. The caller sets ``request_id`` and ``arrived``. The router's own
+    requests and the endpoint picker's (:mod:`vllm_stack.epp`) both come through here."""
+    if path in MULTIPART_PATHS:
+        if not content_type.startswith(b"multipart/form-data"):
+            raise RouterError(400, "This endpoint takes multipart/form-data.", code="invalid_content_type")
+        model = multipart_field(body, content_type, b"model")
+        user = prefix = prompt = cache_salt = body_priority = None
+    else:
+        fields = router.parser.parse(body)
+        model, user, prefix = fields.model, fields.user, fields.prefix
+        prompt, cache_salt, body_priority = fields.prompt, fields.cache_salt, fields.priority
+    session_key = session_value.decode("latin-1") if session_value is not None else user
+    spec = None
+    catalog = router.catalog
+    if catalog is not None:
+        model, body = _retarget(catalog, model, session_key, body, path in MULTIPART_PATHS)
+        spec = catalog.get(model) if model else None
+    model, model_label = _resolve_model(router, path, model, spec)
+    priority = 0
+    policy = router.priority
+    if priority_value is not None or body_priority is not None or policy.defaults:
+        priority = policy.resolve(model, spec, priority_value, body_priority, headers)
+        if path not in MULTIPART_PATHS:
+            body = policy.engine_body(spec.base_model if spec else model, priority, body, body_priority)
+    ctx = RequestContext(model, session_key, prefix, path, body, prompt, cache_salt, b"", model_label)
+    if spec is not None:
+        ctx.adapter = spec
+        ctx.pool = spec.base_model
+    if priority:
+        ctx.priority = priority
+    return ctx
+
+
 def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> None:
     """Answer an error at once, or hand the request to the director."""
     started = time.perf_counter()
@@ -160,31 +204,9 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         lines += (b"x-request-id: ", request_id, b"\r\n")
     path = request.path
     try:  # the API key was checked on the head (api.head), before the body was read
-        if path in MULTIPART_PATHS:
-            if not content_type.startswith(b"multipart/form-data"):
-                raise RouterError(
-                    400, "This endpoint takes multipart/form-data.", code="invalid_content_type"
-                )
-            model = multipart_field(request.body, content_type, b"model")
-            user = prefix = prompt = cache_salt = body_priority = None
-        else:
-            fields = router.parser.parse(request.body)
-            model, user, prefix = fields.model, fields.user, fields.prefix
-            prompt, cache_salt, body_priority = fields.prompt, fields.cache_salt, fields.priority
-        session_key = session_value.decode("latin-1") if session_value is not None else user
-        spec = None
-        catalog = router.catalog
-        if catalog is not None:
-            model, body = _retarget(catalog, model, session_key, request.body, path in MULTIPART_PATHS)
-            spec = catalog.get(model) if model else None
-        else:
-            body = request.body
-        model, model_label = _resolve_model(router, path, model, spec)
-        priority = 0
-        if priority_value is not None or body_priority is not None or policy.defaults:
-            priority = policy.resolve(model, spec, priority_value, body_priority, request.headers)
-            if path not in MULTIPART_PATHS:
-                body = policy.engine_body(spec.base_model if spec else model, priority, body, body_priority)
+        ctx = resolve(
+            router, path, request.body, content_type, session_value, priority_value, request.headers
+        )
     except RouterError as err:
         router.metrics.observe_request(
             UNKNOWN_MODEL_LABEL, "none", str(err.status), time.perf_counter() - started
@@ -194,19 +216,14 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
             tracer.answered_early(request.method, path, request.headers, started, err.status)
         conn.send_error(err, request_id, request.keep_alive)
         return
+    ctx.request_id = request_id
+    ctx.arrived = started
     director = router.director
     key = director.settings.engine_auth
     if key:
         lines += (b"authorization: ", key, b"\r\n")
+    body = ctx.body
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
-    ctx = RequestContext(
-        model, session_key, prefix, path, body, prompt, cache_salt, request_id, model_label, started
-    )
-    if spec is not None:
-        ctx.adapter = spec
-        ctx.pool = spec.base_model
-    if priority:
-        ctx.priority = priority
     # Everything after the request line, Host and plugins' headers: the same for every leg.
     tail = b"".join(lines)
     ProxiedRequest(director, conn, request, ctx, tail)  # starts it

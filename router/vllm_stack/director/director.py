@@ -23,6 +23,7 @@ from vllm_stack.scheduling.config import Hooks, SchedulingSetup
 from vllm_stack.scheduling.framework import Reason, Scheduler
 
 if TYPE_CHECKING:
+    from vllm_stack.director.endpoint_picker import EndpointPickerClient
     from vllm_stack.tracing.otel import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Director:
         "queue",
         "pd_notifications",
         "tracer",
+        "endpoint_picker",
     )
 
     def __init__(
@@ -97,6 +99,7 @@ class Director:
         queue: RequestQueue | None = None,
         pd_notifications: PdNotifications | None = None,
         tracer: RequestTracer | None = None,
+        endpoint_picker: EndpointPickerClient | None = None,
     ) -> None:
         self.queue = queue if queue is not None else RequestQueue(metrics)
         self.registry = registry
@@ -108,6 +111,8 @@ class Director:
         # LMCache's PD notifications (the lmcache hand-over protocol only; None otherwise)
         self.pd_notifications = pd_notifications
         self.tracer = tracer  # None: tracing off (vllm_stack.tracing is then never imported)
+        # Gateway mode: engines are asked of this external endpoint picker (None: scheduled here)
+        self.endpoint_picker = endpoint_picker
 
     def configure(self, setup: SchedulingSetup, settings: ProxySettings) -> None:
         """A reload: new scheduling and settings for the requests that start from now on."""

@@ -1,4 +1,4 @@
-"""One proxied request through the director's stages, driven by callbacks, not by a coroutine.
+"""One proxied request: the director's stages (:mod:`.stages`), then relay legs to the engine.
 
 admit -> prepare -> schedule -> pre-request -> relay leg; on a failure before anything reached the
 client, schedule again (the engines tried are excluded) and run another leg, up to ``retries`` more.
@@ -6,18 +6,9 @@ For a model with prefill engines, the first scheduling is preceded by the prefil
 (:mod:`.prefill_stage`): a prefill leg elsewhere, whose hand-over the decode leg carries.
 When scheduling finds every engine saturated (or a configured model has none ready), the request
 waits in its model's queue (:mod:`.queue`) and is scheduled again from there; a sheddable one is
-answered 429 instead.
-
-A stage hook (a plugin's ``admit``, ``prepare``, ``pre_request``) is synchronous unless it returns an
-awaitable; only then does the request wait, on that awaitable, and resume in its done-callback. The
-common path (no hook, or synchronous ones) runs start to upstream write in one call. A client that
-leaves during any stage ends the request: the awaitable the stage is waiting on is cancelled, the
-leg's connection is closed (the engine aborts the request), and the engine's books are settled.
-
-What an attempt holds on its engine (breaker turn, in-flight count, prefill estimate, gauge) is one
-:class:`~vllm_stack.engines.booking.EngineBooking`, released on every way out by :meth:`_settle`.
-What the request is (id, model, metric label, arrival, the decision's profile and reason, TTFT) is
-its :class:`~vllm_stack.scheduling.framework.RequestContext`, which every stage, plugin and leg reads.
+answered 429 instead. A client that leaves during any stage ends the request: the awaitable the stage
+is waiting on is cancelled, the leg's connection is closed (the engine aborts the request), and the
+engine's books are settled.
 
 Breaker accounting lives here, not in the relay (a leg only reports how its exchange ended):
 - ``connect_error``: the engine could not be reached; it is ejected until healthy again;
@@ -31,63 +22,35 @@ Breaker accounting lives here, not in the relay (a leg only reports how its exch
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from vllm_stack.director.disagg import DISAGG_PATHS
-from vllm_stack.director.prefill_stage import PrefillStage
-from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS, EngineBooking
+from vllm_stack.director.stages import DirectedRequest, route_header
+from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.relay.leg import Leg
-from vllm_stack.scheduling.config import Hooks
-from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
+from vllm_stack.scheduling.framework import Completion, RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
 
+__all__ = ["ProxiedRequest", "route_header"]
+
 log = logging.getLogger(__name__)
 
-_ADMIT, _PREPARE, _PRE_REQUEST = 0, 1, 2
-_STAGE_NAMES = ("admission", "prepare", "pre-request")
+_ASKING, _LOCAL = "asking", "local"  # gateway mode: the picker is being asked / failed (fail-open)
 
 
-def route_header(profile: str, reason: str, engine: str, note: str = "") -> bytes:
-    """The x-vllm-stack-route value: what decided and where the request went. Engine names and a
-    picker's note come from discovery and from other services, so anything but printable ASCII is
-    replaced (nothing they hold can end the header line)."""
-    value = f"profile={profile}; reason={reason}; engine={engine}" + (f"; {note}" if note else "")
-    return "".join(c if " " <= c <= "~" else "?" for c in value).encode()
-
-
-class ProxiedRequest:
+class ProxiedRequest(DirectedRequest):
     """The state of one proxied request; the client connection's handler while it runs."""
 
-    __slots__ = (
-        "director",
-        "conn",
-        "request",
-        "ctx",
-        "tail",
-        "attempts_left",
-        "engine",
-        "booking",
-        "last_error",
-        "status",
-        "done",
-        "leg",
-        "waiting",
-        "answer_end",
-        "queue_seq",
-        "queued_at",
-        "disagg_pending",
-        "pd",
-        "route",
-    )
+    __slots__ = ("conn", "request", "tail", "leg", "answer_end", "pick")
 
     def __init__(
         self,
@@ -97,29 +60,17 @@ class ProxiedRequest:
         ctx: RequestContext,
         tail: bytes,
     ) -> None:
-        self.director = director
+        DirectedRequest.__init__(self, director, ctx, 1 + director.settings.retries)
         self.conn = conn
         self.request = request
-        self.ctx = ctx  # request_id, model_label and arrived are set by the API layer
         self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
-        self.attempts_left = 1 + director.settings.retries
-        self.engine: Engine | None = None  # the engine of the current (or last) attempt
-        self.booking: EngineBooking | None = None  # what the current attempt holds on it
-        self.last_error: RouterError | None = None
-        self.status = "none"  # the outcome label of the request counter
-        self.done = False
         self.leg: Leg | None = None
-        self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
         self.answer_end: bytes | None = None
-        self.queue_seq = 0  # its entry in the model's queue while it waits there (director.queue)
-        self.queued_at = 0.0
+        self.pick: Any = None  # gateway mode: _ASKING, _LOCAL, or the endpoint picker's PickAnswer
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
         self.disagg_pending = director.settings.disagg is not None and ctx.path in DISAGG_PATHS
-        self.pd: PrefillStage | None = None  # while its prefill stage runs
-        self.route: bytes | None = None  # the x-vllm-stack-route value (debug_headers on)
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
-        hooks = director.hooks
         tracer = director.tracer
         if tracer is not None:
             ctx.trace = tracer.begin(
@@ -132,144 +83,111 @@ class ProxiedRequest:
                 ctx.priority,
             )
             ctx.keep_answer_end = True  # the usage (token counts) of the answer, for the server span
-            if hooks.admission:
-                ctx.trace.stage_begin("admission")
-        if hooks.admission or hooks.prepare:
-            self._run_hooks(hooks, _ADMIT, 0)
-        else:
-            self._attempt()
+        self._begin()
 
-    # ---- stages ------------------------------------------------------------------------------------------
-
-    def _run_hooks(self, hooks: Hooks, stage: int, index: int) -> None:
-        """Run the hooks of ``stage`` from ``index`` on, then the stages after it. ``hooks`` is the
-        set the stage began with: a reload while a hook is awaited does not shift the position."""
+    # ---- gateway mode (.endpoint_picker) --------------------------------------------------------------
+    def _ask_picker(self) -> bool:
+        pick = self.pick
+        if pick is _LOCAL:
+            return False
+        picker = self.director.endpoint_picker
+        assert picker is not None
         ctx = self.ctx
-        while True:
-            fns = (
-                hooks.admission
-                if stage == _ADMIT
-                else hooks.prepare
-                if stage == _PREPARE
-                else hooks.pre_request
+        if pick is None:  # the first attempt: ask
+            self.pick = _ASKING
+            ctx.keep_answer_end = True  # the usage, for the picker's view of the answer's end
+            request = self.request
+            authority = next((v for k, v in request.headers if k == b"host"), b"")
+            subset = [
+                e.address for e in self.director.registry.candidates(ctx.pool or ctx.model) if e.routable()
+            ]
+            future = self.waiting = asyncio.ensure_future(
+                picker.ask(
+                    request.method,
+                    request.target,
+                    authority,
+                    request.headers,
+                    ctx.request_id,
+                    ctx.body,
+                    subset,
+                )
             )
-            while index < len(fns):
-                fn = fns[index]
-                index += 1
-                try:
-                    if stage == _ADMIT:
-                        outcome = fn(ctx, self.director.registry.candidates(ctx.pool or ctx.model))
-                    elif stage == _PREPARE:
-                        outcome = fn(ctx)
-                    else:
-                        outcome = fn(ctx, self.engine)
-                except Exception:  # noqa: BLE001 - a plugin's bug fails its request, not the router
-                    log.exception("%s hook %r failed (%s)", _STAGE_NAMES[stage], fn, ctx.log_ref())
-                    self._plugin_failed()
-                    return
-                if outcome is None:
-                    continue
-                if isinstance(outcome, Refusal):
-                    self._refused(outcome)
-                    return
-                if inspect.isawaitable(outcome):
-                    self._wait(outcome, hooks, stage, index)
-                    return
-                log.error("%s hook %r returned %r (%s)", _STAGE_NAMES[stage], fn, outcome, ctx.log_ref())
-                self._plugin_failed()
-                return
-            if stage == _ADMIT:
-                stage, index = _PREPARE, 0
-                if ctx.trace is not None:
-                    ctx.trace.stage_end()  # admitted
-            elif stage == _PREPARE:
-                self._attempt()
-                return
-            else:
-                self._send()
-                return
+            future.add_done_callback(self._picked)
+            return True
+        # a retry: the picker's fallbacks, in its order
+        if pick is not _ASKING and self._start_listed(pick.endpoints):
+            return True
+        self._fail(self.last_error or RouterError(502, "No engine answered.", code="upstream_error"))
+        return True
 
-    def _wait(self, awaitable: Awaitable[Any], hooks: Hooks, stage: int, index: int) -> None:
-        trace = self.ctx.trace
-        if trace is not None and stage != _ADMIT:  # admission has its span already
-            self._trace_hook(trace, stage, hooks, index - 1)
-        future = self.waiting = asyncio.ensure_future(awaitable)
-        future.add_done_callback(lambda f: self._resumed(f, hooks, stage, index))
+    def _picked(self, future: asyncio.Future[Any]) -> None:
+        from vllm_stack.director.endpoint_picker import IMMEDIATE, PICKED
 
-    def _resumed(self, future: asyncio.Future[Any], hooks: Hooks, stage: int, index: int) -> None:
-        if future is not self.waiting or self.done:  # the client left (and the future was cancelled)
+        picker = self.director.endpoint_picker
+        assert picker is not None
+        if future is not self.waiting or self.done:  # the client left
+            if not future.cancelled() and future.exception() is None:
+                picker.abandon(future.result())
             return
         self.waiting = None
-        if future.cancelled():
-            log.error("%s hook's awaitable was cancelled (%s)", _STAGE_NAMES[stage], self.ctx.log_ref())
-            self._plugin_failed()
-            return
-        exc = future.exception()
-        if exc is not None:
-            log.error("%s hook failed (%s)", _STAGE_NAMES[stage], self.ctx.log_ref(), exc_info=exc)
-            self._plugin_failed()
-            return
-        outcome = future.result()
-        if isinstance(outcome, Refusal):
-            self._refused(outcome)
-            return
-        if outcome is not None:
-            log.error("%s hook resolved to %r (%s)", _STAGE_NAMES[stage], outcome, self.ctx.log_ref())
-            self._plugin_failed()
-            return
-        trace = self.ctx.trace
-        if trace is not None and stage != _ADMIT:  # (a refusal ends the span in _refused, marked)
-            trace.stage_end()
-        self._run_hooks(hooks, stage, index)
-
-    def _trace_hook(self, trace: Any, stage: int, hooks: Hooks, index: int) -> None:  # noqa: ANN401
-        """A span for an awaited prepare-data or pre-request hook (a LoRA adapter load is the
-        lora-affinity plugin's awaited pre-request hook: the adapter is named on the span)."""
-        fns = hooks.prepare if stage == _PREPARE else hooks.pre_request
-        plugin = getattr(getattr(fns[index], "__self__", None), "name", "")
-        attributes: dict[str, Any] = {"vllm_stack.plugin": str(plugin)}
-        adapter = self.ctx.adapter
-        if stage == _PRE_REQUEST and adapter is not None:
-            attributes["vllm_stack.adapter"] = adapter.name
-            attributes["vllm_stack.engine"] = self.engine_name()
-        trace.stage_begin(_STAGE_NAMES[stage].replace("-", "_"), **attributes)
-
-    def _attempt(self) -> None:
-        """Schedule (again, after a failure), then pre-request hooks, then a leg; or wait in the
-        model's queue when every engine is saturated or none is ready yet."""
-        if self.attempts_left <= 0:
-            self._fail(self.last_error or RouterError(502, "No engine answered.", code="upstream_error"))
-            return
-        if self.disagg_pending:
-            self.disagg_pending = False
-            self.pd = PrefillStage.begin(self)
-            if self.pd is not None:
-                return
-        director = self.director
+        answer = future.result()  # (ask never raises)
         ctx = self.ctx
-        queue = director.queue
-        if queue.length and not ctx.excluded and queue.ahead(ctx.pool or ctx.model, ctx.priority):
-            # requests of at least its priority wait already: it goes behind them (sheddable: shed)
-            self._wait_or_fail(Reason.ALL_SATURATED)
+        if answer.kind == IMMEDIATE:
+            self.pick = None
+            self._fail(_picker_refusal(answer.status, answer.body, answer.headers))
             return
-        ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
-        scheduler = director.scheduler
-        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
-        trace = ctx.trace
-        if trace is not None:
-            trace.schedule_begin()
-        result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
-        ctx.profile = result.profile
-        ctx.reason = result.reason
-        engine = result.engine
-        if trace is not None:
-            trace.schedule_end(result.profile, result.reason, engine and engine.name, ctx.predicted_cached)
-        if engine is None:
-            self._wait_or_fail(result.reason)
-            return
-        if director.settings.debug_headers:
-            self._note_route(engine)
-        self._start(engine)
+        if answer.kind == PICKED:
+            self.pick = answer
+            if answer.body and answer.body != ctx.body:
+                self._rebody(answer.body)
+            ctx.profile, ctx.reason = "endpoint-picker", "picked"
+            if self._start_listed(answer.endpoints):
+                return
+            picker.abandon(answer)
+            outcome = "unknown_endpoint"
+            log.warning(
+                "the endpoint picker named no engine of this router (%s; %s)", answer.endpoints, ctx.log_ref()
+            )
+        else:
+            outcome = answer.outcome
+        picker.failed(outcome)
+        if picker.fail_open:
+            self.pick = _LOCAL
+            self._attempt()
+        else:
+            self.pick = None
+            self._fail(
+                RouterError(
+                    503,
+                    "The endpoint picker gave no engine; try again shortly.",
+                    code="endpoint_picker_unavailable",
+                    headers=[(b"retry-after", b"1")],
+                )
+            )
+
+    def _start_listed(self, endpoints: list[str]) -> bool:
+        """Start an attempt on the first usable engine of ``endpoints`` (taken off the list)."""
+        registry = self.director.registry
+        ctx = self.ctx
+        while endpoints:
+            address = endpoints.pop(0)
+            for engine in registry.candidates(ctx.pool or ctx.model):
+                if engine.address == address:
+                    if engine.name not in ctx.excluded and engine.routable() and engine.breaker.available():
+                        if self.director.settings.debug_headers:
+                            self._note_route(engine)
+                        self._start(engine)
+                        return True
+                    break
+        return False
+
+    def _rebody(self, body: bytes) -> None:
+        """The picker changed the body (e.g. the model's name): the legs send its version."""
+        ctx = self.ctx
+        head = self.tail[: len(self.tail) - len(ctx.body)]
+        head = head[: head.rfind(b"content-length: ")] + b"content-length: %d\r\n\r\n" % len(body)
+        self.tail = head + body
+        ctx.body = body
 
     # ---- disaggregated prefill (.prefill_stage) -------------------------------------------------------
     def resume_after_prefill(self, engine: Engine | None) -> None:
@@ -284,81 +202,6 @@ class ProxiedRequest:
             self._start(engine)
         else:
             self._attempt()
-
-    def _note_route(self, engine: Engine) -> None:
-        """What the answer's x-vllm-stack-route will say (debug_headers on): the decision in the context."""
-        ctx = self.ctx
-        self.route = route_header(ctx.profile, ctx.reason, engine.name, ctx.route_note)
-
-    def _may_wait(self, reason: str) -> bool:
-        """Whether the request waits in its model's queue for ``reason`` (not a sheddable one when
-        the engines are saturated; one for a configured model that has no ready engine)."""
-        settings = self.director.settings
-        if not settings.queue_enabled or self.director.queue.max_per_model <= 0:
-            return False
-        if reason == Reason.ALL_SATURATED:
-            return self.ctx.priority >= 0
-        return reason == Reason.NO_CANDIDATE and (self.ctx.pool or self.ctx.model) in settings.served_models
-
-    def _wait_or_fail(self, reason: str) -> None:
-        director = self.director
-        ctx = self.ctx
-        if not self._may_wait(reason):
-            self._fail(self.last_error or director.error_for(reason, ctx.model))
-        elif not director.queue.add(ctx.pool or ctx.model, self):
-            self._fail(director.error_for(Reason.QUEUE_FULL, ctx.model))
-        elif ctx.trace is not None:
-            ctx.trace.queued()
-
-    @property
-    def priority(self) -> int:
-        return self.ctx.priority
-
-    def try_dispatch(self) -> str | None:
-        """The queue's try (it is the head of its model's queue): an engine now, or None to stay."""
-        director = self.director
-        ctx = self.ctx
-        ctx.prefill_tokens = 0
-        scheduler = director.scheduler
-        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
-        result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
-        ctx.profile = result.profile
-        ctx.reason = result.reason
-        if result.engine is not None:
-            trace = ctx.trace
-            if trace is not None:
-                trace.dequeued("dispatched")
-                trace.schedule_begin()  # the decision that took it out of the queue
-                trace.schedule_end(result.profile, result.reason, result.engine.name, ctx.predicted_cached)
-            self.queue_seq = 0
-            if director.settings.debug_headers:
-                self._note_route(result.engine)
-            self._start(result.engine)
-            return "dispatched"
-        if self._may_wait(result.reason):
-            return None
-        self.queue_seq = 0
-        self._fail(self.last_error or director.error_for(result.reason, ctx.model))
-        return "failed"
-
-    def displaced(self) -> None:
-        """A full queue made room for a request of higher priority: this one is answered 429."""
-        self._fail(self.director.error_for(Reason.QUEUE_FULL, self.ctx.model))
-
-    def _start(self, engine: Engine) -> None:
-        self.attempts_left -= 1
-        director = self.director
-        ctx = self.ctx
-        self.engine = engine
-        self.booking = EngineBooking(
-            engine, director.metrics.in_flight_child(engine.name), ctx.prefill_tokens
-        )
-        hooks = director.hooks
-        if hooks.pre_request:
-            ctx.upstream_headers = b""
-            self._run_hooks(hooks, _PRE_REQUEST, 0)
-        else:
-            self._send()
 
     def _send(self) -> None:
         engine = self.engine
@@ -381,31 +224,6 @@ class ProxiedRequest:
         )
         if ctx.keep_answer_end:
             leg.answer_end = b""  # before any read: none is handled before this returns
-
-    def _settle(self, outcome: str) -> None:
-        """The current attempt is over: its engine's books released, its breaker told ``outcome``
-        (engines.booking), and a request waiting for that engine's model given a try. The one way
-        out of an attempt; nothing happens when none is open."""
-        booking = self.booking
-        if booking is not None:
-            self.booking = None
-            booking.settle(outcome)
-            queue = self.director.queue
-            if queue.length:  # its engine has room for one waiting
-                queue.kick(self.ctx.pool or self.ctx.model)
-
-    def first_token(self) -> None:
-        """The engine has prefilled the prompt (its first token is out): its prefill estimate is released."""
-        booking = self.booking
-        if booking is not None and booking.prefill_tokens:  # (a call less for most requests)
-            booking.first_token()
-
-    def _other_candidate(self) -> bool:
-        excluded = self.ctx.excluded
-        return any(
-            e.name not in excluded and e.breaker.available()
-            for e in self.director.registry.candidates(self.ctx.pool or self.ctx.model)
-        )
 
     # ---- what the leg reports ----------------------------------------------------------------------------
     def retry_on_status(self, leg: Leg, status: int) -> bool:
@@ -501,12 +319,7 @@ class ProxiedRequest:
             return
         self.done = True
         self.status = "client_closed"
-        if self.queue_seq:
-            self.director.queue.remove(self.ctx.pool or self.ctx.model, self, "client_closed")
-        waiting = self.waiting
-        if waiting is not None:
-            self.waiting = None
-            waiting.cancel()  # whatever the stage started ends with the request
+        self._leave_stages()
         if self.pd is not None:
             self.pd.cancel()  # the prefill engine sees the connection close and aborts the request
             self.pd = None
@@ -535,34 +348,13 @@ class ProxiedRequest:
         """
         if self.done:
             return
-        settings = self.director.settings
-        timeout = settings.request_timeout
-        leg = self.leg
-        if self.queue_seq:
-            if now - self.queued_at >= settings.queue_timeout:
-                self.director.queue.remove(self.ctx.pool or self.ctx.model, self, "timeout")
-                self._fail(
-                    self.director.error_for(
-                        Reason.QUEUE_TIMEOUT,
-                        self.ctx.model,
-                        f"No engine of model '{self.ctx.model}' had room within {settings.queue_timeout:g}s; "
-                        "try again shortly.",
-                    )
-                )
-            return
+        timeout = self.director.settings.request_timeout
         if self.pd is not None:
             self.pd.check_timeout(now, timeout)
             return
-        if leg is None:
-            if self.waiting is not None and now - self.ctx.arrived >= timeout:
-                waiting, self.waiting = self.waiting, None
-                waiting.cancel()
-                self._settle(RELEASED)
-                self._fail(
-                    RouterError(
-                        504, f"The request was not routed within {timeout:g}s.", code="routing_timeout"
-                    )
-                )
+        leg = self.leg
+        if leg is None:  # in the queue, or waiting on a stage's awaitable
+            self.stage_timed_out(now, timeout)
             return
         if leg.silent_for(now) < timeout:
             return
@@ -583,16 +375,6 @@ class ProxiedRequest:
         )
 
     # ---- endings -----------------------------------------------------------------------------------------
-    def _refused(self, refusal: Refusal) -> None:
-        self._settle(RELEASED)
-        if self.ctx.trace is not None:
-            self.ctx.trace.stage_end(str(refusal.reason))
-        self._fail(self.director.error_for(refusal.reason, self.ctx.model, refusal.message))
-
-    def _plugin_failed(self) -> None:
-        self._settle(RELEASED)
-        self._fail(RouterError(500, "A routing plugin failed; see the router's log.", code="plugin_error"))
-
     def _fail(self, error: RouterError) -> None:
         """Answer with an error of the router's own (only while nothing was forwarded)."""
         if self.done:
@@ -601,10 +383,6 @@ class ProxiedRequest:
         self.status = str(error.status)
         self.conn.send_error(error, self.ctx.request_id, self.request.keep_alive)
         self._account()
-
-    def engine_name(self) -> str:
-        """The engine of the current (or last) attempt, "none" before one was picked."""
-        return self.engine.name if self.engine is not None else "none"
 
     def _account(self) -> None:
         director = self.director
@@ -616,6 +394,14 @@ class ProxiedRequest:
         trace = ctx.trace
         if trace is not None:
             trace.end(self.status, self.answer_end)
+        pick = self.pick
+        if pick is not None and pick.__class__ is not str:  # gateway mode: the picker sees the end
+            picker = director.endpoint_picker
+            assert picker is not None
+            if self.status.isdigit():
+                picker.finish(pick, int(self.status), b"", self.answer_end or b"")
+            else:
+                picker.abandon(pick)
         if director.settings.access_log:
             request = self.request
             log.info(
@@ -635,3 +421,18 @@ class ProxiedRequest:
                     fn(ctx, completion)
                 except Exception:  # noqa: BLE001 - the answer is already out; log and go on
                     log.exception("response-complete hook %r failed (%s)", fn, ctx.log_ref())
+
+
+def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) -> RouterError:
+    """The endpoint picker's ImmediateResponse as the client's error: its status, and its message (an
+    OpenAI-style body's, or the body's text, as the upstream picker writes ``inference error: ...``)."""
+    message, code = "", "endpoint_picker_refused"
+    try:
+        error = orjson.loads(body)["error"]
+        message, code = str(error["message"]), str(error.get("code") or code)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip()
+    kept = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers if k == "retry-after"]
+    return RouterError(
+        status if 400 <= status <= 599 else 502, message or f"Refused ({status}).", code=code, headers=kept
+    )

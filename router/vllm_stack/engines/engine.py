@@ -135,6 +135,11 @@ class Engine:
     def routable(self) -> bool:
         return self.ready and self.healthy
 
+    @property
+    def address(self) -> str:
+        """``host:port`` of its URL: how a gateway and an endpoint picker name it."""
+        return self.url.partition("://")[2].split("/", 1)[0]
+
     def describe(self) -> dict[str, Any]:
         """JSON view for ``GET /engines``."""
         t = self.fresh_telemetry()

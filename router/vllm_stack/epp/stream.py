@@ -1,0 +1,316 @@
+"""One ext_proc stream (one gateway request): the messages in, the answers out, in the protocol's order.
+
+The request's headers and body chunks are gathered until the body's end (bounded by the router's body
+limits); then the request goes through the same parsing as the router's own (:func:`vllm_stack.api.
+proxied.resolve`) and the director's stages (:class:`~.request.PickedRequest`). The answer to the
+request headers (the picked endpoint, as a header and as ``envoy.lb`` metadata with fallbacks after it)
+and the body (as the engine must get it: a weighted name's target, the engine priority field) follow, or
+one ImmediateResponse with the router's OpenAI-style error. The response's headers and body chunks are
+passed back as they come; their end settles the engine's booking and runs the completion hooks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm_stack.api.proxied import resolve
+from vllm_stack.epp.request import PickedRequest
+from vllm_stack.errors import RouterError, error_body, no_healthy_engine
+from vllm_stack.extproc import wire
+from vllm_stack.relay.leg import ANSWER_END_BYTES
+from vllm_stack.request_id import new_request_id, valid_request_id
+
+if TYPE_CHECKING:
+    from vllm_stack.api.state import RouterState
+    from vllm_stack.epp.server import PickerService
+
+log = logging.getLogger(__name__)
+
+Responses = list[wire.ProcessingResponse]
+
+
+def _lines(block: bytes) -> Iterable[tuple[str, str]]:
+    """``name: value`` pairs of header lines (what pre-request plugins add upstream)."""
+    for line in block.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if sep:
+            yield name.strip().decode("latin-1").lower(), value.strip().decode("latin-1")
+
+
+class Exchange:
+    """The state of one stream; :meth:`receive` takes each message and gives the answers to send."""
+
+    __slots__ = (
+        "service",
+        "router",
+        "headers",
+        "chunks",
+        "size",
+        "reserved",
+        "subset",
+        "request",
+        "answer",
+        "status",
+        "answer_tail",
+        "closed",
+    )
+
+    def __init__(self, service: PickerService) -> None:
+        self.service = service
+        self.router: RouterState = service.router
+        self.headers: list[tuple[str, str]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.reserved = 0  # bytes of the service's body budget this stream holds
+        self.subset: list[str] | None = None
+        self.request: PickedRequest | None = None
+        # resolved by the request: the answers to the request's end, or the refusal
+        self.answer: asyncio.Future[Responses] | None = None
+        self.status = 200
+        self.answer_tail = b""
+        self.closed = False  # an ImmediateResponse was sent: the stream ends
+
+    # ---- messages in --------------------------------------------------------------------------------
+    async def receive(self, message: wire.ProcessingRequest) -> Responses:
+        kind = message.WhichOneof("request")
+        subset = wire.subset_hint(message)
+        if subset is not None:  # the latest message's hint counts (the body's end carries it)
+            self.subset = subset
+        if kind == "request_headers":
+            self.headers = wire.headers_of(message.request_headers)
+            if message.request_headers.end_of_stream:
+                return self._header_only()
+            return []
+        if kind == "request_body":
+            body = message.request_body
+            if body.body:
+                error = self._gather(body.body)
+                if error is not None:
+                    return self._refuse(error, "immediate")
+            if body.end_of_stream:
+                return await self._pick()
+            return []
+        if kind == "request_trailers":  # a body ended by trailers: its end is here
+            return await self._pick() if self.request is None and self.answer is None else []
+        if kind == "response_headers":
+            return self._response_headers(message.response_headers)
+        if kind == "response_body":
+            return self._response_body(message.response_body.body, message.response_body.end_of_stream)
+        if kind == "response_trailers":
+            self._answered()
+            return [wire.ProcessingResponse(response_trailers=wire.pb.TrailersResponse())]
+        self.service.metrics.ext_proc_streams.child("protocol_error").inc()
+        return []
+
+    def _gather(self, chunk: bytes) -> RouterError | None:
+        limit = self.router.max_body_bytes
+        if self.size + len(chunk) > limit:
+            return RouterError(413, f"The request body exceeds {limit} bytes.", code="body_too_large")
+        if not self.service.reserve(len(chunk)):
+            return RouterError(
+                503,
+                "The endpoint picker holds as many request bodies as it may; try again shortly.",
+                code="body_buffers_full",
+                headers=[(b"retry-after", b"1")],
+            )
+        self.reserved += len(chunk)
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        return None
+
+    def _release_body(self) -> None:
+        if self.reserved:
+            self.service.release(self.reserved)
+            self.reserved = 0
+        self.chunks = []
+
+    # ---- the pick -----------------------------------------------------------------------------------
+    async def _pick(self) -> Responses:
+        router = self.router
+        started = time.perf_counter()
+        body = b"".join(self.chunks)
+        self._release_body()
+        headers = self.headers
+        wanted = {
+            "content-type": b"",
+            router.session_header.decode(): None,
+            router.priority.header.decode(): None,
+        }
+        request_id = b""
+        raw: list[tuple[bytes, bytes]] = []
+        path = "/v1/completions"
+        objective = ""
+        for name, value in headers:
+            if name in wanted:
+                wanted[name] = value.encode("latin-1")
+            if name == ":path":
+                path = value.partition("?")[0]
+            elif name == "x-request-id" and valid_request_id(value.encode("latin-1")):
+                request_id = value.encode("latin-1")
+            elif name == wire.OBJECTIVE_HEADER:
+                objective = value
+            if not name.startswith(":"):
+                raw.append((name.encode("latin-1"), value.encode("latin-1")))
+        if not request_id:
+            request_id = new_request_id()
+            self.headers.append(("x-request-id", request_id.decode()))
+        session = wanted[router.session_header.decode()]
+        priority = wanted[router.priority.header.decode()]
+        try:
+            ctx = resolve(router, path, body, wanted["content-type"] or b"", session, priority, raw)
+        except RouterError as error:
+            router.metrics.observe_request(
+                "unknown", "none", str(error.status), time.perf_counter() - started
+            )
+            return self._refuse(error, "immediate")
+        ctx.request_id = request_id
+        ctx.arrived = started
+        if objective:
+            ctx.priority = self.service.objectives.priority(objective, ctx.priority)
+        if self.subset is not None:
+            ctx.excluded = self._outside(self.subset, ctx.pool or ctx.model)
+        self.answer = asyncio.get_running_loop().create_future()
+        self.request = PickedRequest(router.director, ctx, self)  # runs the stages
+        return await self.answer
+
+    def _outside(self, subset: list[str], model: str) -> set[str]:
+        """The model's engines the subset hint leaves out (an item without a port allows every port)."""
+        allowed = set(subset)
+        return {
+            engine.name
+            for engine in self.router.registry.candidates(model)
+            if (address := engine.address) not in allowed and address.rpartition(":")[0] not in allowed
+        }
+
+    def _header_only(self) -> Responses:
+        """A request without a body (a GET): any healthy engine, the least busy, no scheduling."""
+        engines = [e for e in self.router.registry.engines() if e.routable()]
+        if self.subset is not None:
+            allowed = set(self.subset)
+            engines = [e for e in engines if e.address in allowed or e.address.rpartition(":")[0] in allowed]
+        if not engines:
+            return self._refuse(no_healthy_engine("any"), "immediate")
+        engine = min(engines, key=lambda e: e.in_flight)
+        self.service.metrics.ext_proc_streams.child("header_only").inc()
+        endpoint = engine.address
+        mutation = wire.set_headers([(wire.DESTINATION_HEADER, endpoint)])
+        return [
+            wire.ProcessingResponse(
+                request_headers=wire.pb.HeadersResponse(
+                    response=wire.pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+                ),
+                dynamic_metadata=wire.destination_metadata(endpoint),
+            )
+        ]
+
+    # ---- what the request reports (PickListener) ----------------------------------------------------
+    def picked(self, request: PickedRequest) -> None:
+        engine = request.engine
+        assert engine is not None
+        ctx = request.ctx
+        endpoint = engine.address
+        fallbacks = [
+            e.address
+            for e in sorted(self.router.registry.candidates(ctx.pool or ctx.model), key=lambda e: e.in_flight)
+            if e is not engine and e.name not in ctx.excluded and e.routable() and e.breaker.available()
+        ][: self.service.fallbacks]
+        listed = ",".join([endpoint, *fallbacks])
+        body = ctx.body
+        pairs = [(wire.DESTINATION_HEADER, endpoint), ("Content-Length", str(len(body)))]
+        auth = self.router.director.settings.engine_auth
+        if auth:
+            pairs.append(("authorization", auth.decode("latin-1")))
+        if ctx.upstream_headers:
+            pairs += _lines(ctx.upstream_headers)
+        owned = {name.lower() for name, _ in pairs}
+        pairs += [
+            (name, value)
+            for name, value in self.headers
+            if name not in wire.SYSTEM_HEADERS and name not in owned and name != "authorization"
+        ]
+        answers = [
+            wire.ProcessingResponse(
+                request_headers=wire.pb.HeadersResponse(
+                    response=wire.pb.CommonResponse(
+                        header_mutation=wire.set_headers(pairs), clear_route_cache=True
+                    )
+                ),
+                dynamic_metadata=wire.destination_metadata(listed),
+            )
+        ]
+        answers += [wire.streamed_body("request_body", chunk, eos) for chunk, eos in wire.body_chunks(body)]
+        self.service.metrics.ext_proc_streams.child("picked").inc()
+        self._resolve(answers)
+
+    def refused(self, error: RouterError) -> None:
+        self._resolve(self._refuse(error, "immediate"))
+
+    def _resolve(self, answers: Responses) -> None:
+        answer = self.answer
+        if answer is not None and not answer.done():
+            answer.set_result(answers)
+
+    def _refuse(self, error: RouterError, outcome: str) -> Responses:
+        self._release_body()
+        self.closed = True
+        self.service.metrics.ext_proc_streams.child(outcome).inc()
+        headers = [("content-type", "application/json"), ("x-vllm-stack-error", error.marker().decode())]
+        headers += [(k.decode("latin-1"), v.decode("latin-1")) for k, v in error.headers]
+        body = error_body(error.status, error.message, code=error.code, param=error.param)
+        return [wire.immediate(error.status, body, headers)]
+
+    # ---- the answer ---------------------------------------------------------------------------------
+    def _response_headers(self, message: Any) -> Responses:  # noqa: ANN401 - wire.pb.HttpHeaders
+        echoed = []
+        for name, value in wire.headers_of(message):
+            if name in (":status", "status"):
+                try:
+                    self.status = int(value)
+                except ValueError:
+                    self.status = 502
+            if name not in wire.SYSTEM_HEADERS:
+                echoed.append((name, value))
+        if message.end_of_stream:  # an answer without a body
+            self._answered()
+        mutation = wire.set_headers([(wire.RESPONSE_MARK, "true"), *echoed])
+        return [
+            wire.ProcessingResponse(
+                response_headers=wire.pb.HeadersResponse(
+                    response=wire.pb.CommonResponse(header_mutation=mutation)
+                )
+            )
+        ]
+
+    def _response_body(self, chunk: bytes, end_of_stream: bool) -> Responses:
+        request = self.request
+        if request is not None and chunk:
+            request.first_byte()
+            tail = self.answer_tail + chunk
+            self.answer_tail = tail[-ANSWER_END_BYTES:]
+        if end_of_stream:
+            self._answered()
+        return [
+            wire.streamed_body("response_body", part, eos)
+            for part, eos in wire.body_chunks(chunk, end_of_stream)
+        ]
+
+    def _answered(self) -> None:
+        request = self.request
+        if request is not None:
+            request.answered(self.status, self.answer_tail)
+
+    def end(self) -> None:
+        """The stream is over (the gateway closed it, or it broke): whatever is still open is released."""
+        self._release_body()
+        request = self.request
+        if request is not None and not request.done:
+            if request.engine is None:
+                self.service.metrics.ext_proc_streams.child("aborted").inc()
+            request.lost()
+        answer = self.answer
+        if answer is not None and not answer.done():
+            answer.cancel()

@@ -1,0 +1,235 @@
+"""The router as an endpoint picker (ext_proc v3) and as a gateway asking one, over stub engines.
+
+The protocol as a gateway sees it (message order, header and metadata keys, the body back, errors as
+ImmediateResponses, the subset hint, the response passed back and the engine's books settled), then
+gateway mode: a router asking our picker, fail-open and fail-closed when the picker is down, and a
+picker's refusal passed to the client. The same against the upstream picker and real engines is the
+cluster tier's ``tests/cluster/test_inference_extension.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from vllm_stack_dev.testbed.extproc_driver import exchange
+
+from tests.fakes.stub_engine import StubEngine
+from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
+from vllm_stack.app import Router
+
+BODY = {"model": "stub-model", "prompt": "hello there", "max_tokens": 3}
+HEADERS = [
+    (":method", "POST"),
+    (":path", "/v1/completions"),
+    (":authority", "gw"),
+    ("content-type", "application/json"),
+    ("hi", "mom"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def picker(
+    engines: int = 2, **settings: Any
+) -> AsyncIterator[tuple[str, Router, list[StubEngine], list[str]]]:  # noqa: ANN401
+    """Our endpoint picker (a router with ext_proc on) over stub engines: (host:port, router, engines, urls)."""
+    stub_engines = [StubEngine(f"e{i}", ["stub-model"]) for i in range(engines)]
+    port = _free_port()
+    async with (
+        stubs(*stub_engines) as urls,
+        running_router(urls, host="127.0.0.1", ext_proc_port=port, **settings) as (_, router),
+    ):
+        yield f"127.0.0.1:{router.picker_server.port}", router, stub_engines, urls
+
+
+async def test_a_pick_answers_headers_then_the_body_back_then_passes_the_answer_back() -> None:
+    async with picker() as (target, router, _, urls):
+        body = orjson.dumps(BODY)
+        answer = b'{"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}'
+        ex = await exchange(
+            target,
+            [*HEADERS, ("x-request-id", "pick-1")],
+            body,
+            chunk=7,
+            response=([(":status", "200"), ("content-type", "application/json")], [answer[:10], answer[10:]]),
+        )
+        assert ex.kinds == [
+            "request_headers",
+            "request_body",
+            "response_headers",
+            "response_body",
+            "response_body",
+        ]
+        assert ex.endpoint in {u.removeprefix("http://") for u in urls}
+        keys = ex.set_header_keys("request_headers")
+        assert {"x-gateway-destination-endpoint", "content-length", "hi", "x-request-id"} <= set(keys)
+        assert ex.header("request_headers", "content-length") == str(len(body))
+        assert ex.metadata_keys() == {"envoy.lb": ["x-gateway-destination-endpoint"]}
+        listed = wire_list(ex)
+        assert listed[0] == ex.endpoint and len(listed) == 2  # the other engine as the fallback
+        assert ex.first("request_headers").request_headers.response.clear_route_cache
+        assert ex.body("request_body") == body
+        assert ex.header("response_headers", "x-went-into-resp-headers") == "true"
+        assert ex.body("response_body") == answer
+        engine = ex.endpoint
+        await wait_for(
+            lambda: (
+                metric_value(
+                    router,
+                    "vllm_stack_router_requests_total",
+                    model="stub-model",
+                    engine=engine,
+                    status="200",
+                )
+                == 1
+            ),
+            what="the request counted once its answer ended",
+        )
+        assert all(e.in_flight == 0 for e in router.registry.engines())  # the booking was settled
+
+
+def wire_list(ex: Any) -> list[str]:  # noqa: ANN401
+    from vllm_stack.extproc import wire
+
+    return wire.destination_of(ex.first("request_headers"))[1]
+
+
+async def test_the_subset_hint_restricts_the_pick() -> None:
+    async with picker() as (target, _, _, urls):
+        only = urls[1].removeprefix("http://")
+        for _ in range(4):
+            ex = await exchange(target, HEADERS, orjson.dumps(BODY), subset=[only])
+            assert ex.endpoint == only
+        ex = await exchange(target, HEADERS, orjson.dumps(BODY), subset=["10.9.9.9:8000"])
+        assert ex.kinds == ["immediate_response"]
+        assert ex.answers[0].immediate_response.status.code == 503
+
+
+async def test_errors_are_immediate_responses_with_the_routers_error_body() -> None:
+    async with picker(max_body_bytes=1000) as (target, router, _, _):
+        unknown = await exchange(target, HEADERS, orjson.dumps({**BODY, "model": "nope"}))
+        assert unknown.kinds == ["immediate_response"]
+        refusal = unknown.answers[0].immediate_response
+        assert refusal.status.code == 404
+        assert orjson.loads(refusal.body)["error"]["code"] == "model_not_found"
+        bad = await exchange(target, HEADERS, b"{not json")
+        assert bad.answers[0].immediate_response.status.code == 400
+        big = await exchange(target, HEADERS, orjson.dumps({**BODY, "prompt": "x" * 2000}), chunk=500)
+        assert big.kinds == ["immediate_response"] and big.answers[0].immediate_response.status.code == 413
+        assert router.picker_server.service.buffered == 0  # nothing held after the refusals
+
+
+async def test_a_stream_that_ends_after_the_pick_releases_the_engine() -> None:
+    async with picker() as (target, router, _, _):
+        ex = await exchange(target, HEADERS, orjson.dumps(BODY))  # closed after the pick, no answer
+        assert ex.kinds == ["request_headers", "request_body"]
+        await wait_for(
+            lambda: all(e.in_flight == 0 for e in router.registry.engines()), what="the booking released"
+        )
+        await wait_for(
+            lambda: (
+                metric_value(
+                    router,
+                    "vllm_stack_router_requests_total",
+                    model="stub-model",
+                    engine=ex.endpoint,
+                    status="client_closed",
+                )
+                == 1
+            ),
+            what="the request counted as closed",
+        )
+
+
+async def test_a_header_only_request_gets_an_engine_at_once() -> None:
+    async with picker() as (target, _, _, urls):
+        ex = await exchange(target, [(":method", "GET"), (":path", "/v1/models")], b"")
+        assert ex.kinds == ["request_headers"]
+        assert ex.endpoint in {u.removeprefix("http://") for u in urls}
+
+
+async def test_gateway_mode_routes_through_our_picker() -> None:
+    async with picker(routing_logic="session", session_key="x-user") as (target, epp, engines, urls):
+        async with running_router(urls, endpoint_picker=f"grpc://{target}") as (url, gateway), http(url) as h:
+            for user in ("a", "b", "a", "a"):
+                r = await h.post(
+                    "/v1/completions", json=BODY, headers={"x-user": user, "authorization": "Bearer secret"}
+                )
+                assert r.status_code == 200, r.text
+            assert (
+                metric_value(gateway, "vllm_stack_router_endpoint_picker_requests_total", outcome="picked")
+                == 4
+            )
+            # session affinity decided by the picker: user a's three requests went to one engine
+            await wait_for(
+                lambda: (
+                    sum(
+                        metric_value(
+                            epp,
+                            "vllm_stack_router_requests_total",
+                            model="stub-model",
+                            engine=e.address,
+                            status="200",
+                        )
+                        for e in epp.registry.engines()
+                    )
+                    == 4
+                ),
+                what="the picker saw 4 answers end",
+            )
+            counts = sorted(sum(1 for s in e.seen if s.path == "/v1/completions") for e in engines)
+            assert counts in ([1, 3], [0, 4])
+
+
+async def test_gateway_mode_fails_open_or_closed_when_the_picker_is_down() -> None:
+    dead = _free_port()
+    engine = StubEngine("e", ["stub-model"])
+    async with stubs(engine) as urls:
+        async with (
+            running_router(urls, endpoint_picker=f"grpc://127.0.0.1:{dead}", endpoint_picker_timeout=0.5) as (
+                url,
+                gateway,
+            ),
+            http(url) as h,
+        ):
+            r = await h.post("/v1/completions", json=BODY)
+            assert r.status_code == 200  # scheduled here
+            assert (
+                metric_value(gateway, "vllm_stack_router_endpoint_picker_requests_total", outcome="error")
+                + metric_value(gateway, "vllm_stack_router_endpoint_picker_requests_total", outcome="timeout")
+                == 1
+            )
+        async with (
+            running_router(
+                urls,
+                endpoint_picker=f"grpc://127.0.0.1:{dead}",
+                endpoint_picker_timeout=0.5,
+                endpoint_picker_fail_open=False,
+            ) as (url, _),
+            http(url) as h,
+        ):
+            r = await h.post("/v1/completions", json=BODY)
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "endpoint_picker_unavailable"
+
+
+async def test_gateway_mode_passes_the_pickers_refusal_to_the_client() -> None:
+    """The picker's ImmediateResponse (here its body limit, lower than the gateway's) is the answer."""
+    async with picker(max_body_bytes=100) as (target, _, _, urls):
+        async with running_router(urls, endpoint_picker=f"grpc://{target}") as (url, gateway), http(url) as h:
+            r = await h.post("/v1/completions", json={**BODY, "prompt": "y" * 300})
+            assert r.status_code == 413
+            assert r.json()["error"]["code"] == "body_too_large"
+            assert (
+                metric_value(gateway, "vllm_stack_router_endpoint_picker_requests_total", outcome="immediate")
+                == 1
+            )
