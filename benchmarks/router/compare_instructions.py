@@ -61,7 +61,9 @@ def per_request(tree: Path, logic: str, mode: str, extra: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True)
-    parser.add_argument("--after", help="a git revision instead of the working tree (edits meanwhile do not count)")
+    parser.add_argument(
+        "--after", help="a git revision instead of the working tree (edits meanwhile do not count)"
+    )
     parser.add_argument("--extra", type=int, default=500)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cases", help="comma-separated logic/mode cells (default: all)")
@@ -101,9 +103,7 @@ def main() -> int:
     print(table)
     out = ROOT / "benchmarks" / "results"
     (out / f"{args.name}.md").write_text(table)
-    (out / f"{args.name}.json").write_text(
-        json.dumps({"before": args.before, "cells": result}, indent=1)
-    )
+    (out / f"{args.name}.json").write_text(json.dumps({"before": args.before, "cells": result}, indent=1))
     return 0
 
 

@@ -27,9 +27,10 @@ app.kubernetes.io/component: lmcache-controller
 {{- end -}}
 {{- end -}}
 
-{{/* "true" when the router routes by LMCache controller lookups. */}}
+{{/* "true" when the router (or the endpoint pickers, which take its routing logic) routes by LMCache
+     controller lookups. */}}
 {{- define "vllm-stack.router.kvAware" -}}
-{{- if and .Values.routerSpec.enableRouter (eq .Values.routerSpec.routingLogic "kvaware") -}}true{{- end -}}
+{{- if and (include "vllm-stack.scheduler.enabled" .) (eq .Values.routerSpec.routingLogic "kvaware") -}}true{{- end -}}
 {{- end -}}
 
 {{/* The controller's ports as YAML: pull, reply, heartbeat (the workers' ZMQ sockets, production-stack's

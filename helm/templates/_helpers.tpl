@@ -59,9 +59,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* Engines: call with (dict "root" $ "model" $modelSpec [+ "kind" K]).
-     production-stack's object names, by kind; the InferencePool/Objective are this chart's own. */}}
+     production-stack's object names, by kind; the InferencePool/Objective and the pool's endpoint picker
+     (EndpointPicker: its Deployment and Service, _epp.tpl) are this chart's own. */}}
 {{- define "vllm-stack.engine.objectName" -}}
-{{- $suffix := get (dict "Deployment" "deployment-vllm" "Service" "engine-service" "PersistentVolumeClaim" "storage-claim" "PodDisruptionBudget" "pdb-vllm" "ScaledObject" "scaledobject" "ConfigMap" "chat-templates" "InferencePool" "inference-pool" "InferenceObjective" "inference-objective") .kind -}}
+{{- $suffix := get (dict "Deployment" "deployment-vllm" "Service" "engine-service" "PersistentVolumeClaim" "storage-claim" "PodDisruptionBudget" "pdb-vllm" "ScaledObject" "scaledobject" "ConfigMap" "chat-templates" "InferencePool" "inference-pool" "InferenceObjective" "inference-objective" "EndpointPicker" "epp") .kind -}}
 {{- printf "%s-%s-%s" (include "vllm-stack.fullname" .root) .model.name (required (printf "no engine object name for kind %s" .kind) $suffix) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
@@ -193,20 +194,20 @@ Decisions shared by several templates.
 {{- define "vllm-stack.kvEvents.enabled" -}}
 {{- $e := .Values.servingEngineSpec.kvEvents.enabled -}}
 {{- if eq (toString $e) "true" -}}true
-{{- else if and (eq (toString $e) "<nil>") .Values.routerSpec.enableRouter (eq .Values.routerSpec.routingLogic "prefixaware") -}}true
+{{- else if and (eq (toString $e) "<nil>") (include "vllm-stack.scheduler.enabled" .) (eq .Values.routerSpec.routingLogic "prefixaware") -}}true
 {{- end -}}
 {{- end -}}
 
 {{/* "true" when the router routes by prompt prefix (and so wants KV events, tokenizers and the
      engines' cached-token counts). */}}
 {{- define "vllm-stack.router.prefixAware" -}}
-{{- if and .Values.routerSpec.enableRouter (eq .Values.routerSpec.routingLogic "prefixaware") -}}true{{- end -}}
+{{- if and (include "vllm-stack.scheduler.enabled" .) (eq .Values.routerSpec.routingLogic "prefixaware") -}}true{{- end -}}
 {{- end -}}
 
 {{/* "true" when the router tokenizes prompts: prefixaware (its token blocks) and kvaware (the tokens it
      asks the LMCache controller about). */}}
 {{- define "vllm-stack.router.tokenizes" -}}
-{{- if and .Values.routerSpec.enableRouter (has .Values.routerSpec.routingLogic (list "prefixaware" "kvaware")) -}}true{{- end -}}
+{{- if and (include "vllm-stack.scheduler.enabled" .) (has .Values.routerSpec.routingLogic (list "prefixaware" "kvaware")) -}}true{{- end -}}
 {{- end -}}
 
 {{/* The router's --tokenizers value: model=source pairs, comma-separated (empty: none), for prefixaware and

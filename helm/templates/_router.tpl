@@ -1,43 +1,85 @@
 {{/* The router's command line: exactly the flags of docs/contracts.md. */}}
 {{- define "vllm-stack.router.args" -}}
-{{- $r := .Values.routerSpec -}}
+{{- include "vllm-stack.scheduler.args" (dict "root" . "pool" "") -}}
+{{- end -}}
+
+{{/*
+The command line of the router, or (with "pool", an InferencePool's name) of the endpoint picker of that
+pool (inference-extension-epp.yaml): `vllm-stack router` with --ext-proc-port, which is `vllm-stack epp`.
+The picker takes the router's scheduling (routing logic, kvaware's controller, session key, tokenizers,
+intervals, limits, tracing, --config, client and priority keys) but finds its engines through the pool
+(its selector and port, read from the API server), relays nothing (no disaggregated prefill: validate.yaml
+refuses it), serves no adapter loading (no admin keys) and takes inferenceExtension.epp.extraArgs
+instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
+*/}}
+{{- define "vllm-stack.scheduler.args" -}}
+{{- $root := .root -}}
+{{- $pool := .pool -}}
+{{- $r := $root.Values.routerSpec -}}
 {{- $args := list "--host" "0.0.0.0" "--port" (include "vllm-stack.str" $r.containerPort) -}}
-{{- if eq $r.serviceDiscovery "k8s" -}}
-{{- $args = concat $args (list "--service-discovery" "k8s" "--k8s-namespace" .Release.Namespace "--k8s-label-selector" (include "vllm-stack.engine.discoverySelector" .) "--k8s-port" (include "vllm-stack.str" .Values.servingEngineSpec.containerPort)) -}}
+{{- if $pool -}}
+{{- $args = concat $args (list "--ext-proc-port" (include "vllm-stack.str" $root.Values.inferenceExtension.epp.grpcPort) "--service-discovery" "k8s" "--k8s-namespace" $root.Release.Namespace "--inference-pool" $pool) -}}
+{{- else if eq $r.serviceDiscovery "k8s" -}}
+{{- $args = concat $args (list "--service-discovery" "k8s" "--k8s-namespace" $root.Release.Namespace "--k8s-label-selector" (include "vllm-stack.engine.discoverySelector" $root) "--k8s-port" (include "vllm-stack.str" $root.Values.servingEngineSpec.containerPort)) -}}
 {{- else -}}
 {{- $args = concat $args (list "--service-discovery" "static" "--static-backends" (required "routerSpec.staticBackends is required with serviceDiscovery: static" $r.staticBackends)) -}}
 {{- with $r.staticModels }}{{ $args = concat $args (list "--static-models" .) }}{{ end -}}
 {{- end -}}
-{{- $args = concat $args (list "--routing-logic" (include "vllm-stack.router.routingLogic" .)) -}}
+{{- $args = concat $args (list "--routing-logic" (include "vllm-stack.router.routingLogic" $root)) -}}
 {{- /* kvaware: the chart's LMCache controller answers which engine holds a prompt's longest prefix. */ -}}
-{{- if eq (include "vllm-stack.router.kvAware" .) "true" -}}
-{{- $args = concat $args (list "--lmcache-controller-url" (include "vllm-stack.controller.url" .)) -}}
+{{- if eq (include "vllm-stack.router.kvAware" $root) "true" -}}
+{{- $args = concat $args (list "--lmcache-controller-url" (include "vllm-stack.controller.url" $root)) -}}
 {{- if not (kindIs "invalid" $r.kvAwareThreshold) }}{{ $args = concat $args (list "--kv-aware-threshold" (include "vllm-stack.str" $r.kvAwareThreshold)) }}{{ end -}}
 {{- end -}}
+{{- if not $pool -}}
 {{- /* Disaggregated prefill (_disagg.tpl): on with prefill-role engines, or production-stack's enablePD. */ -}}
-{{- if or (eq (toString $r.enablePD) "true") (include "vllm-stack.disagg.prefill" .) }}{{ $args = append $args "--disaggregation" }}{{ end -}}
-{{- if include "vllm-stack.disagg.lmcache" . -}}
-{{- $ports := include "vllm-stack.disagg.ports" . | fromYaml -}}
+{{- if or (eq (toString $r.enablePD) "true") (include "vllm-stack.disagg.prefill" $root) }}{{ $args = append $args "--disaggregation" }}{{ end -}}
+{{- if include "vllm-stack.disagg.lmcache" $root -}}
+{{- $ports := include "vllm-stack.disagg.ports" $root | fromYaml -}}
 {{- $args = concat $args (list "--disagg-protocol" "lmcache" "--disagg-receiver-init-port" (include "vllm-stack.str" $ports.initPort) "--disagg-receiver-alloc-port" (include "vllm-stack.str" $ports.allocPort) "--disagg-notify-port" (include "vllm-stack.str" $ports.notifyPort)) -}}
 {{- end -}}
+{{- end -}}
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
-{{- with (include "vllm-stack.router.tokenizers" .) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}
+{{- with (include "vllm-stack.router.tokenizers" $root) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}
 {{- $args = concat $args (list "--engine-scrape-interval" (include "vllm-stack.str" $r.engineScrapeInterval) "--health-check-interval" (include "vllm-stack.str" $r.healthCheckInterval) "--request-timeout" (include "vllm-stack.str" $r.requestTimeout) "--max-body-bytes" (include "vllm-stack.str" $r.maxBodyBytes) "--log-level" $r.logLevel) -}}
 {{- /* What is left of the pod's grace period after the preStop sleep, minus 5 s to exit cleanly. */}}
 {{- $grace := max 1 (sub (sub (int $r.terminationGracePeriodSeconds) (int $r.preStopSleepSeconds)) 5) -}}
 {{- $args = concat $args (list "--shutdown-grace" (toString $grace)) -}}
-{{- /* Tracing: production-stack's routerSpec.otel, rendered as its chart does (serviceName vllm-router by default). */ -}}
+{{- /* Tracing: production-stack's routerSpec.otel, rendered as its chart does (serviceName vllm-router by default);
+     the endpoint pickers' spans under that name with -epp. */ -}}
 {{- with ($r.otel | default dict) }}{{ if .endpoint }}
-{{- $args = concat $args (list "--otel-endpoint" .endpoint "--otel-service-name" (.serviceName | default "vllm-router")) -}}
+{{- $args = concat $args (list "--otel-endpoint" .endpoint "--otel-service-name" (printf "%s%s" (.serviceName | default "vllm-router") (ternary "-epp" "" (not (empty $pool))))) -}}
 {{- if .secure }}{{ $args = append $args "--otel-secure" }}{{ end -}}
 {{- with .protocol }}{{ $args = concat $args (list "--otlp-traces-protocol" .) }}{{ end -}}
 {{- if not (kindIs "invalid" .sampleRatio) }}{{ $args = concat $args (list "--trace-sample-ratio" (toString .sampleRatio)) }}{{ end -}}
 {{- end }}{{ end -}}
-{{- if (include "vllm-stack.router.config" .) }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
+{{- if (include "vllm-stack.router.config" $root) }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
-{{- if $r.adminApiKeysSecret }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}
+{{- if and $r.adminApiKeysSecret (not $pool) }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}
 {{- if ($r.priority | default dict).apiKeysSecret }}{{ $args = concat $args (list "--priority-api-keys-file" "/etc/vllm-stack/priority-keys/keys") }}{{ end -}}
-{{- $args = concat $args (include "vllm-stack.router.extraArgs" . | fromYaml).args -}}
+{{- if $pool -}}
+{{- $args = concat $args (include "vllm-stack.epp.extraArgs" $root | fromYamlArray) -}}
+{{- else -}}
+{{- $args = concat $args (include "vllm-stack.router.extraArgs" $root | fromYaml).args -}}
+{{- end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* inferenceExtension.epp.extraArgs: flags of this router (files/router-flags.yaml `ours`) as given, a value
+after the flag that takes one; anything else fails the render (the picker would exit on it). A YAML list. */}}
+{{- define "vllm-stack.epp.extraArgs" -}}
+{{- $ours := (.Files.Get "files/router-flags.yaml" | fromYaml).ours -}}
+{{- $args := list -}}
+{{- $value := false -}}
+{{- range .Values.inferenceExtension.epp.extraArgs -}}
+{{- $w := include "vllm-stack.str" . -}}
+{{- if $value }}{{ $value = false }}{{ $args = append $args $w }}{{ continue }}{{ end -}}
+{{- $name := regexReplaceAll "=.*$" $w "" -}}
+{{- if not (hasKey $ours $name) }}{{ fail (printf "inferenceExtension.epp.extraArgs: %q is not a flag of vllm-stack router (vllm-stack router --help lists them; a value must follow the flag that takes it)" $w) }}{{ end -}}
+{{- $args = append $args $w -}}
+{{- if and (eq (get $ours $name) "value") (eq $name $w) }}{{ $value = true }}{{ end -}}
+{{- end -}}
+{{- if $value }}{{ fail "inferenceExtension.epp.extraArgs: the last flag takes a value and has none" }}{{ end -}}
 {{- toYaml $args -}}
 {{- end -}}
 

@@ -20,6 +20,15 @@ CHECKOV = ROOT / ".tools" / "checkov-venv" / "bin" / "checkov"
 # The user's production-stack file asks for `tag: latest` on the engine and router images; the chart renders
 # what it is given, so that one check fails there and only there.
 EXPECTED = {("CKV_K8S_14", "seed-mistral.yaml")}
+# Features no example turns on, checked as well: file name -> the `helm template` values arguments.
+MORE = {
+    "inference-extension-epp.yaml": [
+        "-f",
+        str(EXAMPLES / "monitoring.yaml"),
+        "--set",
+        "inferenceExtension.epp.enabled=true",
+    ],
+}
 
 
 def test_checkov_passes_on_every_example(tmp_path):
@@ -33,6 +42,10 @@ def test_checkov_passes_on_every_example(tmp_path):
             [] if values is None else ["-f", str(values)]
         )
         proc = run_helm("helm4", *args)
+        assert proc.returncode == 0, proc.stderr
+        (tmp_path / name).write_text(proc.stdout)
+    for name, values_args in MORE.items():
+        proc = run_helm("helm4", "template", "vllm-stack", ".", "--namespace", "llm", *values_args)
         assert proc.returncode == 0, proc.stderr
         (tmp_path / name).write_text(proc.stdout)
     proc = subprocess.run(

@@ -233,3 +233,15 @@ async def test_gateway_mode_passes_the_pickers_refusal_to_the_client() -> None:
                 metric_value(gateway, "vllm_stack_router_endpoint_picker_requests_total", outcome="immediate")
                 == 1
             )
+
+
+async def test_client_api_keys_are_checked_on_the_headers() -> None:
+    """With client keys configured, a gateway request without one is refused before its body is gathered."""
+    async with picker(environ={"VLLM_STACK_API_KEYS": "k1"}) as (target, router, _, _):
+        refused = await exchange(target, HEADERS, orjson.dumps(BODY))
+        assert refused.kinds == ["immediate_response"]
+        assert refused.answers[0].immediate_response.status.code == 401
+        assert orjson.loads(refused.answers[0].immediate_response.body)["error"]["code"] == "invalid_api_key"
+        allowed = await exchange(target, [*HEADERS, ("authorization", "Bearer k1")], orjson.dumps(BODY))
+        assert allowed.kinds == ["request_headers", "request_body"]
+        assert router.picker_server.service.buffered == 0

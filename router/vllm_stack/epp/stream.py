@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm_stack.api.proxied import resolve
+from vllm_stack.api.head import unauthorized
+from vllm_stack.api.proxied import MULTIPART_PATHS, resolve
 from vllm_stack.epp.request import PickedRequest
 from vllm_stack.errors import RouterError, error_body, no_healthy_engine
 from vllm_stack.extproc import wire
@@ -82,6 +83,12 @@ class Exchange:
             self.subset = subset
         if kind == "request_headers":
             self.headers = wire.headers_of(message.request_headers)
+            auth = self.router.auth
+            if auth.enabled and not auth.check(
+                (name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers
+            ):  # judged on the headers, as the router's own requests are: no body is gathered for it
+                self.router.metrics.observe_request("unknown", "none", "401", 0.0)
+                return self._refuse(unauthorized(), "immediate")
             if message.request_headers.end_of_stream:
                 return self._header_only()
             return []
@@ -170,7 +177,13 @@ class Exchange:
         ctx.request_id = request_id
         ctx.arrived = started
         if objective:
-            ctx.priority = self.service.objectives.priority(objective, ctx.priority)
+            given = ctx.priority
+            ctx.priority = self.service.objectives.priority(objective, given)
+            if ctx.priority != given and path not in MULTIPART_PATHS:
+                # the engines get it too where they schedule by it (resolve wrote the request's own)
+                ctx.body = router.priority.engine_body(
+                    ctx.pool or ctx.model, ctx.priority, ctx.body, -given if given else None
+                )
         if self.subset is not None:
             ctx.excluded = self._outside(self.subset, ctx.pool or ctx.model)
         self.answer = asyncio.get_running_loop().create_future()
