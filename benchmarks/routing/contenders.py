@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack_dev.testbed.engines import spawn_logged
+from vllm_stack_dev.testbed.engines import port_for_later, spawn_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ROOT / ".venv" / "bin" / "vllm-stack"
@@ -80,6 +81,36 @@ def _ours(name: str, tokenizers: bool = False) -> Callable[[Setup, int, int], li
     return command
 
 
+def _through_our_epp(name: str) -> Callable[[Setup, int, int], list[str]]:
+    """Our router in gateway mode (fail-closed, so every request is the picker's) asking our endpoint
+    picker (`vllm-stack epp`, contender `name`'s flags) over ext_proc: two processes in one group, the
+    picker started first and waited for, so no request meets a picker that is not up yet."""
+    inner = _ours(name, tokenizers=True)
+
+    def command(setup: Setup, port: int, metrics_port: int) -> list[str]:
+        picker = inner(setup, metrics_port, 0)
+        picker[1] = "epp"
+        grpc_port = port_for_later()
+        picker += ["--ext-proc-port", str(grpc_port)]
+        gateway = [
+            str(OURS), "router", "--host", "127.0.0.1", "--port", str(port),
+            "--static-backends", ",".join(setup.engine_urls),
+            "--endpoint-picker", f"grpc://127.0.0.1:{grpc_port}", "--no-endpoint-picker-fail-open",
+            "--endpoint-picker-timeout", "10", "--log-level", "warning",
+        ]  # fmt: skip
+        ready = (
+            "import time, urllib.request\n"
+            "for _ in range(600):\n"
+            "    try:\n"
+            f"        urllib.request.urlopen('http://127.0.0.1:{metrics_port}/ready', timeout=1); break\n"
+            "    except OSError: time.sleep(0.1)\n"
+        )
+        script = f"{shlex.join(picker)} & {shlex.join([sys.executable, '-c', ready])} && exec {shlex.join(gateway)}"
+        return ["sh", "-c", script]
+
+    return command
+
+
 def _rust(policy: str, kv_events: bool = False) -> Callable[[Setup, int, int], list[str]]:
     """Command line of the Rust vllm-router with `--policy policy` on `port` (installed on first use)."""
 
@@ -114,6 +145,7 @@ CONTENDERS: dict[str, Contender] = {
     "ours-session": Contender("ours-session", "ours", _ours("ours-session")),
     "ours-approx": Contender("ours-approx", "ours", _ours("ours-approx", tokenizers=True)),
     "ours-kvevents": Contender("ours-kvevents", "ours", _ours("ours-kvevents", tokenizers=True)),
+    "ours-epp": Contender("ours-epp", "ours", _through_our_epp("ours-kvevents")),
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }

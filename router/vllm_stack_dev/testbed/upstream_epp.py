@@ -1,0 +1,213 @@
+"""The Gateway API Inference Extension's own endpoint picker (EPP v1.5.0) as a process, for interop tests.
+
+This is the real upstream component, not a stand-in: the ``epp`` binary built from the published Go
+module ``sigs.k8s.io/gateway-api-inference-extension`` (``vllm_stack_dev.gotools.EPP``, built by
+``make install``), run with its default scheduling configuration against a test cluster's API server
+(``vllm_stack_dev.cluster.control_plane``). What it needs there, and why each flag is set (see the
+project's research notes for the source lines):
+
+- an InferencePool (``inference.networking.k8s.io/v1``) named ``pool`` in ``namespace``, whose Pods
+  are Ready with an IP; it scrapes ``podIP:targetPort/metrics`` (vLLM's own metric names) and names
+  ``podIP:targetPort`` as the endpoint. InferenceObjectives (``v1alpha2``) are watched when their CRD is
+  there;
+- credentials in ``KUBECONFIG`` (the binary has no ``--kubeconfig`` flag), e.g. a ServiceAccount token
+  whose Role allows get/list/watch on pods, inferencepools, inferenceobjectives and
+  inferencemodelrewrites in the namespace;
+- ``--secure-serving=false`` (plaintext gRPC; TLS with a self-signed certificate otherwise),
+  ``--metrics-endpoint-auth=false`` (no TokenReview rights needed), ``--tracing=false`` (no OTLP export
+  to localhost:4317), ``--enable-pprof=false``.
+
+It binds its three ports (ext_proc gRPC, gRPC health, Prometheus metrics) on all interfaces, and no flag
+changes that: the ports are taken free on loopback here, and the tests send to 127.0.0.1 only.
+Readiness is waited for by condition: the gRPC health service answers SERVING for the ext_proc service
+(the pool has synced), and, when asked, the pool counts a number of ready endpoints with fresh metrics
+(``inference_pool_ready_pods``). The process runs in its own process group, stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from vllm_stack_dev.gotools import EPP, epp_binary
+from vllm_stack_dev.testbed.engines import port_for_later, spawn_logged, stop_group
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: How often the pool's Prometheus gauges are refreshed (its default, 5 s, would make readiness slow).
+PROMETHEUS_REFRESH = "500ms"
+
+
+class UpstreamEpp:
+    """The upstream EPP serving InferencePool ``namespace/pool``; :meth:`start` (or ``with``) runs it,
+    :meth:`stop` ends it. ``extra_args`` are more of its flags (e.g. ``--config-text``)."""
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        pool: str,
+        workdir: Path,
+        *,
+        extra_args: Sequence[str] = (),
+        binary: Path | None = None,
+    ) -> None:
+        self.kubeconfig = kubeconfig
+        self.namespace = namespace
+        self.pool = pool
+        self.workdir = workdir
+        self.binary = binary or epp_binary()
+        self.extra_args = list(extra_args)
+        self.grpc_port = port_for_later()
+        self.health_port = port_for_later()
+        self.metrics_port = port_for_later()
+        self.log_path = workdir / "upstream-epp.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        """``host:port`` of its ext_proc service, on loopback."""
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def version(self) -> str:
+        return EPP.version
+
+    def command(self) -> list[str]:
+        return [
+            str(self.binary),
+            f"--pool-name={self.pool}",
+            f"--pool-namespace={self.namespace}",
+            "--secure-serving=false",
+            "--tracing=false",
+            "--metrics-endpoint-auth=false",
+            "--enable-pprof=false",
+            f"--grpc-port={self.grpc_port}",
+            f"--grpc-health-port={self.health_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--refresh-prometheus-metrics-interval={PROMETHEUS_REFRESH}",
+            "--v=3",  # "Request handled" with each request's endpoint (see handled())
+            "--zap-encoder=json",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 60.0, ready_endpoints: int | None = None) -> UpstreamEpp:
+        """Start it and wait until it serves (see :meth:`wait_ready`); on failure it is stopped and the
+        error carries its log's tail."""
+        if not self.binary.is_file():
+            raise RuntimeError(f"the upstream EPP {self.binary} is missing: run `make install`")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(self.workdir),  # nothing of the user's ~/.kube is read
+            "KUBECONFIG": str(self.kubeconfig),
+            "GOMAXPROCS": os.environ.get("GOMAXPROCS", "2"),
+        }
+        self.process = spawn_logged(self.command(), self.log_path, env)
+        try:
+            self.wait_ready(timeout, ready_endpoints)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float = 60.0, ready_endpoints: int | None = None) -> None:
+        """Until its health service says SERVING for ext_proc (the pool synced) and, with
+        ``ready_endpoints``, the pool has that many endpoints with fresh metrics."""
+        deadline = time.monotonic() + timeout
+
+        def ready() -> bool:
+            if self.health(EXT_PROC_SERVICE) != "SERVING":
+                return False
+            return ready_endpoints is None or self.ready_endpoints() == ready_endpoints
+
+        while not ready():
+            process = self.process
+            if process is None or process.poll() is not None:
+                code = None if process is None else process.returncode
+                raise RuntimeError(f"the upstream EPP exited ({code}); its log:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the upstream EPP not ready within {timeout:.0f} s (health "
+                    f"{self.health(EXT_PROC_SERVICE)}, ready endpoints {self.ready_endpoints()}); "
+                    f"its log:\n{self.log_tail()}"
+                )
+            time.sleep(0.2)
+
+    def health(self, service: str = "") -> str:
+        """grpc.health.v1 Check for ``service``: SERVING, NOT_SERVING, SERVICE_UNKNOWN, or UNAVAILABLE
+        when it does not answer."""
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{self.health_port}") as channel:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=2
+                )
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+        except grpc.RpcError:
+            return "UNAVAILABLE"
+
+    def metrics(self) -> str:
+        """Its Prometheus exposition text."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=5) as response:
+            return response.read().decode()
+
+    def ready_endpoints(self) -> float | None:
+        """``inference_pool_ready_pods`` of its pool (endpoints with fresh metrics), or None."""
+        try:
+            text = self.metrics()
+        except OSError:
+            return None
+        prefix = f'inference_pool_ready_pods{{name="{self.pool}"}} '
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                return float(line[len(prefix) :])
+        return None
+
+    def records(self) -> list[dict[str, Any]]:
+        """Its JSON log records so far (the command line and any non-JSON line skipped)."""
+        found = []
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                try:
+                    found.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line still being written
+        return found
+
+    def handled(self) -> dict[str, str]:
+        """x-request-id -> the endpoint it named, for each request it scheduled ("Request handled")."""
+        return {
+            str(r["x-request-id"]): str(r["endpoint"])
+            for r in self.records()
+            if r.get("msg") == "Request handled" and "x-request-id" in r
+        }
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM its process group (by its PID), SIGKILL after 15 s."""
+        if self.process is not None:
+            stop_group(self.process)
+
+    def __enter__(self) -> UpstreamEpp:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
