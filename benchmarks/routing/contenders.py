@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -20,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack_dev.testbed.engines import port_for_later, spawn_logged
+from vllm_stack_dev.testbed.engines import spawn_logged
+from vllm_stack_dev.testbed.inference_pool import PoolSite
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ROOT / ".venv" / "bin" / "vllm-stack"
@@ -36,11 +36,13 @@ class Setup:
     model: str
     model_dir: Path
     block_size: int
+    pool: PoolSite | None = None  # the engines' InferencePool on a test cluster (the upstream EPP reads it)
 
 
 @dataclass(frozen=True)
 class Contender:
-    """A router configuration: its name in the report, its family ("ours" or "rust") and command."""
+    """A router configuration: its name in the report, its family ("ours", "rust" or "upstream": the
+    Inference Extension's endpoint picker behind our gateway mode) and command."""
 
     name: str
     family: str
@@ -81,32 +83,22 @@ def _ours(name: str, tokenizers: bool = False) -> Callable[[Setup, int, int], li
     return command
 
 
-def _through_our_epp(name: str) -> Callable[[Setup, int, int], list[str]]:
-    """Our router in gateway mode (fail-closed, so every request is the picker's) asking our endpoint
-    picker (`vllm-stack epp`, contender `name`'s flags) over ext_proc: two processes in one group, the
-    picker started first and waited for, so no request meets a picker that is not up yet."""
-    inner = _ours(name, tokenizers=True)
+def _picker_pair(picker: str, name: str = "") -> Callable[[Setup, int, int], list[str]]:
+    """Our router in gateway mode asking an endpoint picker (``picker_pair.py``): ``ours`` (`vllm-stack
+    epp` with contender `name`'s flags) or ``upstream`` (the Inference Extension's EPP on the setup's
+    InferencePool)."""
 
-    def command(setup: Setup, port: int, metrics_port: int) -> list[str]:
-        picker = inner(setup, metrics_port, 0)
-        picker[1] = "epp"
-        grpc_port = port_for_later()
-        picker += ["--ext-proc-port", str(grpc_port)]
-        gateway = [
-            str(OURS), "router", "--host", "127.0.0.1", "--port", str(port),
-            "--static-backends", ",".join(setup.engine_urls),
-            "--endpoint-picker", f"grpc://127.0.0.1:{grpc_port}", "--no-endpoint-picker-fail-open",
-            "--endpoint-picker-timeout", "10", "--log-level", "warning",
-        ]  # fmt: skip
-        ready = (
-            "import time, urllib.request\n"
-            "for _ in range(600):\n"
-            "    try:\n"
-            f"        urllib.request.urlopen('http://127.0.0.1:{metrics_port}/ready', timeout=1); break\n"
-            "    except OSError: time.sleep(0.1)\n"
-        )
-        script = f"{shlex.join(picker)} & {shlex.join([sys.executable, '-c', ready])} && exec {shlex.join(gateway)}"
-        return ["sh", "-c", script]
+    def command(setup: Setup, port: int, _metrics_port: int) -> list[str]:
+        args = [sys.executable, str(ROOT / "benchmarks" / "routing" / "picker_pair.py"), "--picker", picker,
+                "--port", str(port), "--backends", ",".join(setup.engine_urls)]  # fmt: skip
+        if picker == "upstream":
+            assert setup.pool is not None, "the upstream EPP needs the InferencePool (quality.py makes it)"
+            args += ["--kubeconfig", str(setup.pool.kubeconfig), "--namespace", setup.pool.namespace,
+                     "--pool", setup.pool.pool]  # fmt: skip
+        else:
+            args += ["--", *OUR_FLAGS[name], "--session-key", SESSION_HEADER_FLAG, "--log-level", "warning",
+                     "--tokenizers", f"{setup.model}={setup.model_dir}"]  # fmt: skip
+        return args
 
     return command
 
@@ -145,7 +137,8 @@ CONTENDERS: dict[str, Contender] = {
     "ours-session": Contender("ours-session", "ours", _ours("ours-session")),
     "ours-approx": Contender("ours-approx", "ours", _ours("ours-approx", tokenizers=True)),
     "ours-kvevents": Contender("ours-kvevents", "ours", _ours("ours-kvevents", tokenizers=True)),
-    "ours-epp": Contender("ours-epp", "ours", _through_our_epp("ours-kvevents")),
+    "ours-epp": Contender("ours-epp", "ours", _picker_pair("ours", "ours-kvevents")),
+    "upstream-epp": Contender("upstream-epp", "upstream", _picker_pair("upstream")),
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }
@@ -156,6 +149,10 @@ def unavailable(name: str) -> str | None:
     contender = CONTENDERS[name]
     if contender.family == "ours":
         return None
+    if contender.family == "upstream":
+        from vllm_stack_dev.gotools import epp_binary
+
+        return None if epp_binary().is_file() else f"{epp_binary()} is missing: run `make install`"
     try:
         from run import install_reference
 

@@ -45,6 +45,7 @@ cont.add_router_benchmarks_to_path()
 
 from vllm_stack_dev.paths import cache_dir  # noqa: E402
 from vllm_stack_dev.testbed import engines as tb  # noqa: E402
+from vllm_stack_dev.testbed.inference_pool import PoolSite, pool_site  # noqa: E402
 from vllm_stack_dev.testbed.models import build_model  # noqa: E402
 
 MODEL = "mid"
@@ -160,12 +161,20 @@ def engine_spec(model_dir: Path, blocks: int, context: int) -> tb.EngineSpec:
     )
 
 
-def start_engines(spec: tb.EngineSpec, cpus: list[int | None], log_dir: Path, prefix: str) -> tb.EngineGroup:
-    """Start one engine per entry of `cpus` (pinned there), in parallel; wait until all serve."""
+def start_engines(
+    spec: tb.EngineSpec,
+    cpus: list[int | None],
+    log_dir: Path,
+    prefix: str,
+    pool: PoolSite | None = None,
+) -> tb.EngineGroup:
+    """Start one engine per entry of `cpus` (pinned there), in parallel; wait until all serve. With a
+    `pool`, engine i listens at the pool's Pod i's IP and port (the address a picker names)."""
     group = tb.EngineGroup()
     try:
         for index, cpu in enumerate(cpus):
-            group.add(tb.launch(spec, name=f"{prefix}-{index}", cpu=cpu, log_dir=log_dir))
+            where = {"host": pool.hosts[index], "port": pool.port} if pool is not None else {}
+            group.add(tb.launch(spec, name=f"{prefix}-{index}", cpu=cpu, log_dir=log_dir, **where))
         tb.wait_ready(group.engines, ENGINE_READY_TIMEOUT)
     except BaseException:
         group.stop()
@@ -503,8 +512,18 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict = {}
     oracle: dict = {}
     try:
-        with start_engines(spec, tb.default_cpus(2), log_dir, "engine") as group:
-            setup = cont.Setup(group.urls, [e.kv_events_port for e in group], MODEL, model_dir, BLOCK_SIZE)
+        with contextlib.ExitStack() as stack:
+            pool = None
+            if any(cont.CONTENDERS[name].family == "upstream" for name in active):
+                print(
+                    "==> a test cluster with the engines' InferencePool (the upstream EPP reads it)",
+                    flush=True,
+                )
+                pool = stack.enter_context(pool_site(log_dir, 2, tb.port_for_later()))
+            group = stack.enter_context(start_engines(spec, tb.default_cpus(2), log_dir, "engine", pool))
+            setup = cont.Setup(
+                group.urls, [e.kv_events_port for e in group], MODEL, model_dir, BLOCK_SIZE, pool
+            )
             runs = run_contenders(options, active, setup, built, log_dir)
         if options.oracle:
             oracle = run_oracle(options, model_dir, built, log_dir)

@@ -1,0 +1,99 @@
+"""One routing-quality contender made of two processes: an endpoint picker and our router in gateway mode
+asking it (fail-closed, so every request is the picker's decision), started in that order.
+
+    picker_pair.py --picker upstream|ours --port PORT --backends URL,URL [--kubeconfig K --namespace NS
+                   --pool P] [--ext-proc-port N] -- PICKER FLAGS...
+
+``upstream``: the Inference Extension's EPP v1.5.0 (vllm_stack_dev.testbed.upstream_epp) reading the
+InferencePool from the API server, waited for until it has fresh metrics for every backend; ``ours``:
+``vllm-stack epp`` with the flags after ``--`` over the same backends. The gateway gets the backends as
+static engines. SIGTERM (the benchmark stops a contender's process group) stops the gateway and the
+picker (the upstream EPP runs in a process group of its own, so it is stopped here by its PID).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from vllm_stack_dev.testbed.engines import port_for_later
+from vllm_stack_dev.testbed.upstream_epp import UpstreamEpp
+
+OURS = Path(sys.executable).parent / "vllm-stack"
+
+
+def _wait_ready(port: int, process: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the picker exited ({process.returncode})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError("the picker was not ready in time")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--picker", choices=("upstream", "ours"), required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--backends", required=True)
+    parser.add_argument("--kubeconfig")
+    parser.add_argument("--namespace")
+    parser.add_argument("--pool")
+    parser.add_argument("picker_flags", nargs="*")
+    args = parser.parse_args()
+    stopping = False
+
+    def stop(_signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    upstream: UpstreamEpp | None = None
+    picker: subprocess.Popen[bytes] | None = None
+    gateway: subprocess.Popen[bytes] | None = None
+    try:
+        if args.picker == "upstream":
+            work = Path(tempfile.mkdtemp(prefix="upstream-epp-"))
+            upstream = UpstreamEpp(Path(args.kubeconfig), args.namespace, args.pool, work)
+            upstream.start(timeout=120, ready_endpoints=len(args.backends.split(",")))
+            target = f"127.0.0.1:{upstream.grpc_port}"
+        else:
+            http_port, grpc_port = port_for_later(), port_for_later()
+            command = [str(OURS), "epp", "--host", "127.0.0.1", "--port", str(http_port),
+                       "--ext-proc-port", str(grpc_port), "--static-backends", args.backends,
+                       *args.picker_flags]  # fmt: skip
+            picker = subprocess.Popen(command)
+            _wait_ready(http_port, picker)
+            target = f"127.0.0.1:{grpc_port}"
+        gateway = subprocess.Popen(
+            [str(OURS), "router", "--host", "127.0.0.1", "--port", str(args.port),
+             "--static-backends", args.backends, "--endpoint-picker", f"grpc://{target}",
+             "--no-endpoint-picker-fail-open", "--endpoint-picker-timeout", "10", "--log-level", "warning"]
+        )  # fmt: skip
+        while not stopping and gateway.poll() is None:
+            time.sleep(0.2)
+        return 0 if stopping else 1
+    finally:
+        for process in (gateway, picker):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        if upstream is not None:
+            upstream.stop()  # its own process group, by its PID
+
+
+if __name__ == "__main__":
+    sys.exit(main())
