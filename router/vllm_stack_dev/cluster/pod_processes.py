@@ -7,7 +7,9 @@ Pod's main container would run, at the Pod's IP and the container's own ports, f
 server holds (vllm_stack_dev.up.plan says what changes, as for `vllm-stack up`):
 - an engine Pod: a real vLLM engine (the CPU build, the tiny model in place of the weights);
 - the router Pod: this project's router with its rendered arguments, Kubernetes discovery included, and the
-  credentials the caller gives it (a kubeconfig with the ServiceAccount's token: the Pod's own identity).
+  credentials the caller gives it (a kubeconfig with the ServiceAccount's token: the Pod's own identity);
+  an endpoint picker Pod (the chart's ``inferenceExtension.epp``) the same way: the router's image and
+  entry point, its own arguments (``--ext-proc-port``, ``--inference-pool``).
 
 A Pod's process starts once the Pod is Running with an IP, and stops when the Pod is gone, unless the
 caller keeps it (a terminating container serves on through its grace period; a test can then check that
@@ -43,6 +45,7 @@ from vllm_stack_dev.up.plan import Planner, Process
 COMPONENT = "app.kubernetes.io/component"
 ENGINE_COMPONENT = "serving-engine"
 ROUTER_COMPONENT = "router"
+EPP_COMPONENT = "endpoint-picker"  # the chart's endpoint picker: the router's image and entry point
 
 
 @dataclass
@@ -134,7 +137,7 @@ class PodProcesses:
                 try:
                     if component == ENGINE_COMPONENT:
                         self.engines[name] = self._start_engine(pod, ip)
-                    elif component == ROUTER_COMPONENT:
+                    elif component in (ROUTER_COMPONENT, EPP_COMPONENT):
                         self.routers[name] = self._start_router(pod, ip)
                 except Exception as error:  # noqa: BLE001 - recorded; the test fails on it via check()
                     self.failed[name] = f"{type(error).__name__}: {error}"
