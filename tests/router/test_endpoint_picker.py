@@ -14,7 +14,9 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import orjson
+import pytest
 from vllm_stack_dev.testbed.extproc_driver import exchange
 
 from tests.fakes.stub_engine import StubEngine
@@ -244,4 +246,17 @@ async def test_client_api_keys_are_checked_on_the_headers() -> None:
         assert orjson.loads(refused.answers[0].immediate_response.body)["error"]["code"] == "invalid_api_key"
         allowed = await exchange(target, [*HEADERS, ("authorization", "Bearer k1")], orjson.dumps(BODY))
         assert allowed.kinds == ["request_headers", "request_body"]
+        assert router.picker_server.service.buffered == 0
+
+
+async def test_one_message_over_one_mib_is_refused_by_grpc() -> None:
+    """Bodies come in chunks; one message is bounded whatever the body limit (no 2 MiB header block)."""
+    async with picker(max_body_bytes=8 << 20) as (target, router, _, _):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await exchange(target, HEADERS, b"x" * (2 << 20))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        chunked = await exchange(
+            target, HEADERS, orjson.dumps({**BODY, "prompt": "y" * (2 << 20)}), chunk=64 << 10
+        )
+        assert chunked.kinds[0] == "request_headers"
         assert router.picker_server.service.buffered == 0

@@ -5,8 +5,9 @@ the same registry, scraper, KV-event index, plugins, queue and metrics serve bot
 requests and the gateway's. Plain gRPC (no TLS): the gateway reaches it inside the cluster.
 
 Bounded: at most ``max_streams`` streams at once (more are refused by gRPC with RESOURCE_EXHAUSTED), each
-request body at most ``max_body_bytes``, and all bodies being gathered at most ``max_buffered_body_bytes``
-together (past it: 503 ``body_buffers_full``), as for the router's own connections.
+message at most 1 MiB (a header block, a body chunk), each request body at most ``max_body_bytes``, and all
+bodies being gathered at most ``max_buffered_body_bytes`` together (past it: 503 ``body_buffers_full``), as
+for the router's own connections.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL = 1.0
 FALLBACKS = 2  # endpoints listed after the picked one in the envoy.lb metadata
+MAX_MESSAGE_BYTES = 1 << 20
 
 
 class PickerService(pb_grpc.ExternalProcessorServicer):
@@ -101,7 +103,12 @@ class PickerServer:
         self._tasks: list[asyncio.Task[Any]] = []
 
     async def start(self) -> None:
-        server = self._server = grpc.aio.server(maximum_concurrent_rpcs=self.max_streams)
+        server = self._server = grpc.aio.server(
+            maximum_concurrent_rpcs=self.max_streams,
+            # one message (a header block, a body chunk) at most this large: gateways send bodies in
+            # chunks of tens of KiB, and each stream holds at most one header block
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         bound = server.add_insecure_port(f"{_bracketed(self.host)}:{self.port}")
         if not bound:

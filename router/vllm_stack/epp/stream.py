@@ -99,6 +99,9 @@ class Exchange:
                 if error is not None:
                     return self._refuse(error, "immediate")
             if body.end_of_stream:
+                if self.request is not None or self.answer is not None:  # a second end: not the protocol
+                    self.service.metrics.ext_proc_streams.child("protocol_error").inc()
+                    return []
                 return await self._pick()
             return []
         if kind == "request_trailers":  # a body ended by trailers: its end is here
