@@ -272,7 +272,19 @@ EPP = GoTool(
     version_args=(),
     assets=(("config/crd/bases", "crds"),),  # InferencePool, InferenceObjective, ...
 )
-TEST_TOOLS = (*CLUSTER_TOOLS, OTELCOL, EPP)
+# The 1.6 line's lightweight reference endpoint picker (`cmd/lwepp`: round-robin over the pool's Ready
+# Pods, no metrics scraping, no scheduling plugins), the conformance tests' second upstream peer (1.6 has
+# no `cmd/epp`). v1.6.2 is the newest release the proxy serves (its @latest); its go.mod (`go 1.26.0`) has
+# no replace directives and builds with the machine's Go 1.26.8. It has no --version flag, logs no version.
+LWEPP = GoTool(
+    name="lwepp",
+    module="sigs.k8s.io/gateway-api-inference-extension",
+    version="v1.6.2",
+    binaries=(("lwepp", "sigs.k8s.io/gateway-api-inference-extension/cmd/lwepp"),),
+    ldflags=("-s", "-w"),
+    version_args=(),
+)
+TEST_TOOLS = (*CLUSTER_TOOLS, OTELCOL, EPP, LWEPP)
 
 
 def _tail(text: str) -> str:
@@ -493,6 +505,11 @@ def install_test_tools() -> str:
 def epp_binary() -> Path:
     """The upstream endpoint picker the interop tests run (it exists once install_test_tools() returned)."""
     return EPP.binary("epp")
+
+
+def lwepp_binary() -> Path:
+    """The upstream lightweight endpoint picker the interop tests run (there once install_test_tools() returned)."""
+    return LWEPP.binary("lwepp")
 
 
 def collector_binary() -> Path:

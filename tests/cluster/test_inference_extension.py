@@ -3,17 +3,19 @@
 One InferencePool on the test cluster's real API server: two engine Pods (kwok reports them Ready at
 loopback IPs; the test bed starts a real vLLM engine at each Pod's IP, vllm_stack_dev.cluster.
 pod_processes), the pool selecting them on port 8000, and a ServiceAccount whose Role allows what an
-endpoint picker reads (pods, inferencepools, inferenceobjectives). Both pickers read the pool from the
+endpoint picker reads (pods, inferencepools, inferenceobjectives). The pickers read the pool from the
 API server with that account's token:
 - the upstream EPP v1.5.0 (vllm_stack_dev.testbed.upstream_epp: the real binary, default configuration);
+- the 1.6 line's lightweight reference picker, lwepp v1.6.2 (the same module's ``cmd/lwepp``, the real
+  binary: round-robin over the pool's Ready Pods, nothing else), a second upstream peer in 1. only;
 - ours, ``vllm-stack router --ext-proc-port P --service-discovery k8s --inference-pool NAME``.
 
 What is shown:
-1. conformance: one Envoy-like driver (vllm_stack_dev.testbed.extproc_driver) sends both pickers the same
+1. conformance: one Envoy-like driver (vllm_stack_dev.testbed.extproc_driver) sends every picker the same
    messages (request headers, the body in chunks, then the engine's real answer's headers and body in
    chunks) and the answers are compared: message kinds and order, header keys, metadata keys, the body
-   sent back, and errors (ImmediateResponse statuses); where the two differ, the test says how, so a
-   change on either side shows. Endpoints are not compared, only that each is one of the pool's;
+   sent back, and errors (ImmediateResponse statuses); where they differ, the test says how, so a
+   change on any side shows. Endpoints are not compared, only that each is one of the pool's;
 2. our gateway mode drives the upstream EPP: a router with ``--endpoint-picker`` serves completions on
    the engines the upstream EPP names (its log's "Request handled" record per x-request-id), counted
    under ``outcome="picked"``;
@@ -32,7 +34,27 @@ The differences found between the two pickers, each asserted below (v1.5.0 again
   has no headers and a text body ("inference error: ..."), ours an OpenAI-style JSON error with
   content-type, x-vllm-stack-error (and retry-after on a 503); a model no engine serves: picked by the
   upstream EPP (it does not know the pool's models), 404 from ours; a sheddable request with no
-  candidate: 429 upstream (its admission runs first), 503 from ours.
+  candidate: 429 upstream (its admission runs first), 503 from ours;
+- a subset hint is matched on the IP alone by the upstream EPP (an endpoint's IP with another port still
+  selects it), on ``ip:port`` by ours (a bare IP, not tested here, allows every port).
+
+lwepp v1.6.2 against both (it agrees with all: the kinds on the request path, request_headers then one
+request_body with eos; ``clear_route_cache``; the ``envoy.lb`` metadata namespace and key, on the first
+answer only; the response headers echoed with ``x-went-into-resp-headers``; a GET answered at once; a
+subset of one endpoint honoured):
+- every response_body chunk back as it comes, streamed answer or not (as ours; the upstream EPP holds an
+  answer that is not streamed);
+- the request headers' answer sets the destination and ``X-Echo-Set-Header``
+  (``x-conformance-test-served-endpoint:<endpoint>``, for the conformance suite's echo backend), nothing
+  else: no Content-Length, no request header echoed;
+- the ``envoy.lb`` metadata lists the pick alone (as the upstream EPP);
+- the body sent back is the client's bytes (as ours): it parses nothing, so a body that is not JSON and a
+  model no engine serves are both picked for (the upstream EPP picks the latter too);
+- the response headers' answer adds ``x-conformance-test-served-endpoint``: the served endpoint from the
+  gateway's response metadata, which this driver does not send ("fail: missing envoy lb metadata");
+- no candidate (an empty subset, a subset outside the pool) is not an ImmediateResponse: the stream ends
+  with gRPC status INTERNAL ("no endpoints available"), which a gateway turns into its own error;
+- a subset hint is matched on ``ip:port`` (a bare IP, by its source, allows every port), as by ours.
 """
 
 from __future__ import annotations
@@ -47,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from vllm_stack_dev.cluster.control_plane import Cluster, tool_env
@@ -54,7 +77,7 @@ from vllm_stack_dev.cluster.pod_processes import COMPONENT, ENGINE_COMPONENT, Po
 from vllm_stack_dev.paths import repo_root
 from vllm_stack_dev.testbed.engines import Engine, port_for_later, spawn_logged, stop_group
 from vllm_stack_dev.testbed.extproc_driver import Exchange, exchange
-from vllm_stack_dev.testbed.upstream_epp import UpstreamEpp
+from vllm_stack_dev.testbed.upstream_epp import LightweightEpp, UpstreamEpp
 from vllm_stack_dev.waiting import wait_http_ok
 
 from tests.cluster.serving import wait_for
@@ -226,6 +249,16 @@ def upstream(pool: Pool) -> Iterator[UpstreamEpp]:
 
 
 @pytest.fixture(scope="module")
+def lightweight(pool: Pool) -> Iterator[LightweightEpp]:
+    epp = LightweightEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "lwepp")
+    epp.start(timeout=60, ready_endpoints=2)
+    try:
+        yield epp
+    finally:
+        epp.stop()
+
+
+@pytest.fixture(scope="module")
 def ours(pool: Pool) -> Iterator[OurEpp]:
     epp = OurEpp(pool, "our-epp")
     try:
@@ -237,6 +270,13 @@ def ours(pool: Pool) -> Iterator[OurEpp]:
 # ---- driving ----------------------------------------------------------------------------------------
 def drive(target: str, headers: list[tuple[str, str]], body: bytes, **options: Any) -> Exchange:
     return asyncio.run(exchange(target, headers, body, **options))
+
+
+def stream_error(target: str, headers: list[tuple[str, str]], body: bytes, **options: Any) -> grpc.StatusCode:
+    """The gRPC status a picker ends the stream with instead of answering (lwepp with no candidate)."""
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        drive(target, headers, body, **options)
+    return failed.value.code()
 
 
 def raw_keys(ex: Exchange, kind: str) -> list[str]:
@@ -280,42 +320,49 @@ def engine_answer(pool: Pool, request: dict[str, Any]) -> tuple[list[tuple[str, 
 
 
 REQUEST_KINDS = ["request_headers", "request_body"]
+#: lwepp's mark on the request headers' answer: a header its conformance backend echoes, naming the pick.
+ECHO_SET_HEADER = "X-Echo-Set-Header"
+SERVED_HEADER = "x-conformance-test-served-endpoint"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered-answer", "streamed-answer"])
-def test_both_pickers_answer_the_same_messages_with_the_same_keys(
-    pool: Pool, upstream: UpstreamEpp, ours: OurEpp, stream: bool
+def test_the_pickers_answer_the_same_messages_with_the_same_keys(
+    pool: Pool, upstream: UpstreamEpp, lightweight: LightweightEpp, ours: OurEpp, stream: bool
 ) -> None:
-    """The same messages to both, a real engine's answer relayed after the pick (streamed or not)."""
+    """The same messages to each, a real engine's answer relayed after the pick (streamed or not)."""
     request = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
     body = json.dumps(request).encode()  # with spaces, as a client may send it
     response = engine_answer(pool, request)
     sent_answer = b"".join(response[1])
     answers = {}
-    for name, target in (("upstream", upstream.target), ("ours", ours.target)):
+    pickers = (("upstream", upstream.target), ("lwepp", lightweight.target), ("ours", ours.target))
+    for name, target in pickers:
         rid = f"conformance-{name}-{uuid.uuid4()}"
         answers[name] = ex = drive(target, request_headers(body, rid), body, chunk=16, response=response)
         assert ex.kinds[:2] == REQUEST_KINDS, (name, ex.kinds)
         assert ex.endpoint in pool.endpoints.values(), (name, ex.endpoint)
         assert ex.header("request_headers", DESTINATION) == ex.endpoint
         assert ex.first("request_headers").request_headers.response.clear_route_cache
-        # each says the length of the body it sends back
-        assert ex.header("request_headers", "content-length") == str(len(ex.body("request_body"))), name
+        # each that changes the body says the length of the body it sends back (lwepp sends the
+        # client's bytes and leaves the client's Content-Length as it was)
+        length = ex.header("request_headers", "content-length")
+        assert length == (None if name == "lwepp" else str(len(ex.body("request_body")))), name
         assert json.loads(ex.body("request_body")) == request, name
         assert ex.header("response_headers", "x-went-into-resp-headers") == "true", name
         assert ex.body("response_body") == sent_answer, name
         assert all(e in pool.endpoints.values() for e in lb_endpoints(ex)), name
         assert lb_endpoints(ex)[0] == ex.endpoint
-    up, our = answers["upstream"], answers["ours"]
+    up, lw, our = answers["upstream"], answers["lwepp"], answers["ours"]
 
-    # Message kinds. A streamed answer: each chunk back as it comes, from both. An answer that is not
-    # streamed: the upstream EPP holds the chunks and sends the whole body once at its end; ours passes
-    # each chunk back as it comes (same bytes joined).
+    # Message kinds. A streamed answer: each chunk back as it comes, from all. An answer that is not
+    # streamed: the upstream EPP holds the chunks and sends the whole body once at its end; lwepp and
+    # ours pass each chunk back as it comes (same bytes joined).
+    chunk_by_chunk = [*REQUEST_KINDS, "response_headers", *["response_body"] * 3]
     if stream:
-        assert up.kinds == our.kinds == [*REQUEST_KINDS, "response_headers", *["response_body"] * 3]
+        assert up.kinds == lw.kinds == our.kinds == chunk_by_chunk
     else:
         assert up.kinds == [*REQUEST_KINDS, "response_headers", "response_body"]
-        assert our.kinds == [*REQUEST_KINDS, "response_headers", *["response_body"] * 3]
+        assert lw.kinds == our.kinds == chunk_by_chunk
 
     # Header keys. The request headers' answer: the destination and Content-Length (that very spelling,
     # from both), then every request header echoed back but the system-owned ones (content-length
@@ -332,47 +379,66 @@ def test_both_pickers_answer_the_same_messages_with_the_same_keys(
     assert "Content-Length" in raw_keys(up, "request_headers") and "Content-Length" in raw_keys(
         our, "request_headers"
     )
-    # the response headers' answer: the mark, and the response headers echoed (":status" included)
+    # lwepp: the destination and its echo mark (that spelling), nothing echoed, no Content-Length
+    assert raw_keys(lw, "request_headers") == [ECHO_SET_HEADER, DESTINATION]
+    assert lw.header("request_headers", ECHO_SET_HEADER.lower()) == f"{SERVED_HEADER}:{lw.endpoint}"
+    # the response headers' answer: the mark, and the response headers echoed (":status" included);
+    # lwepp adds the served endpoint it reads from the gateway's response metadata (none sent here)
+    echoed_response = ["x-went-into-resp-headers", ":status", "content-type", "x-served-by"]
     assert up.set_header_keys("response_headers") == our.set_header_keys("response_headers") == sorted(
-        ["x-went-into-resp-headers", ":status", "content-type", "x-served-by"]
+        echoed_response
     )  # fmt: skip
+    assert lw.set_header_keys("response_headers") == sorted([*echoed_response, SERVED_HEADER])
+    assert lw.header("response_headers", SERVED_HEADER) == "fail: missing envoy lb metadata"
 
-    # Dynamic metadata: the same namespace and key; the upstream EPP lists the one pick, ours the pick and
-    # the other engine as a fallback.
-    assert up.metadata_keys() == our.metadata_keys() == {"envoy.lb": [DESTINATION]}
-    assert len(lb_endpoints(up)) == 1
+    # Dynamic metadata: the same namespace and key; the upstream EPP and lwepp list the one pick, ours
+    # the pick and the other engine as a fallback.
+    assert up.metadata_keys() == lw.metadata_keys() == our.metadata_keys() == {"envoy.lb": [DESTINATION]}
+    assert len(lb_endpoints(up)) == len(lb_endpoints(lw)) == 1
     assert len(lb_endpoints(our)) == 2 and set(lb_endpoints(our)) == set(pool.endpoints.values())
-    assert not any(a.HasField("dynamic_metadata") for a in up.answers[1:] + our.answers[1:])
+    assert not any(a.HasField("dynamic_metadata") for a in up.answers[1:] + lw.answers[1:] + our.answers[1:])
 
     # The body sent back: the same JSON. The upstream EPP re-serialises it (Go's encoding: keys sorted,
-    # no spaces); ours sends the client's bytes unchanged.
-    assert our.body("request_body") == body
+    # no spaces); lwepp and ours send the client's bytes unchanged.
+    assert our.body("request_body") == lw.body("request_body") == body
     assert up.body("request_body") == json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
 
 
-def test_both_pickers_refuse_and_route_headers_only_requests_alike(
-    pool: Pool, upstream: UpstreamEpp, ours: OurEpp
+def test_the_pickers_refuse_and_route_headers_only_requests_alike(
+    pool: Pool, upstream: UpstreamEpp, lightweight: LightweightEpp, ours: OurEpp
 ) -> None:
-    """The cases beside a plain pick, each from both: what is the same, and what differs."""
+    """The cases beside a plain pick, each from every picker: what is the same, and what differs."""
     request = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 4}
     body = json.dumps(request).encode()
-    results: dict[str, dict[str, Any]] = {"upstream": {}, "ours": {}}
-    for name, target in (("upstream", upstream.target), ("ours", ours.target)):
+    bad = b'{"model": "tiny'
+    other = json.dumps({**request, "model": "no-such-model"}).encode()
+    first = sorted(pool.endpoints.values())[0]
+    other_port = first.rpartition(":")[0] + ":9999"
+    refusals = {  # no candidate: an empty subset hint, one outside the pool; a body that is not JSON
+        "empty subset": (body, {"subset": []}),
+        "foreign subset": (body, {"subset": ["10.1.2.3:8000"]}),
+        "bad json": (bad, {}),
+    }
+    results: dict[str, dict[str, Any]] = {"upstream": {}, "lwepp": {}, "ours": {}}
+    for name, target in (("upstream", upstream.target), ("lwepp", lightweight.target), ("ours", ours.target)):
         got = results[name]
-        # an empty subset hint: no candidate endpoint
-        got["empty subset"] = immediate(
-            drive(target, request_headers(body, f"empty-{name}"), body, subset=[])
-        )
-        # a subset hint outside the pool
-        got["foreign subset"] = immediate(
-            drive(target, request_headers(body, f"foreign-{name}"), body, subset=["10.1.2.3:8000"])
-        )
-        # a body that is not JSON
-        bad = b'{"model": "tiny'
-        got["bad json"] = immediate(drive(target, request_headers(bad, f"bad-{name}"), bad))
+        for case, (sent, options) in refusals.items():
+            headers = request_headers(sent, f"{case.replace(' ', '-')}-{name}")
+            if name == "lwepp" and case != "bad json":
+                got[case] = stream_error(target, headers, sent, **options)
+            elif name == "lwepp":
+                got[case] = drive(target, headers, sent, **options)
+            else:
+                got[case] = immediate(drive(target, headers, sent, **options))
         # a model no engine of the pool serves
-        other = json.dumps({**request, "model": "no-such-model"}).encode()
         got["unknown model"] = drive(target, request_headers(other, f"unknown-{name}"), other)
+        # a subset of one of the pool's endpoints; and that endpoint's IP with another port
+        got["one endpoint"] = drive(target, request_headers(body, f"one-{name}"), body, subset=[first])
+        headers = request_headers(body, f"port-{name}")
+        if name == "lwepp":
+            got["other port"] = stream_error(target, headers, body, subset=[other_port])
+        else:
+            got["other port"] = drive(target, headers, body, subset=[other_port])
         # a request without a body (a GET): an endpoint at once, from the request headers alone
         get = [
             (":method", "GET"),
@@ -381,33 +447,51 @@ def test_both_pickers_refuse_and_route_headers_only_requests_alike(
             ("x-request-id", f"get-{name}"),
         ]
         got["get"] = drive(target, get, b"")
-    up, our = results["upstream"], results["ours"]
+    up, lw, our = results["upstream"], results["lwepp"], results["ours"]
 
-    # no candidate: both 503; the upstream EPP's body is its "inference error: ..." text, ours OpenAI JSON
+    # no candidate: 503 from the upstream EPP and ours; the upstream EPP's body is its "inference
+    # error: ..." text, ours OpenAI JSON. lwepp sends no ImmediateResponse: the stream fails (INTERNAL).
     for case in ("empty subset", "foreign subset"):
         assert up[case][0] == our[case][0] == 503, case
         assert up[case][1].startswith(b"inference error: ServiceUnavailable"), up[case][1]
         assert json.loads(our[case][1])["error"]["code"], our[case][1]
+        assert lw[case] == grpc.StatusCode.INTERNAL, case
     # the refusal's headers: none from the upstream EPP; ours says the body's type and marks the error
     # as the router's own (x-vllm-stack-error), as its own answers do, with retry-after on a 503
     for case in ("empty subset", "foreign subset", "bad json"):
         assert up[case][2] == [], case
         retry = ["retry-after"] if our[case][0] == 503 else []
         assert our[case][2] == sorted(["content-type", "x-vllm-stack-error", *retry]), case
-    # not JSON: both 400
+    # not JSON: 400 from the upstream EPP and ours; lwepp does not read the body: it picks, and sends
+    # the bytes back as they came
     assert up["bad json"][0] == our["bad json"][0] == 400
     assert up["bad json"][1].startswith(b"inference error: BadRequest")
-    # an unknown model: the upstream EPP does not know the pool's models and picks an endpoint; ours
-    # answers 404 model_not_found (the router knows what each engine serves)
-    assert up["unknown model"].kinds == REQUEST_KINDS
-    assert up["unknown model"].endpoint in pool.endpoints.values()
+    assert lw["bad json"].kinds == REQUEST_KINDS and lw["bad json"].endpoint in pool.endpoints.values()
+    assert lw["bad json"].body("request_body") == bad
+    # an unknown model: the upstream EPP and lwepp do not know the pool's models and pick an endpoint;
+    # ours answers 404 model_not_found (the router knows what each engine serves)
+    for name, ex in (("upstream", up["unknown model"]), ("lwepp", lw["unknown model"])):
+        assert ex.kinds == REQUEST_KINDS, name
+        assert ex.endpoint in pool.endpoints.values(), name
     status, refusal, _ = immediate(our["unknown model"])
     assert status == 404 and json.loads(refusal)["error"]["code"] == "model_not_found"
-    # a GET: the headers' answer only, at once, naming one of the pool's endpoints, with nothing echoed
-    for name, ex in (("upstream", up["get"]), ("ours", our["get"])):
+    # a subset of one endpoint: that endpoint, from all
+    for name, got in results.items():
+        assert got["one endpoint"].kinds == REQUEST_KINDS, name
+        assert got["one endpoint"].endpoint == first, name
+    # the endpoint's IP with another port: the upstream EPP matches the IP alone and picks the endpoint;
+    # ours and lwepp match ip:port and have no candidate (503; lwepp's stream fails)
+    assert up["other port"].kinds == REQUEST_KINDS and up["other port"].endpoint == first
+    assert immediate(our["other port"])[0] == 503
+    assert lw["other port"] == grpc.StatusCode.INTERNAL
+    # a GET: the headers' answer only, at once, naming one of the pool's endpoints, with nothing echoed;
+    # lwepp adds its echo mark
+    for name, got in results.items():
+        ex = got["get"]
         assert ex.kinds == ["request_headers"], name
         assert ex.endpoint in pool.endpoints.values(), name
-        assert ex.set_header_keys("request_headers") == [DESTINATION], name
+        mark = [ECHO_SET_HEADER.lower()] if name == "lwepp" else []
+        assert ex.set_header_keys("request_headers") == sorted([DESTINATION, *mark]), name
         assert ex.metadata_keys() == {"envoy.lb": [DESTINATION]}, name
 
 

@@ -22,6 +22,25 @@ changes that: the ports are taken free on loopback here, and the tests send to 1
 Readiness is waited for by condition: the gRPC health service answers SERVING for the ext_proc service
 (the pool has synced), and, when asked, the pool counts a number of ready endpoints with fresh metrics
 (``inference_pool_ready_pods``). The process runs in its own process group, stopped by its PID.
+
+:class:`LightweightEpp` runs the 1.6 line's lightweight reference picker (``lwepp`` v1.6.2,
+``vllm_stack_dev.gotools.LWEPP``) the same way. It is a much smaller program: round-robin over the pool's
+Ready Pods (endpoints = Pod x targetPort, as the EPP's), no metrics scraping, no body parsing, no
+InferenceObjectives. What differs in running it (see the project's research notes):
+
+- it reads only Pods and the InferencePool (``inference.networking.k8s.io/v1``) of ``--pool-namespace``
+  (left empty, it would watch Pods in every namespace); the same namespaced Role suffices;
+- its flags are few: ``--pool-name``, ``--pool-namespace``, ``--pool-group``, ``--grpc-port``,
+  ``--grpc-health-port``, ``--metrics-port`` (controller-runtime's own metrics, no pool gauges, no
+  auth), ``--secure-serving`` (true: TLS with a self-signed certificate), ``--health-checking`` (a health
+  service on the ext_proc port too), controller-runtime's ``--kubeconfig`` and zap's ``--zap-*`` (no
+  ``--v``, no tracing, no pprof); ``KUBECONFIG`` is set all the same;
+- its health port answers for the service ``inference-extension`` (NOT_SERVING until the pool is in its
+  datastore, then SERVING); the Pods are listed in the same step, a moment later;
+- readiness with endpoints is asked of the picker itself: header-only probe requests, each answered with
+  a pick at once; its round-robin names each of its endpoints within ``ROUND_ROBIN_PROBES`` consecutive
+  picks (for up to that many endpoints);
+- it logs no request id, so :meth:`UpstreamEpp.handled` finds nothing in its log.
 """
 
 from __future__ import annotations
@@ -31,14 +50,17 @@ import os
 import subprocess
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from vllm_stack_dev.gotools import EPP, epp_binary
+from vllm_stack_dev.gotools import EPP, LWEPP, GoTool, epp_binary, lwepp_binary
 from vllm_stack_dev.testbed.engines import port_for_later, spawn_logged, stop_group
+
+from vllm_stack.extproc import wire
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: How often the pool's Prometheus gauges are refreshed (its default, 5 s, would make readiness slow).
@@ -48,6 +70,12 @@ PROMETHEUS_REFRESH = "500ms"
 class UpstreamEpp:
     """The upstream EPP serving InferencePool ``namespace/pool``; :meth:`start` (or ``with``) runs it,
     :meth:`stop` ends it. ``extra_args`` are more of its flags (e.g. ``--config-text``)."""
+
+    #: What is run: the tool (its version), the log's name, and the service its health port answers for
+    #: once the pool has synced.
+    tool: GoTool = EPP
+    log_name = "upstream-epp.log"
+    health_service = EXT_PROC_SERVICE
 
     def __init__(
         self,
@@ -63,12 +91,12 @@ class UpstreamEpp:
         self.namespace = namespace
         self.pool = pool
         self.workdir = workdir
-        self.binary = binary or epp_binary()
+        self.binary = binary or self.default_binary()
         self.extra_args = list(extra_args)
         self.grpc_port = port_for_later()
         self.health_port = port_for_later()
         self.metrics_port = port_for_later()
-        self.log_path = workdir / "upstream-epp.log"
+        self.log_path = workdir / self.log_name
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -78,7 +106,16 @@ class UpstreamEpp:
 
     @property
     def version(self) -> str:
-        return EPP.version
+        return self.tool.version
+
+    @property
+    def label(self) -> str:
+        """How errors name it: ``the upstream epp v1.5.0``."""
+        return f"the upstream {self.tool.name} {self.tool.version}"
+
+    @staticmethod
+    def default_binary() -> Path:
+        return epp_binary()
 
     def command(self) -> list[str]:
         return [
@@ -102,7 +139,7 @@ class UpstreamEpp:
         """Start it and wait until it serves (see :meth:`wait_ready`); on failure it is stopped and the
         error carries its log's tail."""
         if not self.binary.is_file():
-            raise RuntimeError(f"the upstream EPP {self.binary} is missing: run `make install`")
+            raise RuntimeError(f"{self.label}'s binary {self.binary} is missing: run `make install`")
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -119,12 +156,12 @@ class UpstreamEpp:
         return self
 
     def wait_ready(self, timeout: float = 60.0, ready_endpoints: int | None = None) -> None:
-        """Until its health service says SERVING for ext_proc (the pool synced) and, with
-        ``ready_endpoints``, the pool has that many endpoints with fresh metrics."""
+        """Until its health service says SERVING (the pool synced) and, with ``ready_endpoints``, it
+        counts that many endpoints (see :meth:`ready_endpoints`)."""
         deadline = time.monotonic() + timeout
 
         def ready() -> bool:
-            if self.health(EXT_PROC_SERVICE) != "SERVING":
+            if self.health(self.health_service) != "SERVING":
                 return False
             return ready_endpoints is None or self.ready_endpoints() == ready_endpoints
 
@@ -132,11 +169,11 @@ class UpstreamEpp:
             process = self.process
             if process is None or process.poll() is not None:
                 code = None if process is None else process.returncode
-                raise RuntimeError(f"the upstream EPP exited ({code}); its log:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.label} exited ({code}); its log:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"the upstream EPP not ready within {timeout:.0f} s (health "
-                    f"{self.health(EXT_PROC_SERVICE)}, ready endpoints {self.ready_endpoints()}); "
+                    f"{self.label} not ready within {timeout:.0f} s (health "
+                    f"{self.health(self.health_service)}, ready endpoints {self.ready_endpoints()}); "
                     f"its log:\n{self.log_tail()}"
                 )
             time.sleep(0.2)
@@ -161,7 +198,8 @@ class UpstreamEpp:
             return response.read().decode()
 
     def ready_endpoints(self) -> float | None:
-        """``inference_pool_ready_pods`` of its pool (endpoints with fresh metrics), or None."""
+        """How many endpoints it would pick from: ``inference_pool_ready_pods`` of its pool (endpoints
+        with fresh metrics), or None."""
         try:
             text = self.metrics()
         except OSError:
@@ -211,3 +249,61 @@ class UpstreamEpp:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: Header-only requests per readiness probe of the lightweight picker: its round-robin names each of up
+#: to this many endpoints once in as many consecutive picks.
+ROUND_ROBIN_PROBES = 8
+
+
+class LightweightEpp(UpstreamEpp):
+    """The 1.6 line's lightweight reference picker (``lwepp``) serving InferencePool ``namespace/pool``
+    (see the module docstring for how it differs in running)."""
+
+    tool = LWEPP
+    log_name = "lwepp.log"
+    health_service = "inference-extension"
+
+    @staticmethod
+    def default_binary() -> Path:
+        return lwepp_binary()
+
+    def command(self) -> list[str]:
+        return [
+            str(self.binary),
+            f"--pool-name={self.pool}",
+            f"--pool-namespace={self.namespace}",
+            "--secure-serving=false",
+            f"--grpc-port={self.grpc_port}",
+            f"--grpc-health-port={self.health_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--kubeconfig={self.kubeconfig}",
+            "--zap-encoder=json",
+            "--zap-log-level=4",  # "Selected endpoint" for each pick
+            *self.extra_args,
+        ]
+
+    def pick(self, timeout: float = 2.0) -> str | None:
+        """The endpoint it names for a header-only request (a GET, answered at once), or None when it
+        does not answer with one."""
+        headers = [(":method", "GET"), (":path", "/v1/models"), (":authority", "readiness-probe")]
+        request = wire.ProcessingRequest(
+            request_headers=wire.pb.HttpHeaders(headers=wire.header_map(headers), end_of_stream=True)
+        )
+        try:
+            with grpc.insecure_channel(self.target) as channel:
+                answers: Iterator[wire.ProcessingResponse] = pb_grpc.ExternalProcessorStub(channel).Process(
+                    iter([request]), timeout=timeout
+                )
+                answer = next(answers, None)
+        except grpc.RpcError:
+            return None
+        if answer is None or answer.WhichOneof("response") != "request_headers":
+            return None
+        return wire.destination_of(answer)[0] or None
+
+    def ready_endpoints(self) -> float | None:
+        """How many distinct endpoints it names in ROUND_ROBIN_PROBES consecutive picks (None when it
+        names none): every endpoint it picks from, as long as it has no more than that many."""
+        named = {self.pick() for _ in range(ROUND_ROBIN_PROBES)} - {None}
+        return float(len(named)) if named else None
