@@ -260,3 +260,53 @@ async def test_one_message_over_one_mib_is_refused_by_grpc() -> None:
         )
         assert chunked.kinds[0] == "request_headers"
         assert router.picker_server.service.buffered == 0
+
+
+async def test_the_endpoint_the_gateway_reports_as_served_gets_the_books() -> None:
+    """The gateway used a fallback (``x-gateway-destination-endpoint-served``): the request is counted
+    on the engine that served it, and nothing stays booked on the one picked."""
+    async with picker() as (target, router, _, urls):
+        answer = b'{"id":"x","choices":[]}'
+        picked, other = (u.removeprefix("http://") for u in urls)
+        ex = await exchange(
+            target,
+            HEADERS,
+            orjson.dumps(BODY),
+            subset=[picked],
+            response=([(":status", "200")], [answer]),
+            served=other,
+        )
+        assert ex.endpoint == picked
+        await wait_for(
+            lambda: (
+                metric_value(
+                    router, "vllm_stack_router_requests_total", model="stub-model", engine=other, status="200"
+                )
+                == 1
+            ),
+            what="the request counted on the engine that served it",
+        )
+        assert all(e.in_flight == 0 for e in router.registry.engines())
+
+
+async def test_gateway_mode_reports_the_engine_that_served_after_a_retry() -> None:
+    """Our gateway retries on the picker's fallback and tells the picker which engine served."""
+    async with picker() as (target, epp, engines, urls):
+        engines[0].behaviour.fail_statuses = [503]  # its first request fails
+        async with running_router(urls, endpoint_picker=f"grpc://{target}") as (url, _), http(url) as h:
+            for _ in range(2):  # round-robin picks: one of the two is picked on engines[0]
+                r = await h.post("/v1/completions", json=BODY)
+                assert r.status_code == 200, r.text
+        seen = [sum(1 for s in e.seen if s.path == "/v1/completions") for e in engines]
+        assert seen == [1, 2]  # the failed attempt, then both answers from the other engine
+        other = urls[1].removeprefix("http://")
+        await wait_for(
+            lambda: (
+                metric_value(
+                    epp, "vllm_stack_router_requests_total", model="stub-model", engine=other, status="200"
+                )
+                == 2
+            ),
+            what="both answers counted by the picker on the engine that served them",
+        )
+        assert all(e.in_flight == 0 for e in epp.registry.engines())

@@ -193,16 +193,26 @@ class EndpointPickerClient:
             raise ValueError("the answer named no endpoint")
         return PickAnswer(PICKED, endpoints=endpoints, body=b"".join(returned))
 
-    def finish(self, answer: PickAnswer, status: int, content_type: bytes, answer_end: bytes) -> None:
-        """The request's answer is over: tell the EPP (its headers, then its end), in the background."""
+    def finish(
+        self, answer: PickAnswer, status: int, content_type: bytes, answer_end: bytes, served: str
+    ) -> None:
+        """The request's answer is over: tell the EPP (its headers with the endpoint that served it, then
+        its end), in the background."""
         call, answer.call = answer.call, None
         if call is None:
             return
-        task = asyncio.ensure_future(self._finish(call, status, content_type, answer_end))
+        task = asyncio.ensure_future(self._finish(call, status, content_type, answer_end, served))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def _finish(self, call: Any, status: int, content_type: bytes, answer_end: bytes) -> None:  # noqa: ANN401
+    async def _finish(  # noqa: PLR0913
+        self,
+        call: Any,  # noqa: ANN401 - grpc.aio.StreamStreamCall
+        status: int,
+        content_type: bytes,
+        answer_end: bytes,
+        served: str,
+    ) -> None:
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT):
                 pairs: list[tuple[str, str | bytes]] = [(":status", str(status))]
@@ -210,7 +220,8 @@ class EndpointPickerClient:
                     pairs.append(("content-type", content_type))
                 await call.write(
                     wire.ProcessingRequest(
-                        response_headers=wire.pb.HttpHeaders(headers=wire.header_map(pairs))
+                        response_headers=wire.pb.HttpHeaders(headers=wire.header_map(pairs)),
+                        metadata_context=wire.served_metadata(served) if served else None,
                     )
                 )
                 await call.write(

@@ -399,7 +399,8 @@ class ProxiedRequest(DirectedRequest):
             picker = director.endpoint_picker
             assert picker is not None
             if self.status.isdigit():
-                picker.finish(pick, int(self.status), b"", self.answer_end or b"")
+                served = engine.address if engine is not None else ""
+                picker.finish(pick, int(self.status), b"", self.answer_end or b"", served)
             else:
                 picker.abandon(pick)
         if director.settings.access_log:

@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from vllm_stack.director.stages import DirectedRequest
-from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
+from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS, EngineBooking
+from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.scheduling.framework import Completion, RequestContext
 
@@ -64,6 +65,14 @@ class PickedRequest(DirectedRequest):
             self.ctx.ttft = time.perf_counter() - self.ctx.arrived
             self.director.metrics.observe_ttft(self.ctx.model_label, self.ctx.ttft)
             self.first_token()
+
+    def served_by(self, engine: Engine) -> None:
+        """The gateway reports another engine served it (a fallback): the books move there."""
+        if self.done or self.booking is None or engine is self.engine:
+            return
+        self._settle(RELEASED)  # the pick's engine: its in-flight count and breaker turn given back
+        self.engine = engine
+        self.booking = EngineBooking(engine, self.director.metrics.in_flight_child(engine.name), 0)
 
     def answered(self, status: int, answer_end: bytes) -> None:
         """The answer ended (its last body bytes, or trailers, went by)."""

@@ -107,6 +107,9 @@ class Exchange:
         if kind == "request_trailers":  # a body ended by trailers: its end is here
             return await self._pick() if self.request is None and self.answer is None else []
         if kind == "response_headers":
+            served = wire.served_endpoint(message)
+            if served is not None:
+                self._served(served)
             return self._response_headers(message.response_headers)
         if kind == "response_body":
             return self._response_body(message.response_body.body, message.response_body.end_of_stream)
@@ -280,6 +283,17 @@ class Exchange:
         return [wire.immediate(error.status, body, headers)]
 
     # ---- the answer ---------------------------------------------------------------------------------
+    def _served(self, endpoint: str) -> None:
+        """The gateway's ``x-gateway-destination-endpoint-served``: the engine the answer comes from."""
+        request = self.request
+        if request is None or request.engine is None or request.engine.address == endpoint:
+            return
+        ctx = request.ctx
+        for engine in self.router.registry.candidates(ctx.pool or ctx.model):
+            if engine.address == endpoint:
+                request.served_by(engine)
+                return
+
     def _response_headers(self, message: Any) -> Responses:  # noqa: ANN401 - wire.pb.HttpHeaders
         echoed = []
         for name, value in wire.headers_of(message):

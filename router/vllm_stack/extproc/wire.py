@@ -37,6 +37,9 @@ LB_NAMESPACE = "envoy.lb"
 #: Metadata namespace and key of the gateway's subset hint: the endpoints the request may go to.
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+#: Key (in the LB_NAMESPACE metadata of the response's messages) of the endpoint that served the request,
+#: which the gateway reports (it may have used a fallback).
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 #: Request header naming the InferenceObjective (its priority) the request belongs to.
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 #: What the upstream EPP adds to every response-headers answer (a gateway may check it was there).
@@ -107,6 +110,22 @@ def subset_metadata(endpoints: Iterable[str]) -> base_pb2.Metadata:
     hint.fields[SUBSET_KEY].list_value.values.extend(struct_pb2.Value(string_value=e) for e in endpoints)
     metadata = base_pb2.Metadata()
     metadata.filter_metadata[SUBSET_NAMESPACE].CopyFrom(hint)
+    return metadata
+
+
+def served_endpoint(message: pb.ProcessingRequest) -> str | None:
+    """The endpoint the gateway says served the request (response messages), or None."""
+    if not message.HasField("metadata_context"):
+        return None
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if namespace is None or SERVED_KEY not in namespace.fields:
+        return None
+    return namespace.fields[SERVED_KEY].string_value or None
+
+
+def served_metadata(endpoint: str) -> base_pb2.Metadata:
+    metadata = base_pb2.Metadata()
+    metadata.filter_metadata[LB_NAMESPACE].fields[SERVED_KEY].string_value = endpoint
     return metadata
 
 

@@ -70,11 +70,14 @@ async def exchange(
     subset: Sequence[str] | None = None,
     chunk: int = 0,
     response: tuple[Sequence[tuple[str, str]], Sequence[bytes]] | None = None,
+    served: str | None = None,
     stream_timeout: float = 30.0,
 ) -> Exchange:
     """One request through the picker at ``target`` (``host:port``). ``chunk``: split the body into
     pieces of this size (0: one message). ``response``: the engine's answer (headers, body chunks) to
-    send after a pick, as the gateway relays it; without it the stream is closed after the pick."""
+    send after a pick, as the gateway relays it; without it the stream is closed after the pick.
+    ``served``: the endpoint the gateway reports as the one that served it (``envoy.lb`` metadata
+    ``x-gateway-destination-endpoint-served`` on the response headers, as the protocol has it)."""
     recorded = Exchange()
     hint = wire.subset_metadata(subset) if subset is not None else None
     async with grpc.aio.insecure_channel(target) as channel:
@@ -125,7 +128,8 @@ async def exchange(
                 wire.ProcessingRequest(
                     response_headers=wire.pb.HttpHeaders(
                         headers=wire.header_map(response_headers), end_of_stream=not chunks
-                    )
+                    ),
+                    metadata_context=wire.served_metadata(served) if served else None,
                 )
             )
             for index, piece in enumerate(chunks):
