@@ -41,10 +41,14 @@ def _free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def picker(
-    engines: int = 2, **settings: Any
+    engines: int | list[StubEngine] = 2, **settings: Any
 ) -> AsyncIterator[tuple[str, Router, list[StubEngine], list[str]]]:  # noqa: ANN401
     """Our endpoint picker (a router with ext_proc on) over stub engines: (host:port, router, engines, urls)."""
-    stub_engines = [StubEngine(f"e{i}", ["stub-model"]) for i in range(engines)]
+    stub_engines = (
+        engines
+        if isinstance(engines, list)
+        else [StubEngine(f"e{i}", ["stub-model"]) for i in range(engines)]
+    )
     port = _free_port()
     async with (
         stubs(*stub_engines) as urls,
@@ -310,3 +314,30 @@ async def test_gateway_mode_reports_the_engine_that_served_after_a_retry() -> No
             what="both answers counted by the picker on the engine that served them",
         )
         assert all(e.in_flight == 0 for e in epp.registry.engines())
+
+
+async def test_lora_affinity_loads_the_adapter_on_the_picked_engine_before_the_answer() -> None:
+    """The picker runs lora-affinity's awaited pre-request hook: the adapter is loaded on the engine it
+    names before the gateway hears the name, and later requests for it are named the same engine."""
+    engines = [StubEngine(name, ["stub-model"], max_loras=2) for name in ("a", "b")]
+    adapter = {"name": "ad1", "source": "/adapters/ad1", "base_model": "stub-model", "tier": "warm"}
+    async with picker(engines, lora_adapters=[adapter]) as (target, router, _, _):
+        await wait_for(lambda: all(e.max_loras == 2 for e in router.registry.engines()), what="slots scraped")
+        body = orjson.dumps({**BODY, "model": "ad1"})
+        first = await exchange(target, HEADERS, body)
+        assert first.kinds == ["request_headers", "request_body"]
+        loaded = [e for e in engines if e.lora_loads == ["ad1"]]
+        assert len(loaded) == 1 and sum(len(e.lora_loads) for e in engines) == 1
+        later = {(await exchange(target, HEADERS, body)).endpoint for _ in range(5)}
+        assert later == {first.endpoint}
+        assert sum(len(e.lora_loads) for e in engines) == 1
+
+
+async def test_a_weighted_model_name_is_sent_back_as_its_target() -> None:
+    engines = [StubEngine("a", ["v1", "v2"])]
+    weighted = {"chat": [{"model": "v1", "weight": 50}, {"model": "v2", "weight": 50}]}
+    async with picker(engines, weighted_models=weighted) as (target, _, _, _):
+        ex = await exchange(target, HEADERS, orjson.dumps({**BODY, "model": "chat", "user": "alice"}))
+        sent = orjson.loads(ex.body("request_body"))
+        assert sent["model"] in {"v1", "v2"}
+        assert ex.header("request_headers", "content-length") == str(len(ex.body("request_body")))
