@@ -68,6 +68,7 @@ class EndpointPickerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ExternalProcessorStub | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._failing = False  # the last question failed (logged once until an answer comes again)
 
     def _open(self) -> pb_grpc.ExternalProcessorStub:
         if self._stub is None:
@@ -97,12 +98,17 @@ class EndpointPickerClient:
             raise
         except TimeoutError:
             answer = PickAnswer(FAILED, outcome="timeout")
+            self._went_wrong(f"no answer within {self.timeout:g}s")
         except grpc.aio.AioRpcError as error:
-            log.warning("endpoint picker %s: %s %s", self.target, error.code().name, error.details())
             answer = PickAnswer(FAILED, outcome="error")
-        except Exception:  # noqa: BLE001 - a broken answer is the EPP's failure, not the request's
-            log.exception("endpoint picker %s: unreadable answer", self.target)
+            self._went_wrong(f"{error.code().name} {error.details()}")
+        except Exception as error:  # noqa: BLE001 - a broken answer is the EPP's failure, not the request's
             answer = PickAnswer(FAILED, outcome="error")
+            self._went_wrong(f"unreadable answer: {type(error).__name__}: {error}")
+        else:
+            if self._failing:
+                self._failing = False
+                log.info("endpoint picker %s answers again", self.target)
         self.metrics.endpoint_picker_seconds.observe(time.perf_counter() - started)
         if answer.kind == PICKED:
             answer.call = call
@@ -111,6 +117,18 @@ class EndpointPickerClient:
         if answer.kind != FAILED:
             self.metrics.endpoint_picker.child(answer.kind).inc()
         return answer
+
+    def _went_wrong(self, why: str) -> None:
+        """Logged when the picker starts failing, not for every request while it fails (the metric counts
+        each); its recovery is logged too."""
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                "endpoint picker %s: %s; requests are %s until it answers again",
+                self.target,
+                why,
+                "scheduled here" if self.fail_open else "answered 503",
+            )
 
     def failed(self, outcome: str) -> None:
         """Count a failure the request found in the answer (``unknown_endpoint``) or in asking."""
@@ -244,6 +262,10 @@ class EndpointPickerClient:
             call.cancel()
 
     async def close(self) -> None:
+        """The answers' ends still being told are given their time (each is bounded), then the channel
+        closes: a router that stops does not leave the picker with requests it never hears end."""
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=CLOSE_TIMEOUT)
         for task in list(self._closing):
             task.cancel()
         for task in list(self._closing):
