@@ -34,7 +34,7 @@ from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.relay.leg import Leg
-from vllm_stack.scheduling.framework import Completion, RequestContext
+from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 if TYPE_CHECKING:
@@ -170,15 +170,17 @@ class ProxiedRequest(DirectedRequest):
         registry = self.director.registry
         ctx = self.ctx
         while endpoints:
-            address = endpoints.pop(0)
-            for engine in registry.candidates(ctx.pool or ctx.model):
-                if engine.address == address:
-                    if engine.name not in ctx.excluded and engine.routable() and engine.breaker.available():
-                        if self.director.settings.debug_headers:
-                            self._note_route(engine)
-                        self._start(engine)
-                        return True
-                    break
+            engine = registry.candidate_at(ctx.pool or ctx.model, endpoints.pop(0))
+            if (
+                engine is not None
+                and engine.name not in ctx.excluded
+                and engine.routable()
+                and engine.breaker.available()
+            ):
+                if self.director.settings.debug_headers:
+                    self._note_route(engine)
+                self._start(engine)
+                return True
         return False
 
     def _rebody(self, body: bytes) -> None:
@@ -414,14 +416,8 @@ class ProxiedRequest(DirectedRequest):
                 duration * 1e3,
                 f" trace_id={trace.trace_id}" if trace is not None and trace.trace_id else "",
             )
-        hooks = director.hooks.response_complete
-        if hooks:
-            completion = Completion(self.engine, self.status, duration, ctx.ttft, self.answer_end)
-            for fn in hooks:
-                try:
-                    fn(ctx, completion)
-                except Exception:  # noqa: BLE001 - the answer is already out; log and go on
-                    log.exception("response-complete hook %r failed (%s)", fn, ctx.log_ref())
+        if director.hooks.response_complete:
+            self._run_completion_hooks(duration, self.answer_end)
 
 
 def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) -> RouterError:

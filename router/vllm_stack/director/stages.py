@@ -26,7 +26,7 @@ from vllm_stack.engines.booking import RELEASED, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.scheduling.config import Hooks
-from vllm_stack.scheduling.framework import Reason, Refusal, RequestContext
+from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
@@ -94,6 +94,17 @@ class DirectedRequest:
         """Gateway mode (the director has an endpoint picker): True when the picker decides this
         attempt (it was asked, or its fallback was taken), False to schedule here."""
         return False
+
+    def _run_completion_hooks(self, duration: float, answer_end: bytes | None) -> None:
+        """The response-complete hooks (prefill release, usage, request tracker), once per request; the
+        answer is already out, so a failing hook is logged and the others still run."""
+        ctx = self.ctx
+        completion = Completion(self.engine, self.status, duration, ctx.ttft, answer_end)
+        for fn in self.director.hooks.response_complete:
+            try:
+                fn(ctx, completion)
+            except Exception:  # noqa: BLE001 - the answer is already out; log and go on
+                log.exception("response-complete hook %r failed (%s)", fn, ctx.log_ref())
 
     # ---- stages ------------------------------------------------------------------------------------------
     def _begin(self) -> None:

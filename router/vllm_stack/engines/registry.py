@@ -85,6 +85,14 @@ class EngineRegistry:
         decode side of disaggregated serving: every engine but the prefill-only ones."""
         return self._by_model.get(model, ())
 
+    def candidate_at(self, model: str, address: str) -> Engine | None:
+        """The candidate of ``model`` at ``address`` (``host:port``, as a gateway and an endpoint picker
+        name engines), or None."""
+        for engine in self._by_model.get(model, ()):
+            if engine.address == address:
+                return engine
+        return None
+
     def prefill_candidates(self, model: str) -> tuple[Engine, ...]:
         """Healthy, ready prefill-only engines of ``model`` (empty: it is not served disaggregated)."""
         return self._prefill_by_model.get(model, ())

@@ -17,7 +17,7 @@ from vllm_stack.director.stages import DirectedRequest
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
-from vllm_stack.scheduling.framework import Completion, RequestContext
+from vllm_stack.scheduling.framework import RequestContext
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
@@ -108,11 +108,5 @@ class PickedRequest(DirectedRequest):
         director.metrics.observe_request(ctx.model_label, engine_name, self.status, duration)
         if director.settings.access_log:
             log.info("pick %s -> %s %s %.1f ms", ctx.path, self.status, engine_name, duration * 1e3)
-        hooks = director.hooks.response_complete
-        if hooks:
-            completion = Completion(self.engine, self.status, duration, ctx.ttft, self.answer_end)
-            for fn in hooks:
-                try:
-                    fn(ctx, completion)
-                except Exception:  # noqa: BLE001 - the answer is already out; log and go on
-                    log.exception("response-complete hook %r failed (%s)", fn, ctx.log_ref())
+        if director.hooks.response_complete:
+            self._run_completion_hooks(duration, self.answer_end)

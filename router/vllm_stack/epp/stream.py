@@ -27,6 +27,7 @@ from vllm_stack.request_id import new_request_id, valid_request_id
 
 if TYPE_CHECKING:
     from vllm_stack.api.state import RouterState
+    from vllm_stack.engines.engine import Engine
     from vllm_stack.epp.server import PickerService
 
 log = logging.getLogger(__name__)
@@ -199,18 +200,14 @@ class Exchange:
     def _outside(self, subset: list[str], model: str) -> set[str]:
         """The model's engines the subset hint leaves out (an item without a port allows every port)."""
         allowed = set(subset)
-        return {
-            engine.name
-            for engine in self.router.registry.candidates(model)
-            if (address := engine.address) not in allowed and address.rpartition(":")[0] not in allowed
-        }
+        return {e.name for e in self.router.registry.candidates(model) if not _in_subset(e, allowed)}
 
     def _header_only(self) -> Responses:
         """A request without a body (a GET): any healthy engine, the least busy, no scheduling."""
         engines = [e for e in self.router.registry.engines() if e.routable()]
         if self.subset is not None:
             allowed = set(self.subset)
-            engines = [e for e in engines if e.address in allowed or e.address.rpartition(":")[0] in allowed]
+            engines = [e for e in engines if _in_subset(e, allowed)]
         if not engines:
             return self._refuse(no_healthy_engine("any"), "immediate")
         engine = min(engines, key=lambda e: e.in_flight)
@@ -289,10 +286,9 @@ class Exchange:
         if request is None or request.engine is None or request.engine.address == endpoint:
             return
         ctx = request.ctx
-        for engine in self.router.registry.candidates(ctx.pool or ctx.model):
-            if engine.address == endpoint:
-                request.served_by(engine)
-                return
+        engine = self.router.registry.candidate_at(ctx.pool or ctx.model, endpoint)
+        if engine is not None:
+            request.served_by(engine)
 
     def _response_headers(self, message: Any) -> Responses:  # noqa: ANN401 - wire.pb.HttpHeaders
         echoed = []
@@ -344,3 +340,9 @@ class Exchange:
         answer = self.answer
         if answer is not None and not answer.done():
             answer.cancel()
+
+
+def _in_subset(engine: Engine, allowed: set[str]) -> bool:
+    """Whether a subset hint allows ``engine``: its ``host:port``, or its host alone (any port)."""
+    address = engine.address
+    return address in allowed or address.rpartition(":")[0] in allowed
