@@ -67,12 +67,15 @@ class AsgiCall:
     async def _run(self) -> None:
         try:
             await self.app(self._scope(), self._receive, self._send)
+            self._unread_body()
         except RouterError as err:  # an endpoint's refusal: written by the connection, the one error writer
+            self._unread_body()
             if not self.head_written and not self.conn.closed:
                 self.conn.send_error(err, new_request_id(), self.keep_alive)
                 return
             self.complete = False
         except Exception:  # noqa: BLE001 - a bug in an endpoint answers 500 and keeps the server up
+            self._unread_body()
             log.exception("endpoint %s %s failed", self.request.method, self.request.path)
             if not self.head_written and not self.conn.closed:
                 self.conn.send_error(
@@ -88,7 +91,19 @@ class AsgiCall:
             self.conn.close()
             self.conn.finish(False)
 
+    def _unread_body(self) -> None:
+        """An answer given before a streamed body's end: the connection cannot carry another request."""
+        stream = self.request.stream
+        if stream is not None and not stream.ended:
+            self.keep_alive = False
+
     async def _receive(self) -> dict[str, Any]:
+        stream = self.request.stream
+        if stream is not None:  # a body handed over as it arrives (raises the stream's error)
+            data = await stream.read()
+            if data is None:
+                return {"type": "http.disconnect"}
+            return {"type": "http.request", "body": data, "more_body": bool(data)}
         if not self.body_given:
             self.body_given = True
             return {"type": "http.request", "body": self.request.body, "more_body": False}
@@ -158,7 +173,11 @@ class AsgiCall:
         """See :meth:`pause`."""
 
     def check_timeout(self, now: float) -> None:
-        """Control endpoints bound their own waits (their engine calls have timeouts)."""
+        """Control endpoints bound their own waits (their engine calls have timeouts); a streamed body
+        must keep arriving."""
+        stream = self.request.stream
+        if stream is not None:
+            stream.check_idle(now)
 
 
 def _address(value: Any) -> list[Any] | None:

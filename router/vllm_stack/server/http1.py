@@ -47,6 +47,7 @@ import httptools
 
 from vllm_stack.errors import RouterError, render_error
 from vllm_stack.request_id import new_request_id, valid_request_id
+from vllm_stack.server.body_stream import WINDOW, BodyStream
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class HttpRequest:
         "http_10",
         "expect",
         "refusal",
+        "stream",
     )
 
     def __init__(
@@ -108,6 +110,8 @@ class HttpRequest:
         self.http_10 = http_10
         self.expect = expect
         self.refusal = refusal  # refused on its head (its body was dropped): answered with this error
+        # a body handed over as it arrives (ServerContext.body_stream_limit), ``body`` then empty
+        self.stream: BodyStream | None = None
 
 
 def split_target(target: bytes) -> tuple[bytes, str, bytes]:
@@ -147,13 +151,12 @@ class ServerContext(Protocol):
         ...
 
     def check_head(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
-        """The refusal of a request judged on its head alone (before its body is read), or None.
+        """The refusal of a request judged on its head alone (before its body is read), or None."""
+        ...
 
-        The seam for bodies that should not be buffered at all (a batch file upload streamed to
-        disk): a decision made here, before the first body byte, about where the body goes; the
-        bytes themselves pass through :meth:`HttpConnection._more_body`, the only place a body
-        beyond its reservation is taken, which would hand them to such a sink instead of ``_body``
-        (and outside the buffer budget)."""
+    def body_stream_limit(self, method: str, path: str) -> int:
+        """For a request whose body is not to be buffered whole (a batch file upload, written to disk
+        as it arrives): the most bytes that body may have. 0: buffer it, within ``body_limit``."""
         ...
 
     def connection_limit(self) -> int: ...
@@ -210,6 +213,7 @@ class HttpConnection(asyncio.Protocol):
         "_pending_error",
         "restricted",
         "answering_head",
+        "_stream",
     )
 
     def __init__(self, server: ServerContext) -> None:
@@ -235,6 +239,7 @@ class HttpConnection(asyncio.Protocol):
         self.answering_head = False  # the request being answered is a HEAD one: no body in the answer
         self._reserved = 0  # buffer budget held for the body being received (see _reserve)
         self._current = 0  # ... and by the body of the request being answered
+        self._stream: BodyStream | None = None  # the body being handed over as it arrives
         self._begin()
 
     def _begin(self) -> None:
@@ -328,6 +333,9 @@ class HttpConnection(asyncio.Protocol):
         self.queue.clear()
         self.server.buffered_body_bytes -= self._queued_bytes + self._current
         self._queued_bytes = self._current = 0
+        if self._stream is not None:
+            self._stream.lost()
+            self._stream = None
         # The parser holds this protocol (a reference cycle): cut it, with what a request left behind,
         # so the memory goes back now rather than at a rare full collection.
         self.parser = None  # type: ignore[assignment]
@@ -429,6 +437,12 @@ class HttpConnection(asyncio.Protocol):
         if refusal is not None:
             self._refuse(refusal, declared)
             return
+        stream_limit = server.body_stream_limit(method, target[1])
+        if stream_limit and not self.busy and not self._upgrade_offer:
+            if declared > stream_limit:
+                raise _Reject(_too_large(stream_limit, declared))
+            self._open_stream(stream_limit)
+            return
         limit = self._limit = server.body_limit()
         if declared:
             if declared > limit:
@@ -437,6 +451,27 @@ class HttpConnection(asyncio.Protocol):
         if self._expect and not self.busy and not self.queue:
             self._expect = False
             self.transport.write(_CONTINUE)
+
+    def _open_stream(self, limit: int) -> None:
+        """Start answering the request now and hand its body over as it arrives (see
+        :mod:`.body_stream`); the stream's window is held from the buffer budget until the answer ends.
+        Only on an idle connection: behind a pipelined request the body is buffered as any other."""
+        self._reserve(WINDOW)
+        self._reserved = 0  # the request holds it now (see _start and finish)
+        parser = self.parser
+        request = HttpRequest(
+            self._method,
+            self._target,
+            self._headers,
+            b"",
+            parser.should_keep_alive(),
+            parser.get_http_version() == "1.0",
+            self._expect,
+        )
+        request.stream = self._stream = BodyStream(self.transport, limit)
+        self._expect = False
+        self.head_started = 0.0  # the stream's idle timeout applies, not the whole-request one
+        self._start(request)
 
     def _refuse(self, refusal: RouterError, declared: int) -> None:
         """A request refused on its head: its body is dropped as it arrives, never buffered.
@@ -458,6 +493,9 @@ class HttpConnection(asyncio.Protocol):
         self._reserved += size
 
     def on_body(self, body: bytes) -> None:
+        if self._stream is not None:
+            self._stream.feed(body)
+            return
         size = self._body_size = self._body_size + len(body)
         if size > self._reserved and not self._more_body(size):  # never for a declared length
             return
@@ -476,6 +514,15 @@ class HttpConnection(asyncio.Protocol):
         return True
 
     def on_message_complete(self) -> None:
+        stream = self._stream
+        if stream is not None:  # its request is being answered already
+            self._stream = None
+            self._in_chunks = False
+            stream.end()
+            if stream.paused:  # the connection keeps the socket paused: finish() resumes it
+                stream.paused = False
+                self._reading_paused = True
+            return
         parser = self.parser
         if self._upgrade_offer and parser.should_upgrade():
             # An offer httptools acts on (``Connection: upgrade`` too): see data_received, this
@@ -522,7 +569,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self.busy = True
         self.idle_since = 0.0
-        self._current = len(request.body)
+        self._current = len(request.body) if request.stream is None else WINDOW
         self.answering_head = request.method == "HEAD"
         if self.restricted:  # past the connection limit: a probe is answered, then the connection closed
             if request.path not in self.server.reserved_paths:
@@ -587,6 +634,9 @@ class HttpConnection(asyncio.Protocol):
             if paused and not self._queue_full() and not self.closed:
                 self._reading_paused = False
                 self.transport.resume_reading()
+        elif self._reading_paused and self._pending_error is None:  # a streamed body's pause, handed over
+            self._reading_paused = False
+            self.transport.resume_reading()
 
     def _queue_full(self) -> bool:
         """Pipelined requests wait within bounds: a count, and their bodies within one body limit."""
@@ -610,6 +660,11 @@ class HttpConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)  # the old one is in an error state
         request_id = _client_request_id(self._headers)  # the head may be whole (413): keep its id
         self._begin()  # a refused body is not kept
+        if self._stream is not None:  # its handler answers the error; the rest is dropped, then closed
+            self._stream.abort(error)
+            self._stream = None
+            self._lingering = 0
+            return
         if self.closed:
             return
         if self.busy:  # earlier requests are being answered: the error waits for its turn
@@ -636,7 +691,8 @@ class HttpConnection(asyncio.Protocol):
             return
         self.closed = True
         transport = self.transport
-        if self.head_started and self._lingering < 0 and transport.can_write_eof():
+        reading = self.head_started or self._stream is not None
+        if reading and self._lingering < 0 and transport.can_write_eof():
             self._lingering = 0
             transport.write_eof()
             asyncio.get_running_loop().call_later(LINGER_SECONDS, transport.close)

@@ -44,6 +44,10 @@ class ServedApp(Protocol):
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
     ) -> RouterError | None: ...
 
+    def body_stream_limit(self, method: str, path: str) -> int:
+        """See :meth:`vllm_stack.server.http1.ServerContext.body_stream_limit`."""
+        ...
+
     def connection_limit(self) -> int: ...
 
     def request_timeout(self) -> float: ...
@@ -100,6 +104,9 @@ class RouterServer:
     def check_head(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
         """Replaced in ``__init__`` by the application's own ``check_head``."""
         return self.router.check_head(method, path, headers)
+
+    def body_stream_limit(self, method: str, path: str) -> int:
+        return self.router.body_stream_limit(method, path)
 
     def connection_limit(self) -> int:
         return self.router.connection_limit()
