@@ -16,6 +16,7 @@ import logging
 import os
 import ssl
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -25,6 +26,9 @@ from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser, make_parser
 from vllm_stack.api.priority import PriorityPolicy
+from vllm_stack.batch import api as batch_api
+from vllm_stack.batch.files import MULTIPART_SLACK
+from vllm_stack.batch.runner import BatchRunner, BatchSettings
 from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.director.director import Director, ProxySettings
 from vllm_stack.director.disagg import DisaggSettings
@@ -85,6 +89,18 @@ RESTART_ONLY: Mapping[str, str] = {
     "endpoint_picker": "the endpoint picker's channel is opened at start",
     "endpoint_picker_timeout": "the endpoint picker's client is built at start",
     "endpoint_picker_fail_open": "the endpoint picker's client is built at start",
+    **{
+        name: "the Batch API's store and runner are built at start"
+        for name in (
+            "batch_api",
+            "batch_dir",
+            "batch_database_url",
+            "batch_completion_window",
+            "batch_max_file_bytes",
+            "batch_concurrency",
+            "batch_lease_seconds",
+        )
+    },
 }
 
 
@@ -164,6 +180,8 @@ class Router:
             _build_endpoint_picker(config, self.metrics),
         )
         self.picker_server: Any = None  # the endpoint picker's gRPC server (ext_proc_port), built at start
+        self.batch: BatchRunner | None = _build_batch(self, config)
+        self.batch_endpoints = batch_api.BatchEndpoints(self.batch) if self.batch is not None else None
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
         self.registry.on_rebuilt.append(self.queue.kick_all)
@@ -254,6 +272,13 @@ class Router:
 
     def buffer_limit(self) -> int:
         return self.config.max_buffered_body_bytes
+
+    def body_stream_limit(self, method: str, path: str) -> int:
+        """A batch file upload's body is written to disk as it arrives (up to the file limit and the
+        form around it); every other body is buffered within ``max_body_bytes``."""
+        if self.batch is not None and batch_api.streams_upload(method, path):
+            return self.batch.settings.max_file_bytes + MULTIPART_SLACK
+        return 0
 
     def connection_limit(self) -> int:
         return self.config.max_connections
@@ -425,6 +450,8 @@ class Router:
                 max_streams=config.max_connections,
             )
             await self.picker_server.start()
+        if self.batch is not None:
+            await self.batch.start(self.engine_tls)
 
     async def _run_discovery(self) -> None:
         try:
@@ -456,6 +483,8 @@ class Router:
         self.discovery.port = port  # type: ignore[attr-defined]
 
     async def stop(self) -> None:
+        if self.batch is not None:
+            await self.batch.stop()
         if self.picker_server is not None:
             await self.picker_server.stop(grace=min(self.config.shutdown_grace, 5.0))
         if self.director.endpoint_picker is not None:
@@ -546,6 +575,21 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime_ns
     except OSError:
         return None
+
+
+def _build_batch(router: Router, config: RouterConfig) -> BatchRunner | None:
+    """The Batch API's runner (its store opens at start), or None when it is off."""
+    if not config.batch_api:
+        return None
+    settings = BatchSettings(
+        Path(config.batch_dir),
+        config.batch_database_url,
+        config.batch_completion_window,
+        config.batch_max_file_bytes,
+        config.batch_concurrency,
+        config.batch_lease_seconds,
+    )
+    return BatchRunner(router, settings, router.metrics)
 
 
 def _build_endpoint_picker(config: RouterConfig, metrics: RouterMetrics) -> Any:  # noqa: ANN401

@@ -154,6 +154,17 @@ class RouterConfig:
     endpoint_picker: str = ""
     endpoint_picker_timeout: float = 1.0  # seconds for its answer, after the request body was sent
     endpoint_picker_fail_open: bool = True  # it is down or slow: schedule here (False: 503)
+    # The Batch API (vllm_stack.batch, docs/batch.md): /v1/files and /v1/batches, lines run at sheddable
+    # priority. Files (and the SQLite database) in batch_dir; with a PostgreSQL URL (environment
+    # VLLM_STACK_BATCH_DATABASE_URL: it holds a password) replicas share the batches, and batch_dir must
+    # be one volume they all mount (ReadWriteMany)
+    batch_api: bool = False
+    batch_dir: str = "vllm-stack-batch"
+    batch_database_url: str | None = field(default=None, repr=False)
+    batch_completion_window: float = 86400.0  # seconds OpenAI's "24h" window lasts here (tests: seconds)
+    batch_max_file_bytes: int = 200 * 1024 * 1024  # an uploaded file, at most (OpenAI's batch input limit)
+    batch_concurrency: int = 8  # batch lines in flight from this router, at most
+    batch_lease_seconds: float = 30.0  # a dead router's lines and batches are taken again after this
     shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"
     log_level: str = "info"
@@ -255,6 +266,14 @@ class RouterConfig:
                 raise ConfigError(
                     "endpoint_picker (gateway mode) and ext_proc_port (endpoint picker) exclude each other"
                 )
+        if self.batch_completion_window <= 0 or self.batch_lease_seconds <= 0:
+            raise ConfigError("batch_completion_window and batch_lease_seconds must be > 0")
+        if self.batch_max_file_bytes <= 0 or self.batch_concurrency <= 0:
+            raise ConfigError("batch_max_file_bytes and batch_concurrency must be > 0")
+        if self.batch_database_url and not self.batch_database_url.startswith(
+            ("postgresql://", "postgres://")
+        ):
+            raise ConfigError("the batch database URL must be a postgresql:// URL")
         if self.endpoint_picker_timeout <= 0:
             raise ConfigError("endpoint_picker_timeout must be > 0")
         return self
@@ -328,10 +347,10 @@ def _normalise(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         if name in RETIRED:
             log.warning("%s: %r is ignored: %s", source, key, RETIRED[name])
             continue
-        if name in ("api_keys", "admin_api_keys", "priority_api_keys", "config_file"):
+        if name in ("api_keys", "admin_api_keys", "priority_api_keys", "config_file", "batch_database_url"):
             raise ConfigError(
                 f"{source}: {key!r} cannot be set here (use api_keys_file / admin_api_keys_file / "
-                "priority_api_keys_file / --config)"
+                "priority_api_keys_file / --config / the environment's VLLM_STACK_BATCH_DATABASE_URL)"
             )
         if name not in _FIELD_TYPES:
             raise ConfigError(f"{source}: unknown setting {key!r}")
@@ -390,5 +409,6 @@ def load_config(
         priority_api_keys=load_api_keys(
             config.priority_api_keys_file, environ, "VLLM_STACK_PRIORITY_API_KEYS"
         ),
+        batch_database_url=environ.get("VLLM_STACK_BATCH_DATABASE_URL") or None,
     )
     return config.validate()

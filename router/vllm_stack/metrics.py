@@ -390,6 +390,30 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        # The Batch API (vllm_stack.batch): figures of the shared store, and this router's lines.
+        self.batches = Gauge(
+            PREFIX + "batches",
+            "Batches by status (validating, in_progress, finalizing, completed, failed, expired, cancelling, "
+            "cancelled), as the batch store holds them (every router replica reports the same figures).",
+            ["status"],
+            registry=r,
+        )
+        self.batch_lines = Counter(
+            PREFIX + "batch_lines",
+            "Batch lines this router sent, by outcome: completed (the engine's 200), failed (an error "
+            "answer, written to the error file), retried (shed by the director while the engines were busy "
+            "with interactive work, or their engine failed: sent again later).",
+            ["outcome"],
+            registry=r,
+        )
+        self.batch_queue_depth = Gauge(
+            PREFIX + "batch_queue_depth",
+            "Batch lines waiting to be sent, in every running batch.",
+            registry=r,
+        )
+        self.batch_lines_in_flight = Gauge(
+            PREFIX + "batch_lines_in_flight", "Batch lines this router has sent and awaits.", registry=r
+        )
         self.build_info = Gauge(PREFIX + "build_info", "Router build information.", ["version"], registry=r)
         self.build_info.labels(router_version()).set(1)
 

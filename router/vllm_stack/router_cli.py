@@ -187,6 +187,26 @@ def build_parser(prog: str = "vllm-stack router") -> argparse.ArgumentParser:
         default=None,
         help="when the endpoint picker is down or slow, schedule here (default) or answer 503",
     )
+    # The Batch API (docs/batch.md); its PostgreSQL URL only from VLLM_STACK_BATCH_DATABASE_URL (a password)
+    p.add_argument(
+        "--batch-api",
+        action="store_const",
+        const=True,
+        help="serve /v1/files and /v1/batches and run batches at sheddable priority",
+    )
+    p.add_argument("--batch-dir", help="file contents and the SQLite database (default ./vllm-stack-batch)")
+    p.add_argument(
+        "--batch-completion-window",
+        type=float,
+        help="seconds a batch's '24h' window lasts (default 86400); unfinished lines then expire",
+    )
+    p.add_argument("--batch-max-file-bytes", type=int, help="largest upload (default 209715200)")
+    p.add_argument("--batch-concurrency", type=int, help="batch lines in flight from this router (default 8)")
+    p.add_argument(
+        "--batch-lease-seconds",
+        type=float,
+        help="a dead router's batch lines are taken again after this (default 30)",
+    )
     # production-stack's router hosts an LMCache controller itself for kvaware; this one asks a
     # separate lmcache_controller. Its flags are taken only to say so (see main).
     for flag in HOSTED_CONTROLLER_FLAGS:

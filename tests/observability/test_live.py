@@ -159,6 +159,7 @@ class Router:
             "--engine-scrape-interval", "1",
             "--health-check-interval", "1",
             "--otlp-traces-endpoint", traces_endpoint,
+            "--batch-api", "--batch-dir", str(log_dir / "batch"),  # the dashboard's Batch API row
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 60

@@ -20,6 +20,7 @@ LAYERS = {
     "router_cli": 8,  # flags, process set-up
     "app": 7,  # assembly
     "epp": 6.5,  # the endpoint picker: the API layer's parsing and the director, for a gateway
+    "batch": 6.5,  # the Batch API: the API layer's parsing and the director, for lines of files
     "api": 6,
     "director": 5,
     "scheduling": 4,

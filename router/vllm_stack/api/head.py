@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from vllm_stack.api.endpoints import _check_admin  # the admin endpoints' own check, the one rule
 from vllm_stack.api.proxied import PROXIED_PATHS, UNKNOWN_MODEL_LABEL
-from vllm_stack.api.routes import ADMIN_PATHS, GET_ROUTES, OPEN_PATHS, POST_ROUTES
+from vllm_stack.api.routes import (
+    ADMIN_PATHS,
+    GET_ROUTES,
+    OPEN_PATHS,
+    POST_ROUTES,
+    batch_off,
+    is_batch_path,
+)
 from vllm_stack.api.state import RouterState
 from vllm_stack.errors import RouterError
 
@@ -46,6 +53,10 @@ def refusal(
             return None
         router.metrics.observe_request(UNKNOWN_MODEL_LABEL, "none", "401", 0.0)
         return unauthorized()
+    if is_batch_path(path):  # the Batch API: its own methods, checked by its handler
+        if router.batch_endpoints is None:
+            return batch_off(path)
+        return None if router.auth.check(headers) else unauthorized()
     routes = GET_ROUTES if method in _GET else POST_ROUTES if method == "POST" else {}
     if path not in routes:
         return (

@@ -90,6 +90,19 @@ def _resolve_model(
     raise model_not_found(model, registry.available_models())
 
 
+def model_served(router: RouterState, model: str) -> bool:
+    """Whether a request naming ``model`` would be routed (the rule of :func:`_resolve_model`, a weighted
+    name's targets included): what a batch's lines are checked against before the batch runs."""
+    catalog = router.catalog
+    if catalog is not None and catalog.target(model, None) is not None:
+        return True
+    try:
+        _resolve_model(router, "/v1/completions", model, catalog.get(model) if catalog is not None else None)
+    except RouterError:
+        return False
+    return True
+
+
 def _retarget(
     catalog: AdapterCatalog, model: str | None, session_key: str | None, body: bytes, multipart: bool
 ) -> tuple[str | None, bytes]:

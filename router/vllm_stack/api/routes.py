@@ -34,10 +34,31 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # no API 
 ADMIN_PATHS = frozenset(POST_ROUTES)  # an admin key, checked by the endpoint, instead of a client key
 
 
+#: The Batch API's paths (vllm_stack.batch.api answers them; this layer only knows they exist).
+BATCH_PATHS = ("/v1/files", "/v1/batches")
+
+
+def is_batch_path(path: str) -> bool:
+    return path in BATCH_PATHS or path.startswith(("/v1/files/", "/v1/batches/"))
+
+
+def batch_off(path: str) -> RouterError:
+    return RouterError(
+        404, f"Unknown path {path}: the Batch API is off (router setting batch_api).", code="not_found"
+    )
+
+
 async def control(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
     """Answer one control request (an ASGI ``http`` scope)."""
     path = scope["path"]
     method = scope["method"]
+    if is_batch_path(path):
+        if router.batch_endpoints is None:
+            raise batch_off(path)
+        if not router.auth.check(scope["headers"]):
+            raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
+        await router.batch_endpoints(scope, receive, send)
+        return
     routes = GET_ROUTES if method in ("GET", "HEAD") else POST_ROUTES if method == "POST" else {}
     handler = routes.get(path)
     if handler is None:

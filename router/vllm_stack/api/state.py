@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from vllm_stack.api.auth import ApiKeyAuth
+from vllm_stack.api.http import Receive, Send
 from vllm_stack.api.parsing import BodyParser
 from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.config import RouterConfig
@@ -18,6 +19,12 @@ from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
+
+
+class BatchEndpoints(Protocol):
+    """Answers a request of the Batch API's paths (``api.routes.BATCH_PATHS``)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None: ...
 
 
 class RouterState(Protocol):
@@ -37,6 +44,7 @@ class RouterState(Protocol):
     max_body_bytes: int
     engine_api_key: str | None
     control_session: aiohttp.ClientSession | None
+    batch_endpoints: BatchEndpoints | None  # the Batch API's (vllm_stack.batch.api); None: it is off
 
     def discovery_running(self) -> bool: ...
 
