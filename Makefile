@@ -30,8 +30,14 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m vllm_stack_dev.protofix  # xds-protos overwrites opentelemetry-proto's modules
 	@touch $@
 
+# The engine environment and the test tools (vllm_stack_dev.devsetup), then PostgreSQL's server from Debian
+# when missing: the Batch API tests start their own (vllm_stack_dev.testbed.postgres). Needs root, as on CI.
 install: $(STAMP)
 	@$(BIN)/python -m vllm_stack_dev.devsetup
+	@compgen -G '/usr/lib/postgresql/*/bin/postgres' > /dev/null || { \
+	  echo "==> PostgreSQL server (Debian's postgresql package; the Batch API tests start one)"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "postgresql missing: run \`sudo apt-get install -y postgresql\`" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql > /dev/null; }
 
 # `make run` needs the two environments and helm (`vllm-stack up` renders the chart), not the test tools.
 install-run: $(STAMP)
