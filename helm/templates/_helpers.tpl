@@ -88,9 +88,9 @@ app.kubernetes.io/component: serving-engine
 {{- printf "app.kubernetes.io/instance=%s,app.kubernetes.io/component=serving-engine" .Release.Name -}}
 {{- end -}}
 
-{{/* Router objects, by kind: production-stack's names; the ConfigMap, NetworkPolicy and test Pod are this chart's. */}}
+{{/* Router objects, by kind: production-stack's names; the ConfigMap, NetworkPolicy, test Pod and batch claim are this chart's. */}}
 {{- define "vllm-stack.router.objectName" -}}
-{{- $suffix := get (dict "Deployment" "deployment-router" "Service" "router-service" "ServiceAccount" "router-service-account" "Role" "reader" "RoleBinding" "deployment-access-binding" "HorizontalPodAutoscaler" "router-hpa" "PodDisruptionBudget" "pdb-router" "Ingress" "ingress-router" "HTTPRoute" "router" "ServiceMonitor" "router-servicemonitor" "ConfigMap" "router-config" "NetworkPolicy" "router" "Pod" "router-test") .kind -}}
+{{- $suffix := get (dict "Deployment" "deployment-router" "Service" "router-service" "ServiceAccount" "router-service-account" "Role" "reader" "RoleBinding" "deployment-access-binding" "HorizontalPodAutoscaler" "router-hpa" "PodDisruptionBudget" "pdb-router" "Ingress" "ingress-router" "HTTPRoute" "router" "ServiceMonitor" "router-servicemonitor" "ConfigMap" "router-config" "NetworkPolicy" "router" "Pod" "router-test" "PersistentVolumeClaim" "router-batch") .kind -}}
 {{- include "vllm-stack.objectName" (dict "root" .root "suffix" (required (printf "no router object name for kind %s" .kind) $suffix)) -}}
 {{- end -}}
 

@@ -53,6 +53,15 @@ instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
 {{- with .protocol }}{{ $args = concat $args (list "--otlp-traces-protocol" .) }}{{ end -}}
 {{- if not (kindIs "invalid" .sampleRatio) }}{{ $args = concat $args (list "--trace-sample-ratio" (toString .sampleRatio)) }}{{ end -}}
 {{- end }}{{ end -}}
+{{- /* The Batch API (routerSpec.batch): the router's, never a picker's; its volume at the batch dir. */ -}}
+{{- if and (not $pool) (include "vllm-stack.router.batch" $root) -}}
+{{- $args = concat $args (list "--batch-api" "--batch-dir" (include "vllm-stack.router.batchDir" $root)) -}}
+{{- $b := $r.batch -}}
+{{- range $key, $flag := dict "completionWindowSeconds" "--batch-completion-window" "maxFileBytes" "--batch-max-file-bytes" "concurrency" "--batch-concurrency" "leaseSeconds" "--batch-lease-seconds" -}}
+{{- $v := get $b $key -}}
+{{- if not (kindIs "invalid" $v) }}{{ $args = concat $args (list $flag (include "vllm-stack.str" $v)) }}{{ end -}}
+{{- end -}}
+{{- end -}}
 {{- if (include "vllm-stack.router.config" $root) }}{{ $args = concat $args (list "--config" "/etc/vllm-stack/router/config.yaml") }}{{ end -}}
 {{- if $r.apiKeysSecret }}{{ $args = concat $args (list "--api-keys-file" "/etc/vllm-stack/api-keys/keys") }}{{ end -}}
 {{- if and $r.adminApiKeysSecret (not $pool) }}{{ $args = concat $args (list "--admin-api-keys-file" "/etc/vllm-stack/admin-keys/keys") }}{{ end -}}
@@ -76,6 +85,7 @@ after the flag that takes one; anything else fails the render (the picker would 
 {{- if $value }}{{ $value = false }}{{ $args = append $args $w }}{{ continue }}{{ end -}}
 {{- $name := regexReplaceAll "=.*$" $w "" -}}
 {{- if not (hasKey $ours $name) }}{{ fail (printf "inferenceExtension.epp.extraArgs: %q is not a flag of vllm-stack router (vllm-stack router --help lists them; a value must follow the flag that takes it)" $w) }}{{ end -}}
+{{- if hasPrefix "--batch-" $name }}{{ fail (printf "inferenceExtension.epp.extraArgs: %s: an endpoint picker serves no Batch API; the router does (routerSpec.batch)" $name) }}{{ end -}}
 {{- $args = append $args $w -}}
 {{- if and (eq (get $ours $name) "value") (eq $name $w) }}{{ $value = true }}{{ end -}}
 {{- end -}}
@@ -253,6 +263,51 @@ The registry's own resolution of baseModel (vllm-stack.router.loraAdapters), not
 {{- end -}}
 {{- end -}}
 
+{{/*
+routerSpec.batch: the OpenAI Batch API (/v1/files, /v1/batches) in the router. "true" when the router runs
+and serves it. The batch volume (router-batch-pvc.yaml, or storage.existingClaim) is mounted at the batch dir;
+without a database (storage of the batches' state in SQLite there) one router owns it (validate.yaml).
+*/}}
+{{- define "vllm-stack.router.batch" -}}
+{{- $b := .Values.routerSpec.batch | default dict -}}
+{{- if and .Values.routerSpec.enableRouter (eq (toString $b.enabled) "true") }}true{{ end -}}
+{{- end -}}
+
+{{- define "vllm-stack.router.batchDir" -}}
+/var/lib/vllm-stack/batch
+{{- end -}}
+
+{{/* The claim mounted at the batch dir: storage.existingClaim, or the chart's. */}}
+{{- define "vllm-stack.router.batchClaim" -}}
+{{- (.Values.routerSpec.batch.storage | default dict).existingClaim | default (include "vllm-stack.router.objectName" (dict "root" . "kind" "PersistentVolumeClaim")) -}}
+{{- end -}}
+
+{{/* "true" when the router Deployment must be Recreated: batch without a database (one router owns the SQLite
+file: two must not run at once) or on a volume that is not ReadWriteMany (the new pod could not mount it while
+the old one holds it, and the old one is not stopped before the new one is ready). */}}
+{{- define "vllm-stack.router.batchRecreate" -}}
+{{- if include "vllm-stack.router.batch" . -}}
+{{- $b := .Values.routerSpec.batch -}}
+{{- if or (not ($b.database | default dict).secretName) (ne (toString ($b.storage | default dict).accessMode) "ReadWriteMany") }}true{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The router container's env for the Batch API: the database URL from its Secret (it holds a password:
+never a flag, never a literal). A YAML list, or nothing. */}}
+{{- define "vllm-stack.router.batchEnv" -}}
+{{- if include "vllm-stack.router.batch" . -}}
+{{- with (.Values.routerSpec.batch.database | default dict) -}}
+{{- if .secretName }}
+- name: VLLM_STACK_BATCH_DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secretName }}
+      key: {{ .secretKey | default "url" }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The router container's env before routerSpec.env (vllm-stack.env.merged: one entry per name). */}}
 {{- define "vllm-stack.router.chartEnv" -}}
 - name: TMPDIR
@@ -295,6 +350,7 @@ unknown, since the router would exit on it (argparse). Renders {args: [...], dro
 {{- $inline := ne $name $w -}}
 {{- $ours := get $table.ours $name -}}
 {{- $ps := get $table.productionStack $name | default dict -}}
+{{- if and $ours (hasPrefix "--batch-" $name) }}{{ fail (printf "routerSpec.extraArgs: %s: give the Batch API's settings in routerSpec.batch instead (enabled, completionWindowSeconds, maxFileBytes, concurrency, leaseSeconds): the chart then mounts the batch volume at --batch-dir and passes the database URL from its Secret" $name) }}{{ end -}}
 {{- $takes := $ours | default ($ps.takes | default "") -}}
 {{- $value := "" -}}
 {{- $words2 := list $w -}}

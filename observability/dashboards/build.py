@@ -587,6 +587,49 @@ def router() -> gd.Dashboard:
             width=6,
         )
     )
+
+    # The Batch API (/v1/files, /v1/batches; routerSpec.batch): its series have no model or engine label.
+    d = d.with_row(gd.Row("Batch API"))
+    d = d.with_panel(
+        timeseries(
+            "Batches by status",
+            "Batches in each status: validating, in_progress, finalizing, completed, failed, expired, "
+            "cancelling, cancelled: the batch store's figures, which every router replica reports (max "
+            "over them).",
+            "short",
+            [(f"max by (status) (vllm_stack_router_batches{{{RTR_NS}}})", "{{status}}")],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Batch lines by outcome",
+            "Batch lines per second, summed over router replicas: completed, failed, and retried (shed "
+            "by the router under load and sent again later).",
+            "ops",
+            [
+                (
+                    f"sum by (outcome) (rate(vllm_stack_router_batch_lines_total{{{RTR_NS}}}[{RATE}]))",
+                    "{{outcome}}",
+                )
+            ],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Batch queue depth and lines in flight",
+            "Batch lines waiting to be sent in every running batch (the batch store's figure, which "
+            "every router replica reports: max over them), and the lines each replica has sent and awaits "
+            "(at most its --batch-concurrency).",
+            "short",
+            [
+                (f"max (vllm_stack_router_batch_queue_depth{{{RTR_NS}}})", "waiting"),
+                (f"sum by (pod) (vllm_stack_router_batch_lines_in_flight{{{RTR_NS}}})", "{{pod}} in flight"),
+            ],
+            width=8,
+        )
+    )
     return d
 
 

@@ -51,6 +51,7 @@ ROUTER_SUFFIX = {
     "ConfigMap": "router-config",
     "NetworkPolicy": "router",
     "Pod": "router-test",
+    "PersistentVolumeClaim": "router-batch",
 }
 CACHE_SERVER_SUFFIX = {
     "Deployment": "deployment-cache-server",

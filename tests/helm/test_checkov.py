@@ -28,6 +28,13 @@ MORE = {
         "--set",
         "inferenceExtension.epp.enabled=true",
     ],
+    # the router's Batch API: its claim, the volume mounted, the database URL from a Secret
+    "router-batch.yaml": [
+        "--set",
+        "routerSpec.batch.enabled=true",
+        "--set",
+        "routerSpec.batch.database.secretName=batch-db",
+    ],
 }
 
 

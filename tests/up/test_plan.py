@@ -317,3 +317,63 @@ def test_a_chat_template_from_the_image_becomes_the_models_own(tmp_path: Path) -
     (engine,) = plan.engines
     assert "--chat-template" not in engine.argv and "--tool-call-parser" in engine.argv
     assert any(s.rendered.startswith("--chat-template /templates/") for s in plan.substitutions)
+
+
+def test_the_batch_api_runs_on_a_local_folder_with_sqlite(tmp_path: Path) -> None:
+    """routerSpec.batch: the claim mounted at the batch dir becomes a folder of the stack's work directory,
+    which the router's --batch-dir names; the database Secret (the user's, in the cluster) is unset here,
+    so the one local router keeps its batches in SQLite there. Several replicas run as one router."""
+    values = tmp_path / "v.yaml"
+    model = {"name": "m", "modelURL": "org/m", "replicaCount": 1, "requestCPU": 1, "requestMemory": "1Gi"}
+    batch = {
+        "enabled": True,
+        "database": {"secretName": "batch-db"},
+        "storage": {"accessMode": "ReadWriteMany"},
+        "concurrency": 2,
+    }
+    values.write_text(
+        yaml.safe_dump(
+            {"servingEngineSpec": {"modelSpec": [model]}, "routerSpec": {"replicaCount": 2, "batch": batch}}
+        )
+    )
+    plan, _ = _plan([values], tmp_path)
+    router = plan.router
+    argv = router.argv
+    batch_dir = Path(argv[argv.index("--batch-dir") + 1])
+    assert "--batch-api" in argv and argv[argv.index("--batch-concurrency") + 1] == "2"
+    assert batch_dir == tmp_path / "pods" / router.name / "batch" and batch_dir in router.folders
+    assert "VLLM_STACK_BATCH_DATABASE_URL" not in router.env
+    lines = [s.line() for s in plan.substitutions if s.subject == router.name]
+    assert any(
+        "--batch-dir /var/lib/vllm-stack/batch (PersistentVolumeClaim vllm-stack-router-batch)" in line
+        for line in lines
+    ), lines
+    database = "VLLM_STACK_BATCH_DATABASE_URL from Secret batch-db -> unset"
+    assert any(database in line and "SQLite" in line for line in lines), lines
+    assert len(plan.of("router")) == 1
+
+
+def test_a_batch_database_secret_the_values_render_reaches_the_router(tmp_path: Path) -> None:
+    """A database Secret rendered with the release (extraObjects) is read like any rendered Secret."""
+    values = tmp_path / "v.yaml"
+    model = {"name": "m", "modelURL": "org/m", "replicaCount": 1, "requestCPU": 1, "requestMemory": "1Gi"}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "batch-db"},
+        "stringData": {"dsn": "postgresql://u:p@127.0.0.1:5432/batches"},
+    }
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "servingEngineSpec": {"modelSpec": [model]},
+                "routerSpec": {
+                    "batch": {"enabled": True, "database": {"secretName": "batch-db", "secretKey": "dsn"}}
+                },
+                "extraObjects": [secret],
+            }
+        )
+    )
+    plan, _ = _plan([values], tmp_path)
+    assert plan.router.env["VLLM_STACK_BATCH_DATABASE_URL"] == "postgresql://u:p@127.0.0.1:5432/batches"
+    assert "--batch-api" in plan.router.argv

@@ -20,8 +20,9 @@ exist on this machine, and each change is a ``Substitution`` that ``vllm-stack u
   the engines' ``--lora-modules`` and the router's adapter registry alike;
 - cluster DNS (``svc[.ns[.svc[.cluster.local]]]:port``) and container ports: loopback and free ports;
 - Kubernetes discovery: the router's static discovery of the engines it would have found;
-- volumes: local folders (ConfigMaps and rendered Secrets written into them), Secrets the chart does
-  not render (created by the user in the cluster): env vars left unset, mounted keys generated.
+- volumes: local folders (ConfigMaps and rendered Secrets written into them; the router's batch claim
+  a folder its ``--batch-dir`` names), Secrets the chart does not render (created by the user in the
+  cluster): env vars left unset (the batch database's: the router's SQLite then), mounted keys generated.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ DROPPED_ENGINE_FLAGS = {  # flag -> why it cannot apply to one CPU engine
     "--tokenizer": "the tiny Llama's own tokenizer",
 }
 K8S_DISCOVERY_FLAGS = ("--k8s-namespace", "--k8s-label-selector", "--k8s-port")
+# The router's Batch API database (routerSpec.batch.database): a Secret the user creates in the cluster.
+BATCH_DATABASE_ENV = "VLLM_STACK_BATCH_DATABASE_URL"
+UNSET_WHY = {  # env vars from a Secret the chart does not render: why leaving them unset still works here
+    BATCH_DATABASE_ENV: "no PostgreSQL here: the one local router keeps its batches in SQLite in its --batch-dir",
+}
 
 
 class PlanError(ValueError):
@@ -502,11 +508,12 @@ class Planner:
                 store = self.secrets if kind == "Secret" else self.config_maps
                 value = store.get(ref["name"], {}).get(ref["key"])
                 if value is None:
+                    why = f"the chart does not render this {kind} (you create it in the cluster)"
                     self._say(
                         pod.name,
                         f"{name} from {kind} {ref['name']}",
                         "unset",
-                        f"the chart does not render this {kind} (you create it in the cluster)",
+                        f"{why}; {UNSET_WHY[name]}" if name in UNSET_WHY else why,
                     )
                 else:
                     env[name] = value
@@ -799,6 +806,7 @@ class Planner:
         elif notify is not None and int(notify) in pod.ports:  # the router's own notify port, local
             _set(args, "--disagg-notify-port", str(pod.ports[int(notify)]))
         files, adapters = self._registry_adapters(pod, files)
+        self._batch(pod, args)
         if any(e.role for e in engines):
             _set(args, "--static-roles", ",".join(e.role or "both" for e in engines))
         _set(args, "--host", LOOPBACK)
@@ -833,6 +841,28 @@ class Planner:
             files=files,
             folders=self._folders.get(pod.name, []),
             adapters=adapters,
+        )
+
+    def _batch(self, pod: _Pod, args: list[str]) -> None:
+        """The Batch API's volume (routerSpec.batch): like every mount, a folder of the stack's work
+        directory, which ``--batch-dir`` names once made local; said, with the claim it stands for."""
+        local = _flag(args, "--batch-dir")
+        rendered = _flag(pod.container.get("args", []), "--batch-dir")
+        if local is None or rendered is None:
+            return
+        claim = next(
+            (
+                pod.volumes.get(m["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
+                for m in pod.container.get("volumeMounts", [])
+                if m["mountPath"].rstrip("/") == rendered.rstrip("/")
+            ),
+            None,
+        )
+        self._say(
+            pod.name,
+            f"--batch-dir {rendered}" + (f" (PersistentVolumeClaim {claim})" if claim else ""),
+            local,
+            "no cluster storage here: a folder of the stack's log directory, kept with --log-dir",
         )
 
     def _registry_adapters(self, pod: _Pod, files: dict[Path, str]) -> tuple[dict[Path, str], list[Path]]:
