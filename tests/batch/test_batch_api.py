@@ -20,9 +20,10 @@ MODEL = "stub-model"
 @pytest.fixture
 async def batch_router(tmp_path: Path):  # noqa: ANN201 - (url, router, engines)
     engines = [StubEngine("s1", [MODEL]), StubEngine("s2", [MODEL])]
-    async with stubs(*engines) as urls, running_router(
-        urls, batch_api=True, batch_dir=str(tmp_path / "batch")
-    ) as (url, router):
+    async with (
+        stubs(*engines) as urls,
+        running_router(urls, batch_api=True, batch_dir=str(tmp_path / "batch")) as (url, router),
+    ):
         yield url, router, engines
 
 
@@ -64,7 +65,8 @@ async def test_other_endpoints(batch_router, endpoint: str) -> None:  # noqa: AN
         file_id = (await upload(http, jsonl(input_lines(3, MODEL, endpoint)))).json()["id"]
         batch = (
             await http.post(
-                "/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"}
+                "/v1/batches",
+                json={"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"},
             )
         ).json()
         done = await wait_batch(http, batch["id"], {"completed", "failed"})
@@ -90,7 +92,11 @@ async def test_invalid_input_fails_with_openai_errors(batch_router) -> None:  # 
         batch = (
             await http.post(
                 "/v1/batches",
-                json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+                json={
+                    "input_file_id": file_id,
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                },
             )
         ).json()
         done = await wait_batch(http, batch["id"], {"failed", "completed"})
@@ -116,8 +122,14 @@ async def test_request_errors(batch_router, tmp_path: Path) -> None:  # noqa: AN
         file_id = (await upload(http, jsonl(input_lines(1, MODEL)))).json()["id"]
         for doc, param in (
             ({"input_file_id": file_id, "endpoint": "/v1/responses", "completion_window": "24h"}, "endpoint"),
-            ({"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1h"}, "completion_window"),
-            ({"input_file_id": "file-none", "endpoint": "/v1/completions", "completion_window": "24h"}, "input_file_id"),
+            (
+                {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1h"},
+                "completion_window",
+            ),
+            (
+                {"input_file_id": "file-none", "endpoint": "/v1/completions", "completion_window": "24h"},
+                "input_file_id",
+            ),
         ):
             answer = await http.post("/v1/batches", json=doc)
             assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param, answer.text

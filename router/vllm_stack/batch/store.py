@@ -47,7 +47,8 @@ SCHEMA = (
         purpose TEXT NOT NULL,
         filename TEXT NOT NULL,
         bytes BIGINT NOT NULL,
-        created_at BIGINT NOT NULL
+        created_at BIGINT NOT NULL,
+        seq BIGINT NOT NULL
     )""",
     """CREATE TABLE IF NOT EXISTS vs_batches (
         id TEXT PRIMARY KEY,
@@ -56,6 +57,7 @@ SCHEMA = (
         input_file_id TEXT NOT NULL,
         completion_window TEXT NOT NULL,
         status TEXT NOT NULL,
+        seq BIGINT NOT NULL,
         ending TEXT,
         created_at BIGINT NOT NULL,
         expires_at BIGINT NOT NULL,
@@ -76,7 +78,9 @@ SCHEMA = (
         owner TEXT,
         lease_until DOUBLE PRECISION
     )""",
-    "CREATE INDEX IF NOT EXISTS vs_batches_status ON vs_batches (status, created_at)",
+    "CREATE INDEX IF NOT EXISTS vs_batches_status ON vs_batches (status, seq)",
+    "CREATE INDEX IF NOT EXISTS vs_batches_seq ON vs_batches (seq)",
+    "CREATE INDEX IF NOT EXISTS vs_files_seq ON vs_files (seq)",
     """CREATE TABLE IF NOT EXISTS vs_lines (
         batch_id TEXT NOT NULL,
         idx INTEGER NOT NULL,
@@ -226,8 +230,8 @@ class BatchStore:
     def add_file(self, file_id: str, purpose: str, filename: str, size: int, created_at: int) -> None:
         with self._transaction():
             self._exec(
-                f"INSERT INTO vs_files ({FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
-                (file_id, purpose, filename, size, created_at),
+                f"INSERT INTO vs_files ({FILE_COLUMNS}, seq) VALUES (?, ?, ?, ?, ?, ?)",
+                (file_id, purpose, filename, size, created_at, time.time_ns()),
             )
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
@@ -246,14 +250,13 @@ class BatchStore:
         order = "DESC" if newest_first else "ASC"
         with self._transaction():
             if after:
-                row = self._one("SELECT created_at FROM vs_files WHERE id = ?", (after,))
+                row = self._one("SELECT seq FROM vs_files WHERE id = ?", (after,))
                 if row is not None:
-                    op = "<" if newest_first else ">"
-                    clauses.append(f"(created_at {op} ? OR (created_at = ? AND id {op} ?))")
-                    params += [row[0], row[0], after]
+                    clauses.append(f"seq {'<' if newest_first else '>'} ?")
+                    params.append(row[0])
             where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
             rows = self._all(
-                f"SELECT {FILE_COLUMNS} FROM vs_files {where} ORDER BY created_at {order}, id {order} LIMIT ?",
+                f"SELECT {FILE_COLUMNS} FROM vs_files {where} ORDER BY seq {order} LIMIT ?",
                 (*params, limit),
             )
         return [_file_row(r) for r in rows]
@@ -274,6 +277,7 @@ class BatchStore:
 
     # ---- batches: the API's side ---------------------------------------------------------------------------------
     def add_batch(self, row: dict[str, Any]) -> None:
+        row = {**row, "seq": time.time_ns()}  # the order batches are listed and run in
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         with self._transaction():
@@ -289,12 +293,11 @@ class BatchStore:
         with self._transaction():
             where, params = "", []
             if after:
-                row = self._one("SELECT created_at FROM vs_batches WHERE id = ?", (after,))
+                row = self._one("SELECT seq FROM vs_batches WHERE id = ?", (after,))
                 if row is not None:
-                    where = "WHERE created_at < ? OR (created_at = ? AND id < ?)"
-                    params = [row[0], row[0], after]
+                    where, params = "WHERE seq < ?", [row[0]]
             rows = self._all(
-                f"SELECT {BATCH_COLUMNS} FROM vs_batches {where} ORDER BY created_at DESC, id DESC LIMIT ?",
+                f"SELECT {BATCH_COLUMNS} FROM vs_batches {where} ORDER BY seq DESC LIMIT ?",
                 (*params, limit),
             )
         return [_batch_row(r) for r in rows]
@@ -317,7 +320,7 @@ class BatchStore:
         with self._transaction():
             row = self._one(
                 "SELECT id FROM vs_batches WHERE status = ? AND (lease_until IS NULL OR lease_until < ?)"
-                f" ORDER BY created_at, id LIMIT 1{self._skip_locked()}",
+                f" ORDER BY seq LIMIT 1{self._skip_locked()}",
                 (status, now),
             )
             if row is None:
@@ -403,7 +406,7 @@ class BatchStore:
                     (WAITING, batch_id, idx),
                 )
             batches = self._all(
-                "SELECT id, input_file_id, endpoint FROM vs_batches WHERE status = ? ORDER BY created_at, id",
+                "SELECT id, input_file_id, endpoint FROM vs_batches WHERE status = ? ORDER BY seq",
                 (IN_PROGRESS,),
             )
             for batch_id, input_file_id, endpoint in batches:
@@ -524,8 +527,8 @@ class BatchStore:
             for file_id, filename, size in files:
                 self._exec("DELETE FROM vs_files WHERE id = ?", (file_id,))
                 self._exec(
-                    f"INSERT INTO vs_files ({FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
-                    (file_id, "batch_output", filename, size, now),
+                    f"INSERT INTO vs_files ({FILE_COLUMNS}, seq) VALUES (?, ?, ?, ?, ?, ?)",
+                    (file_id, "batch_output", filename, size, now, time.time_ns()),
                 )
             self._exec(
                 f"UPDATE vs_batches SET status = ?, {stamp} = ?, output_file_id = ?, error_file_id = ?,"
