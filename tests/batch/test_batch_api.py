@@ -138,3 +138,38 @@ async def test_request_errors(batch_router, tmp_path: Path) -> None:  # noqa: AN
         deleted = await http.delete(f"/v1/files/{file_id}")
         assert deleted.json() == {"id": file_id, "object": "file", "deleted": True}
         assert (await http.get(f"/v1/files/{file_id}/content")).status_code == 404
+
+
+async def test_one_keys_files_and_batches_are_not_anothers(tmp_path: Path) -> None:
+    async with (
+        stubs(StubEngine("s1", [MODEL])) as urls,
+        running_router(
+            urls,
+            environ={"VLLM_STACK_API_KEYS": "key-a,key-b"},
+            batch_api=True,
+            batch_dir=str(tmp_path / "batch"),
+        ) as (url, _),
+        httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": "Bearer key-a"}) as a,
+        httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": "Bearer key-b"}) as b,
+        httpx.AsyncClient(base_url=url, timeout=30) as nobody,
+    ):
+        file_id = (await upload(a, jsonl(input_lines(2, MODEL)))).json()["id"]
+        batch = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        assert (await b.post("/v1/batches", json=batch)).status_code == 404  # b cannot use a's file
+        batch_id = (await a.post("/v1/batches", json=batch)).json()["id"]
+        done = await wait_batch(a, batch_id, {"completed"})
+        for path in (
+            f"/v1/files/{file_id}",
+            f"/v1/files/{done['output_file_id']}/content",
+            f"/v1/batches/{batch_id}",
+        ):
+            assert (await b.get(path)).status_code == 404, path
+            assert (await nobody.get(path)).status_code == 401, path
+        assert (await b.get("/v1/batches")).json()["data"] == []
+        assert (await b.get("/v1/files")).json()["data"] == []
+        assert (await b.post(f"/v1/batches/{batch_id}/cancel")).status_code == 404
+        assert (await b.delete(f"/v1/files/{file_id}")).status_code == 404
+        assert [f["id"] for f in (await a.get("/v1/files")).json()["data"]] == [
+            done["output_file_id"],
+            file_id,
+        ]

@@ -31,14 +31,7 @@ class ApiKeyAuth:
         """True when auth is disabled or the request carries a configured key."""
         if not self._digests:
             return True
-        offered: bytes | None = None
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    offered = token.strip()
-            elif name == b"x-api-key" and offered is None:
-                offered = value.strip()
+        offered = _offered(headers)
         if not offered:
             return False
         digest = hashlib.sha256(offered).digest()
@@ -46,3 +39,23 @@ class ApiKeyAuth:
         for known in self._digests:  # no early exit: constant work whatever matches
             ok |= hmac.compare_digest(digest, known)
         return ok
+
+    def owner(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
+        """Whose the request's stored objects are (the Batch API's files and batches): a digest of its key
+        (never the key), so one client cannot list or read another's; "" when auth is disabled."""
+        if not self._digests:
+            return ""
+        offered = _offered(headers)
+        return hashlib.sha256(b"vllm-stack owner\0" + (offered or b"")).hexdigest()[:32]
+
+
+def _offered(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    offered: bytes | None = None
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer":
+                offered = token.strip()
+        elif name == b"x-api-key" and offered is None:
+            offered = value.strip()
+    return offered

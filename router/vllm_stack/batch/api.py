@@ -12,6 +12,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from vllm_stack.api.http import Receive, Send, read_body, send_json
+from vllm_stack.api.state import RouterState
 from vllm_stack.batch.files import Upload
 from vllm_stack.batch.objects import (
     COMPLETION_WINDOWS,
@@ -37,15 +38,19 @@ def streams_upload(method: str, path: str) -> bool:
 class BatchEndpoints:
     """The endpoints of one router's Batch API (``api.state.BatchEndpoints``)."""
 
-    def __init__(self, runner: BatchRunner) -> None:
+    def __init__(self, runner: BatchRunner, router: RouterState) -> None:
         self.runner = runner
+        self.router = router  # its client keys (replaced on reload) say whose objects a request sees
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        await handle(self.runner, scope, receive, send)
+        await handle(self.runner, self.router.auth.owner(scope["headers"]), scope, receive, send)
 
 
-async def handle(runner: BatchRunner, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-    """Answer one Batch API request (the API key was checked on its head)."""
+async def handle(
+    runner: BatchRunner, tenant: str, scope: dict[str, Any], receive: Receive, send: Send
+) -> None:
+    """Answer one Batch API request (the API key was checked on its head). ``tenant``: whose files and
+    batches it may see (a digest of its key; with client keys, one key's objects are not another's)."""
     method = scope["method"]
     parts = scope["path"].strip("/").split("/")[1:]  # ["files", id, "content"] / ["batches", id, "cancel"]
     query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode("latin-1")).items()}
@@ -53,26 +58,26 @@ async def handle(runner: BatchRunner, scope: dict[str, Any], receive: Receive, s
     if kind == "files":
         if not rest:
             if method == "POST":
-                return await _create_file(runner, scope, receive, send)
+                return await _create_file(runner, tenant, scope, receive, send)
             if method in ("GET", "HEAD"):
-                return await _list_files(runner, query, send)
+                return await _list_files(runner, tenant, query, send)
         elif len(rest) == 1:
             if method in ("GET", "HEAD"):
-                return await _get_file(runner, rest[0], send)
+                return await _get_file(runner, tenant, rest[0], send)
             if method == "DELETE":
-                return await _delete_file(runner, rest[0], send)
+                return await _delete_file(runner, tenant, rest[0], send)
         elif len(rest) == 2 and rest[1] == "content" and method in ("GET", "HEAD"):
-            return await _file_content(runner, rest[0], send)
+            return await _file_content(runner, tenant, rest[0], send)
     else:
         if not rest:
             if method == "POST":
-                return await _create_batch(runner, scope, receive, send)
+                return await _create_batch(runner, tenant, scope, receive, send)
             if method in ("GET", "HEAD"):
-                return await _list_batches(runner, query, send)
+                return await _list_batches(runner, tenant, query, send)
         elif len(rest) == 1 and method in ("GET", "HEAD"):
-            return await _get_batch(runner, rest[0], send)
+            return await _get_batch(runner, tenant, rest[0], send)
         elif len(rest) == 2 and rest[1] == "cancel" and method == "POST":
-            return await _cancel_batch(runner, rest[0], send)
+            return await _cancel_batch(runner, tenant, rest[0], send)
     if len(rest) > 2 or (len(rest) == 2 and rest[1] not in ("content", "cancel")):
         raise RouterError(404, f"Unknown path {scope['path']}.", code="not_found")
     raise RouterError(405, f"Method {method} not allowed on {scope['path']}.", code="method_not_allowed")
@@ -96,7 +101,9 @@ def _limit(query: dict[str, str], default: int, most: int) -> int:
 
 
 # ---- files ----------------------------------------------------------------------------------------------------------
-async def _create_file(runner: BatchRunner, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def _create_file(
+    runner: BatchRunner, tenant: str, scope: dict[str, Any], receive: Receive, send: Send
+) -> None:
     files = runner.files
     upload = Upload(_header(scope, b"content-type"), files.temporary(), runner.settings.max_file_bytes)
     try:
@@ -125,7 +132,7 @@ async def _create_file(runner: BatchRunner, scope: dict[str, Any], receive: Rece
     created = int(time.time())
     store = runner.store
     filename = upload.filename or "upload.jsonl"
-    await store.run(store.add_file, file_id, "batch", filename, upload.size, created)
+    await store.run(store.add_file, tenant, file_id, "batch", filename, upload.size, created)
     await send_json(
         send,
         200,
@@ -141,25 +148,25 @@ async def _create_file(runner: BatchRunner, scope: dict[str, Any], receive: Rece
     )
 
 
-async def _get_file(runner: BatchRunner, file_id: str, send: Send) -> None:
-    await send_json(send, 200, file_object(await _file_row(runner, file_id)))
+async def _get_file(runner: BatchRunner, tenant: str, file_id: str, send: Send) -> None:
+    await send_json(send, 200, file_object(await _file_row(runner, tenant, file_id)))
 
 
-async def _file_row(runner: BatchRunner, file_id: str) -> dict[str, Any]:
-    row = await runner.store.run(runner.store.get_file, file_id)
+async def _file_row(runner: BatchRunner, tenant: str, file_id: str) -> dict[str, Any]:
+    row = await runner.store.run(runner.store.get_file, tenant, file_id)
     if row is None:
         raise RouterError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
     return row
 
 
-async def _list_files(runner: BatchRunner, query: dict[str, str], send: Send) -> None:
+async def _list_files(runner: BatchRunner, tenant: str, query: dict[str, str], send: Send) -> None:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise RouterError(400, "'order' must be 'asc' or 'desc'.", param="order")
     limit = _limit(query, 10000, 10000)
     store = runner.store
     rows = await store.run(
-        store.list_files, query.get("purpose"), query.get("after"), limit + 1, order == "desc"
+        store.list_files, tenant, query.get("purpose"), query.get("after"), limit + 1, order == "desc"
     )
     await send_json(send, 200, _page([file_object(r) for r in rows], limit))
 
@@ -175,9 +182,9 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     }
 
 
-async def _delete_file(runner: BatchRunner, file_id: str, send: Send) -> None:
+async def _delete_file(runner: BatchRunner, tenant: str, file_id: str, send: Send) -> None:
     store = runner.store
-    outcome = await store.run(store.delete_file, file_id)
+    outcome = await store.run(store.delete_file, tenant, file_id)
     if outcome == "missing":
         raise RouterError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
     if outcome == "in_use":
@@ -191,8 +198,8 @@ async def _delete_file(runner: BatchRunner, file_id: str, send: Send) -> None:
     await send_json(send, 200, {"id": file_id, "object": "file", "deleted": True})
 
 
-async def _file_content(runner: BatchRunner, file_id: str, send: Send) -> None:
-    row = await _file_row(runner, file_id)
+async def _file_content(runner: BatchRunner, tenant: str, file_id: str, send: Send) -> None:
+    row = await _file_row(runner, tenant, file_id)
     files = runner.files
     if files.size(file_id) is None:
         raise RouterError(404, f"The contents of {file_id} are gone.", param="file_id", code="not_found")
@@ -217,7 +224,9 @@ async def _file_content(runner: BatchRunner, file_id: str, send: Send) -> None:
 
 
 # ---- batches -----------------------------------------------------------------------------------------------------------
-async def _create_batch(runner: BatchRunner, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def _create_batch(
+    runner: BatchRunner, tenant: str, scope: dict[str, Any], receive: Receive, send: Send
+) -> None:
     body = await read_body(receive, MAX_CREATE_BODY, _header(scope, b"content-length") or None)
     if body is None:
         return
@@ -241,7 +250,7 @@ async def _create_batch(runner: BatchRunner, scope: dict[str, Any], receive: Rec
     file_id = doc.get("input_file_id")
     if not isinstance(file_id, str):
         raise RouterError(400, "'input_file_id' must be a file id.", param="input_file_id")
-    row = await runner.store.run(runner.store.get_file, file_id)
+    row = await runner.store.run(runner.store.get_file, tenant, file_id)
     if row is None:
         raise RouterError(404, f"No such File object: {file_id}", param="input_file_id", code="not_found")
     if row["purpose"] != "batch":
@@ -258,11 +267,12 @@ async def _create_batch(runner: BatchRunner, scope: dict[str, Any], receive: Rec
         "created_at": now,
         "expires_at": now + int(runner.settings.completion_window),
         "metadata": orjson.dumps(metadata).decode() if metadata is not None else None,
+        "tenant": tenant,
     }
     store = runner.store
     await store.run(store.add_batch, batch)
     runner.wake()
-    await send_json(send, 200, batch_object(await store.run(store.get_batch, batch["id"])))
+    await send_json(send, 200, batch_object(await store.run(store.get_batch, tenant, batch["id"])))
 
 
 def _metadata(value: object) -> dict[str, str] | None:
@@ -284,22 +294,22 @@ def _metadata(value: object) -> dict[str, str] | None:
     return value
 
 
-async def _get_batch(runner: BatchRunner, batch_id: str, send: Send) -> None:
-    row = await runner.store.run(runner.store.get_batch, batch_id)
+async def _get_batch(runner: BatchRunner, tenant: str, batch_id: str, send: Send) -> None:
+    row = await runner.store.run(runner.store.get_batch, tenant, batch_id)
     if row is None:
         raise RouterError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
     await send_json(send, 200, batch_object(row))
 
 
-async def _list_batches(runner: BatchRunner, query: dict[str, str], send: Send) -> None:
+async def _list_batches(runner: BatchRunner, tenant: str, query: dict[str, str], send: Send) -> None:
     limit = _limit(query, 20, 100)
-    rows = await runner.store.run(runner.store.list_batches, query.get("after"), limit + 1)
+    rows = await runner.store.run(runner.store.list_batches, tenant, query.get("after"), limit + 1)
     await send_json(send, 200, _page([batch_object(r) for r in rows], limit))
 
 
-async def _cancel_batch(runner: BatchRunner, batch_id: str, send: Send) -> None:
+async def _cancel_batch(runner: BatchRunner, tenant: str, batch_id: str, send: Send) -> None:
     store = runner.store
-    row = await store.run(store.cancel_batch, batch_id, int(time.time()))
+    row = await store.run(store.cancel_batch, tenant, batch_id, int(time.time()))
     if row is None:
         raise RouterError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
     if row["status"] not in ("cancelling", "cancelled"):

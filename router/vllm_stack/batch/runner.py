@@ -114,16 +114,25 @@ class BatchRunner:
         ]
 
     async def stop(self) -> None:
-        """Stop sending. Lines in flight are let go unanswered; their leases run out and they are sent
-        again (by this router after a restart, or by another replica)."""
+        """Stop sending. Lines in flight are let go unanswered and given back at once (sent again by
+        another replica, or by this router after its restart; their send counts)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        lines = [request.line for request in self.in_flight.values()]
         for request in list(self.in_flight.values()):
             request.abandon()
         self.in_flight.clear()
         if self._jobs:
             await asyncio.gather(*self._jobs, return_exceptions=True)
+        for line in lines:
+            try:
+                await self.store.run(self.store.release_line, line.batch_id, line.idx, time.time(), False)
+            except Exception:  # noqa: BLE001 - the store is away: the lease runs out instead
+                log.warning(
+                    "could not give back batch line %s/%d; its lease will run out", line.batch_id, line.idx
+                )
+                break
         if self.session is not None:
             await self.session.close()
         await asyncio.to_thread(self.store.close)

@@ -48,7 +48,8 @@ SCHEMA = (
         filename TEXT NOT NULL,
         bytes BIGINT NOT NULL,
         created_at BIGINT NOT NULL,
-        seq BIGINT NOT NULL
+        seq BIGINT NOT NULL,
+        tenant TEXT NOT NULL
     )""",
     """CREATE TABLE IF NOT EXISTS vs_batches (
         id TEXT PRIMARY KEY,
@@ -58,6 +59,7 @@ SCHEMA = (
         completion_window TEXT NOT NULL,
         status TEXT NOT NULL,
         seq BIGINT NOT NULL,
+        tenant TEXT NOT NULL,
         ending TEXT,
         created_at BIGINT NOT NULL,
         expires_at BIGINT NOT NULL,
@@ -227,23 +229,27 @@ class BatchStore:
         return " FOR UPDATE SKIP LOCKED" if self.postgres else ""
 
     # ---- files ---------------------------------------------------------------------------------------------------
-    def add_file(self, file_id: str, purpose: str, filename: str, size: int, created_at: int) -> None:
+    def add_file(
+        self, tenant: str, file_id: str, purpose: str, filename: str, size: int, created_at: int
+    ) -> None:
         with self._transaction():
             self._exec(
-                f"INSERT INTO vs_files ({FILE_COLUMNS}, seq) VALUES (?, ?, ?, ?, ?, ?)",
-                (file_id, purpose, filename, size, created_at, time.time_ns()),
+                f"INSERT INTO vs_files ({FILE_COLUMNS}, seq, tenant) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (file_id, purpose, filename, size, created_at, time.time_ns(), tenant),
             )
 
-    def get_file(self, file_id: str) -> dict[str, Any] | None:
+    def get_file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
         with self._transaction():
-            row = self._one(f"SELECT {FILE_COLUMNS} FROM vs_files WHERE id = ?", (file_id,))
+            row = self._one(
+                f"SELECT {FILE_COLUMNS} FROM vs_files WHERE id = ? AND tenant = ?", (file_id, tenant)
+            )
         return _file_row(row) if row else None
 
     def list_files(
-        self, purpose: str | None, after: str | None, limit: int, newest_first: bool
+        self, tenant: str, purpose: str | None, after: str | None, limit: int, newest_first: bool
     ) -> list[dict]:
         """Files in creation order (newest first by default, as OpenAI lists them), after the one named."""
-        clauses, params = [], []
+        clauses, params = ["tenant = ?"], [tenant]
         if purpose:
             clauses.append("purpose = ?")
             params.append(purpose)
@@ -254,17 +260,17 @@ class BatchStore:
                 if row is not None:
                     clauses.append(f"seq {'<' if newest_first else '>'} ?")
                     params.append(row[0])
-            where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+            where = f"WHERE {' AND '.join(clauses)}"
             rows = self._all(
                 f"SELECT {FILE_COLUMNS} FROM vs_files {where} ORDER BY seq {order} LIMIT ?",
                 (*params, limit),
             )
         return [_file_row(r) for r in rows]
 
-    def delete_file(self, file_id: str) -> str:
+    def delete_file(self, tenant: str, file_id: str) -> str:
         """``deleted``, ``missing``, or ``in_use`` (a batch still running reads it)."""
         with self._transaction():
-            if self._one("SELECT id FROM vs_files WHERE id = ?", (file_id,)) is None:
+            if self._one("SELECT id FROM vs_files WHERE id = ? AND tenant = ?", (file_id, tenant)) is None:
                 return "missing"
             busy = self._one(
                 f"SELECT id FROM vs_batches WHERE input_file_id = ? AND status IN ({_ACTIVE_SQL}) LIMIT 1",
@@ -283,35 +289,39 @@ class BatchStore:
         with self._transaction():
             self._exec(f"INSERT INTO vs_batches ({names}) VALUES ({marks})", tuple(row.values()))
 
-    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+    def get_batch(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
         with self._transaction():
-            row = self._one(f"SELECT {BATCH_COLUMNS} FROM vs_batches WHERE id = ?", (batch_id,))
+            row = self._one(
+                f"SELECT {BATCH_COLUMNS} FROM vs_batches WHERE id = ? AND tenant = ?", (batch_id, tenant)
+            )
         return _batch_row(row) if row else None
 
-    def list_batches(self, after: str | None, limit: int) -> list[dict[str, Any]]:
+    def list_batches(self, tenant: str, after: str | None, limit: int) -> list[dict[str, Any]]:
         """Newest first (OpenAI's order), after the one named."""
         with self._transaction():
-            where, params = "", []
+            where, params = "WHERE tenant = ?", [tenant]
             if after:
                 row = self._one("SELECT seq FROM vs_batches WHERE id = ?", (after,))
                 if row is not None:
-                    where, params = "WHERE seq < ?", [row[0]]
+                    where, params = "WHERE tenant = ? AND seq < ?", [tenant, row[0]]
             rows = self._all(
                 f"SELECT {BATCH_COLUMNS} FROM vs_batches {where} ORDER BY seq DESC LIMIT ?",
                 (*params, limit),
             )
         return [_batch_row(r) for r in rows]
 
-    def cancel_batch(self, batch_id: str, now: int) -> dict[str, Any] | None:
+    def cancel_batch(self, tenant: str, batch_id: str, now: int) -> dict[str, Any] | None:
         """A validating or running batch becomes ``cancelling`` (any router then finalizes it as
         cancelled); one in any other state is returned unchanged."""
         with self._transaction():
             self._exec(
                 "UPDATE vs_batches SET status = ?, ending = ?, cancelling_at = ?, owner = NULL, lease_until = NULL"
-                " WHERE id = ? AND status IN (?, ?)",
-                (CANCELLING, CANCELLED, now, batch_id, VALIDATING, IN_PROGRESS),
+                " WHERE id = ? AND tenant = ? AND status IN (?, ?)",
+                (CANCELLING, CANCELLED, now, batch_id, tenant, VALIDATING, IN_PROGRESS),
             )
-            row = self._one(f"SELECT {BATCH_COLUMNS} FROM vs_batches WHERE id = ?", (batch_id,))
+            row = self._one(
+                f"SELECT {BATCH_COLUMNS} FROM vs_batches WHERE id = ? AND tenant = ?", (batch_id, tenant)
+            )
         return _batch_row(row) if row else None
 
     # ---- batches: the runner's side ------------------------------------------------------------------------------
@@ -344,7 +354,7 @@ class BatchStore:
             )
             if held is None:
                 return False
-            self._conn.executemany(
+            self._conn.cursor().executemany(
                 self._sql(
                     "INSERT INTO vs_lines (batch_id, idx, custom_id, start, length, state) VALUES (?, ?, ?, ?, ?, ?)"
                 ),
@@ -519,16 +529,16 @@ class BatchStore:
         errors = next((f for f in files if f[0].endswith("-error")), None)
         with self._transaction():
             held = self._one(
-                "SELECT id FROM vs_batches WHERE id = ? AND owner = ? AND status IN (?, ?)",
+                "SELECT tenant FROM vs_batches WHERE id = ? AND owner = ? AND status IN (?, ?)",
                 (batch_id, self.owner, FINALIZING, CANCELLING),
             )
             if held is None:
                 return False
-            for file_id, filename, size in files:
+            for file_id, filename, size in files:  # the batch's owner's files
                 self._exec("DELETE FROM vs_files WHERE id = ?", (file_id,))
                 self._exec(
-                    f"INSERT INTO vs_files ({FILE_COLUMNS}, seq) VALUES (?, ?, ?, ?, ?, ?)",
-                    (file_id, "batch_output", filename, size, now, time.time_ns()),
+                    f"INSERT INTO vs_files ({FILE_COLUMNS}, seq, tenant) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (file_id, "batch_output", filename, size, now, time.time_ns(), held[0]),
                 )
             self._exec(
                 f"UPDATE vs_batches SET status = ?, {stamp} = ?, output_file_id = ?, error_file_id = ?,"
