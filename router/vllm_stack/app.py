@@ -182,6 +182,8 @@ class Router:
         self.picker_server: Any = None  # the endpoint picker's gRPC server (ext_proc_port), built at start
         self.batch: BatchRunner | None = _build_batch(self, config)
         self.batch_endpoints = batch_api.BatchEndpoints(self.batch, self) if self.batch is not None else None
+        # Bodies the server hands over as they arrive: uploads (asked on these paths only, off the hot path)
+        self.stream_paths = frozenset({batch_api.FILES}) if self.batch is not None else frozenset()
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
         self.registry.on_rebuilt.append(self.queue.kick_all)

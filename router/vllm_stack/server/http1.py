@@ -143,6 +143,7 @@ class ServerContext(Protocol):
     draining: bool
     reserved_paths: frozenset[str]  # answered even on a connection past the limit (probes)
     buffered_body_bytes: int  # request body bytes all connections hold (or reserved) together
+    stream_paths: frozenset[str]  # paths whose bodies may be streamed (body_stream_limit is asked then)
 
     def body_limit(self) -> int: ...
 
@@ -437,12 +438,13 @@ class HttpConnection(asyncio.Protocol):
         if refusal is not None:
             self._refuse(refusal, declared)
             return
-        stream_limit = server.body_stream_limit(method, target[1])
-        if stream_limit and not self.busy and not self._upgrade_offer:
-            if declared > stream_limit:
-                raise _Reject(_too_large(stream_limit, declared))
-            self._open_stream(stream_limit)
-            return
+        if target[1] in server.stream_paths and not self.busy and not self._upgrade_offer:
+            stream_limit = server.body_stream_limit(method, target[1])
+            if stream_limit:
+                if declared > stream_limit:
+                    raise _Reject(_too_large(stream_limit, declared))
+                self._open_stream(stream_limit)
+                return
         limit = self._limit = server.body_limit()
         if declared:
             if declared > limit:

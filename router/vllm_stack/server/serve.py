@@ -44,6 +44,9 @@ class ServedApp(Protocol):
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
     ) -> RouterError | None: ...
 
+    #: Paths whose request bodies may be handed over as they arrive (``body_stream_limit`` says).
+    stream_paths: frozenset[str]
+
     def body_stream_limit(self, method: str, path: str) -> int:
         """See :meth:`vllm_stack.server.http1.ServerContext.body_stream_limit`."""
         ...
@@ -86,6 +89,7 @@ class RouterServer:
         self.draining = False
         self.reserved_paths = RESERVED_PATHS
         self.buffered_body_bytes = 0  # request bodies all connections hold (HttpConnection._reserve)
+        self.stream_paths: frozenset[str] = router.stream_paths
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         # The application's own methods, bound here: one call less per request than delegating.
