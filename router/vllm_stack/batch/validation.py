@@ -17,6 +17,8 @@ import orjson
 from vllm_stack.batch.objects import batch_error
 
 MAX_ERRORS = 100  # errors reported for one file (OpenAI reports a bounded list too)
+#: Request lines in one batch, at most (OpenAI's limit): what validation holds per line is then bounded too.
+MAX_LINES = 50_000
 
 
 @dataclass
@@ -43,6 +45,11 @@ def check_input(path: Path, endpoint: str) -> CheckedInput:
             text = raw.strip()
             if not text:
                 continue
+            if len(checked.lines) >= MAX_LINES:
+                checked.error(
+                    "too_many_lines", f"A batch may have at most {MAX_LINES} request lines.", number
+                )
+                break
             _check_line(checked, seen, text, number, start, len(raw), endpoint)
     if not checked.lines and not checked.errors:
         checked.error("empty_file", "The input file has no request lines.")
