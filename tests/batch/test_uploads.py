@@ -143,3 +143,27 @@ async def test_an_abandoned_upload_leaves_nothing(small_budget_router) -> None: 
     writer.close()
     await wait_for(lambda: not _leftovers(files), what="the temporary file removed")
     await wait_for(lambda: server.buffered_body_bytes == 0, what="the window given back")
+
+
+async def test_a_chunked_upload_is_streamed_too(small_budget_router) -> None:  # noqa: ANN001
+    url, server, files = small_budget_router
+    boundary = b"chunky"
+    payload = b"".join(b'{"n": %d}\n' % n for n in range(300_000))  # ~3.3 MB, in 64 KiB chunks
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"--" + boundary + b'\r\ncontent-disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield (
+            b"--" + boundary + b'\r\ncontent-disposition: form-data; name="file"; filename="c.jsonl"\r\n\r\n'
+        )
+        for start in range(0, len(payload), 64 * 1024):
+            yield payload[start : start + 64 * 1024]
+        yield b"\r\n--" + boundary + b"--\r\n"
+
+    headers = {**KEY, "content-type": "multipart/form-data; boundary=chunky"}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http:
+        answer = await http.post("/v1/files", content=body())
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["bytes"] == len(payload) and answer.json()["filename"] == "c.jsonl"
+        download = await http.get(f"/v1/files/{answer.json()['id']}/content")
+    assert download.content == payload
+    assert server.buffered_body_bytes == 0

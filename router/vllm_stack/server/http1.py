@@ -496,6 +496,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         if self._stream is not None:
+            self._body_size += len(body)  # (data_received tells body bytes from chunk framing by it)
             self._stream.feed(body)
             return
         size = self._body_size = self._body_size + len(body)
