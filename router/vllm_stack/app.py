@@ -98,6 +98,7 @@ RESTART_ONLY: Mapping[str, str] = {
             "batch_completion_window",
             "batch_max_file_bytes",
             "batch_concurrency",
+            "batch_reserve_slots",
             "batch_lease_seconds",
         )
     },
@@ -590,6 +591,8 @@ def _build_batch(router: Router, config: RouterConfig) -> BatchRunner | None:
         config.batch_max_file_bytes,
         config.batch_concurrency,
         config.batch_lease_seconds,
+        config.batch_reserve_slots,
+        config.saturation_max_kv_cache_usage,
     )
     return BatchRunner(router, settings, router.metrics)
 

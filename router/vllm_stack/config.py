@@ -164,6 +164,9 @@ class RouterConfig:
     batch_completion_window: float = 86400.0  # seconds OpenAI's "24h" window lasts here (tests: seconds)
     batch_max_file_bytes: int = 200 * 1024 * 1024  # an uploaded file, at most (OpenAI's batch input limit)
     batch_concurrency: int = 8  # batch lines in flight from this router, at most
+    # running slots per engine batch lines leave free for interactive requests (vllm_stack.engines.load.
+    # background_room: vLLM does not preempt a running request for a more urgent one)
+    batch_reserve_slots: int = 1
     batch_lease_seconds: float = 30.0  # a dead router's lines and batches are taken again after this
     shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"
@@ -268,6 +271,8 @@ class RouterConfig:
                 )
         if self.batch_completion_window <= 0 or self.batch_lease_seconds <= 0:
             raise ConfigError("batch_completion_window and batch_lease_seconds must be > 0")
+        if self.batch_reserve_slots < 0:
+            raise ConfigError("batch_reserve_slots must be >= 0")
         if self.batch_max_file_bytes <= 0 or self.batch_concurrency <= 0:
             raise ConfigError("batch_max_file_bytes and batch_concurrency must be > 0")
         if self.batch_database_url and not self.batch_database_url.startswith(

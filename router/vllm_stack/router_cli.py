@@ -203,6 +203,11 @@ def build_parser(prog: str = "vllm-stack router") -> argparse.ArgumentParser:
     p.add_argument("--batch-max-file-bytes", type=int, help="largest upload (default 209715200)")
     p.add_argument("--batch-concurrency", type=int, help="batch lines in flight from this router (default 8)")
     p.add_argument(
+        "--batch-reserve-slots",
+        type=int,
+        help="running slots per engine batch lines leave free for interactive requests (default 1)",
+    )
+    p.add_argument(
         "--batch-lease-seconds",
         type=float,
         help="a dead router's batch lines are taken again after this (default 30)",

@@ -1,4 +1,4 @@
-"""How batches run on one router over stub engines: shed while the engines are saturated and sent again
+"""How batches run on one router over stub engines: held back while the engines are saturated and sent
 after, an engine's failure retried and its error answers kept, expiry and cancellation with every input
 line in the output or the error file exactly once."""
 
@@ -57,7 +57,7 @@ async def every_line_once(http: httpx.AsyncClient, batch: dict[str, Any], count:
     return output, errors
 
 
-async def test_saturated_engines_shed_batch_lines_which_run_later(tmp_path: Path) -> None:
+async def test_saturated_engines_get_no_batch_lines_until_they_have_room(tmp_path: Path) -> None:
     engines = [StubEngine("s1", [MODEL]), StubEngine("s2", [MODEL])]
     for engine in engines:
         engine.waiting = 20  # every engine saturated (saturation_max_waiting 5)
@@ -66,10 +66,9 @@ async def test_saturated_engines_shed_batch_lines_which_run_later(tmp_path: Path
             lambda: all(_waiting(e) >= 20 for e in router.registry.engines()), what="scraped figures"
         )
         batch_id = await start_batch(http, input_lines(10, MODEL))
-        await wait_for(
-            lambda: metric_value(router, "vllm_stack_router_batch_lines_total", outcome="retried") >= 3
-        )
-        assert sum(e.completed for e in engines) == 0  # shed by the director: no engine had one
+        await wait_for(lambda: metric_value(router, "vllm_stack_router_batches", status="in_progress") == 1)
+        await wait_for(lambda: metric_value(router, "vllm_stack_router_batch_queue_depth") == 10)
+        assert sum(e.completed for e in engines) == 0  # no engine has a slot to spare: none is sent
         interactive = asyncio.create_task(
             http.post(
                 "/v1/chat/completions",

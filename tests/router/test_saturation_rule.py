@@ -85,3 +85,24 @@ def test_critical_headroom_keeps_slots_free_once_the_engines_slot_count_is_known
     assert saturated(e, reserve)
     e.in_flight = 0
     assert not saturated(e, LIMITS)  # no reserve: no headroom rule
+
+
+def test_background_work_fills_only_the_slots_beyond_the_reserve() -> None:
+    """Batch lines (vllm_stack.batch) take an engine's free running slots less a reserve left to
+    interactive requests: vLLM does not preempt a running line for them while slots run short."""
+    from vllm_stack.engines.load import PROBE_STEP, background_room
+
+    e = engine("a", 0, 0.1, in_flight_at_scrape=2)  # running 4, nothing waiting
+    e.running_slots = 8
+    assert background_room(e, 1, 0.8) == 8 - 1 - 4  # 3 slots beyond the reserve
+    e.in_flight = 2 + 3  # the router sent 3 since the scrape
+    assert background_room(e, 1, 0.8) == 0
+    e.in_flight = 1  # one ended since: a slot more
+    assert background_room(e, 1, 0.8) == 4 and background_room(e, 4, 0.8) == 1
+    assert background_room(engine("b", 1, 0.1), 0, 0.8) == 0  # it queues: nothing
+    assert background_room(engine("c", 0, 0.85), 0, 0.8) == 0  # its KV cache is full enough
+    assert background_room(engine("d", 0, 0.1, age=10.0), 0, 0.8) == 0  # figures unknown: nothing
+    unknown = engine("e", 0, 0.1, in_flight_at_scrape=1)  # slot count not learned yet
+    assert background_room(unknown, 1, 0.8) == PROBE_STEP  # a few more per scrape, until it queues
+    unknown.in_flight = 1 + PROBE_STEP
+    assert background_room(unknown, 1, 0.8) == 0

@@ -3,9 +3,12 @@ files, expires and cancels them. Every router with the Batch API on runs one; wi
 store the replicas share the work, each taking what it leases (:mod:`.store`).
 
 Lines go at sheddable priority (or lower, when their model's default is lower), at most ``concurrency`` of
-this router's at once: while interactive requests keep every engine saturated, the director sheds a batch
-line at once (429) instead of queueing it, and the line waits (its ``not_before``; the runner backs off,
-doubling up to :data:`MAX_BACKOFF`) and is sent again. A line whose engine failed (502, 503, 504, or no
+this router's at once, and only to engines with a running slot free beyond ``reserve_slots``
+(:func:`vllm_stack.engines.load.background_room`): a line holds its slot until it ends, and vLLM does not
+preempt it for an interactive request, so the slots interactive requests arrive into stay free. While no
+engine of its model has room, a line waits (its ``not_before``); while interactive requests keep every engine
+saturated, the director sheds one at once (429) instead of queueing it. Either way the runner backs off,
+doubling up to :data:`MAX_BACKOFF`, and the line is sent again. A line whose engine failed (502, 503, 504, or no
 answer) is sent again up to ``max_sends`` times in all; any other answer is the line's result: a 200 goes to
 the output file, anything else to the error file.
 """
@@ -43,6 +46,8 @@ from vllm_stack.batch.objects import (
 )
 from vllm_stack.batch.store import BatchStore, ClaimedLine
 from vllm_stack.batch.validation import check_input, check_models
+from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.load import background_room
 from vllm_stack.errors import RouterError, error_body
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.request_id import new_request_id
@@ -70,6 +75,8 @@ class BatchSettings:
     max_file_bytes: int
     concurrency: int  # lines in flight from this router
     lease_seconds: float
+    reserve_slots: int = 1  # running slots per engine batch lines leave free (for interactive requests)
+    max_kv_cache_usage: float = 0.8  # an engine past this KV cache usage takes no batch line
     max_sends: int = 3  # sends of one line in all (engine failures, routers that died holding it)
 
 
@@ -179,7 +186,7 @@ class BatchRunner:
                     job = self._validate(batch) if status == VALIDATING else self._finalize(batch)
                     self._spawn(job)
                     break
-        free = self.settings.concurrency - len(self.in_flight)
+        free = min(self.settings.concurrency - len(self.in_flight), self._room())
         if free <= 0 or time.monotonic() < self._paused_until:
             return
         lines = await store.run(
@@ -263,9 +270,16 @@ class BatchRunner:
             body = error_body(500, f"The input line could not be read again: {exc}", code="input_unreadable")
             self._record(line, request_id.decode(), 500, body)
             return
+        pool = ctx.pool or ctx.model
+        roomy, crowded = self._engines_with_room(pool)
+        if not roomy or router.director.queue.ahead(pool, -1):  # no free slot: wait for one
+            self._hold(line)
+            return
+        if crowded:  # the scheduler picks among the engines with a free slot (prefix affinity included)
+            ctx.excluded = crowded
         if ctx.priority >= 0:  # batch work is sheddable: interactive requests keep their latency
             ctx.priority = -1
-            ctx.body = router.priority.engine_body(ctx.pool or ctx.model, -1, ctx.body, None)
+            ctx.body = router.priority.engine_body(pool, -1, ctx.body, None)
         ctx.request_id = request_id
         ctx.arrived = time.perf_counter()
         request = self.in_flight[key] = BatchLineRequest(router.director, ctx, self, line)
@@ -283,6 +297,33 @@ class BatchRunner:
         else:
             self._record(line, request.ctx.request_id.decode(), status, body)
         self.wake()
+
+    def _room(self) -> int:
+        """Batch lines the healthy engines take now, in all."""
+        settings = self.settings
+        now = time.monotonic()
+        return sum(
+            background_room(e, settings.reserve_slots, settings.max_kv_cache_usage, now)
+            for e in self.router.registry.engines()
+            if e.healthy
+        )
+
+    def _engines_with_room(self, pool: str) -> tuple[list[Engine], set[str]]:
+        """The model's engines that take a batch line now, and the names of those that do not."""
+        settings = self.settings
+        now = time.monotonic()
+        roomy: list[Engine] = []
+        crowded: set[str] = set()
+        for engine in self.router.registry.candidates(pool):
+            if background_room(engine, settings.reserve_slots, settings.max_kv_cache_usage, now):
+                roomy.append(engine)
+            else:
+                crowded.add(engine.name)
+        return roomy, crowded
+
+    def _hold(self, line: ClaimedLine) -> None:
+        """No engine of the line's model has a slot to spare: the line waits, unsent, and the runner backs off."""
+        self._shed(line)
 
     def _shed(self, line: ClaimedLine) -> None:
         """The director had no room for a sheddable request: back off, and the line waits."""

@@ -209,6 +209,34 @@ def _unsaturated(
     return engines if kept is None else kept
 
 
+#: Background requests an engine of unknown slot count takes per scrape (see :func:`background_room`).
+PROBE_STEP = 2
+
+
+def background_room(engine: Engine, reserve: int, max_kv_cache_usage: float, now: float | None = None) -> int:
+    """How many more background requests (batch lines) the engine takes now: the running slots it has free
+    beyond ``reserve``, kept for interactive requests. vLLM does not preempt a running request for a more
+    urgent one while slots (not KV blocks) run short, so a batch line holding the last slot makes the next
+    interactive request wait for it to end; background work therefore only fills slots below the reserve.
+
+    Nothing while the engine queues, its KV cache is past the saturation limit, or its figures are unknown
+    (background work is not pushed to an engine the router knows nothing of). Until its slot count is known
+    (``running_slots``: the most it ran at a scrape where others waited) an engine that does not queue takes
+    :data:`PROBE_STEP` more per scrape, so an idle engine fills within a few scrapes and the first scrape that
+    finds it queuing teaches the count."""
+    t = fresh_telemetry(engine, now)
+    if t is None or (t.kv_cache_usage is not None and t.kv_cache_usage >= max_kv_cache_usage):
+        return 0
+    waiting = _unclamped_estimate(t, engine)
+    if waiting is not None and waiting > 0.0:
+        return 0
+    slots = engine.running_slots
+    sent_since = engine.in_flight - t.in_flight  # sent (or finished, negative) since the scrape
+    if slots is None:
+        return max(0, PROBE_STEP - sent_since)
+    return max(0, int(slots - reserve - (t.running + t.waiting + sent_since)))
+
+
 class CompletionStats:
     """Per engine: smoothed TTFT and duration of finished requests, and how they ended."""
 
