@@ -38,7 +38,7 @@ def test_engine_schema_covers_the_proxied_paths() -> None:
     assert len(schema["paths"]) >= 10
 
 
-def test_fuzz_against_a_stub_engine_no_router_5xx_and_openai_errors() -> None:
+def test_fuzz_against_a_stub_engine_no_router_5xx_and_openai_errors(tmp_path) -> None:  # noqa: ANN001
     """Stub pass (no real engine; the stub cannot answer 5xx, see ``tests/fakes/fuzz_stub.py``, so a
     5xx or an unmarked non-engine answer can only be the router's). Also checks that the number of
     examples run is what was asked for, so a schema that stops generating is noticed."""
@@ -47,7 +47,9 @@ def test_fuzz_against_a_stub_engine_no_router_5xx_and_openai_errors() -> None:
     report = fuzzing.Report()
     started = time.monotonic()
     with (
-        router_in_thread(stub_apps=[stub], max_body_bytes=1 << 20) as (url, _),
+        router_in_thread(
+            stub_apps=[stub], max_body_bytes=1 << 20, batch_api=True, batch_dir=str(tmp_path / "batch")
+        ) as (url, _),
         requests.Session() as session,
     ):
         target = fuzzing.Target(url, session, "stub-model", expect_engine_header=True, report=report)
