@@ -158,3 +158,34 @@ async def test_batches_list_newest_first_with_cursor(tmp_path: Path, count: int)
         if count > 3:
             rest = (await http.get("/v1/batches", params={"after": first["last_id"], "limit": 10})).json()
             assert [b["id"] for b in rest["data"]] == list(reversed(ids))[3:]
+
+
+async def test_a_missing_input_fails_the_batch_and_an_error_in_validation_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_stack.batch import runner as runner_module
+
+    real_check = runner_module.check_input
+    calls = []
+
+    def flaky_check(*args: Any) -> Any:  # noqa: ANN401 - the first validation hits a disk error
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError("a transient disk error")
+        return real_check(*args)
+
+    monkeypatch.setattr(runner_module, "check_input", flaky_check)
+    monkeypatch.setattr(runner_module, "RETRY_BATCH_SECONDS", 0.2)
+    async with batch_stack(tmp_path, [StubEngine("s1", [MODEL])]) as (http, _):
+        retried = await start_batch(http, input_lines(3, MODEL))
+        done = await wait_batch(http, retried, {"completed", "failed"})
+        assert done["status"] == "completed" and len(calls) == 2  # let go after the error, taken again
+        file_id = (await upload(http, jsonl(input_lines(2, MODEL)))).json()["id"]
+        (tmp_path / "batch" / "files" / file_id).unlink()  # a volume that is not the one it was written to
+        missing = await http.post(
+            "/v1/batches",
+            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
+        failed = await wait_batch(http, missing.json()["id"], {"failed", "completed"})
+        assert failed["status"] == "failed"
+        assert [e["code"] for e in failed["errors"]["data"]] == ["input_file_missing"]

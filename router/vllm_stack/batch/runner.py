@@ -45,7 +45,7 @@ from vllm_stack.batch.objects import (
     unsent_line,
 )
 from vllm_stack.batch.store import BatchStore, ClaimedLine
-from vllm_stack.batch.validation import check_input, check_models
+from vllm_stack.batch.validation import CheckedInput, check_input, check_models
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import background_room
 from vllm_stack.errors import RouterError, error_body
@@ -61,6 +61,11 @@ MAX_BACKOFF = 5.0  # seconds, at most, between two tries while the director shed
 RETRY_STATUSES = frozenset({502, 503, 504})  # an engine's failure: the line is sent again
 SHED_STATUSES = frozenset({429, 503})  # the director's refusal: busy engines, or none ready yet
 RESULT_PAGE = 1000  # lines read from the store at a time while writing a batch's files
+RETRY_BATCH_SECONDS = 5.0  # a validation or finalization that failed is tried again after this
+MISSING_INPUT = (
+    "The input file's contents are missing from the router's batch directory (with router replicas, the "
+    "batch directory must be one volume every replica mounts: ReadWriteMany)."
+)
 UNSENT = {
     EXPIRED: ("batch_expired", "This request could not be executed before the completion window expired."),
     CANCELLED: ("batch_cancelled", "This request was not executed: the batch was cancelled."),
@@ -226,9 +231,13 @@ class BatchRunner:
     async def _validate(self, batch: dict[str, Any]) -> None:
         store = self.store
         try:
-            checked = await asyncio.to_thread(
-                check_input, self.files.path(batch["input_file_id"]), batch["endpoint"]
-            )
+            path = self.files.path(batch["input_file_id"])
+            try:
+                checked = await asyncio.to_thread(check_input, path, batch["endpoint"])
+            except FileNotFoundError:  # deleting an active batch's input is refused: its volume is not this
+                checked = CheckedInput()
+                checked.error("input_file_missing", MISSING_INPUT)
+                log.error("batch %s: its input file is not in %s", batch["id"], self.files.root)
             check_models(checked, lambda model: model_served(self.router, model))
             now = int(time.time())
             if checked.errors:
@@ -239,8 +248,17 @@ class BatchRunner:
             model = next(iter(checked.models)) if len(checked.models) == 1 else None
             if await store.run(store.start_batch, batch["id"], model, checked.lines, now):
                 log.info("batch %s in progress: %d lines", batch["id"], len(checked.lines))
+        except Exception:
+            await self._give_up(batch["id"])
+            raise
         finally:
             self._busy.discard(batch["id"])
+
+    async def _give_up(self, batch_id: str) -> None:
+        """Validation or finalization failed here (a store or disk error): the batch is let go, for any
+        router to take again after a pause, rather than held until it expires."""
+        with contextlib.suppress(Exception):
+            await self.store.run(self.store.release_batch, batch_id, time.time() + RETRY_BATCH_SECONDS)
 
     # ---- lines -----------------------------------------------------------------------------------------------------
     def _send(self, line: ClaimedLine) -> None:
@@ -364,6 +382,9 @@ class BatchRunner:
             files, counts = written
             if await store.run(store.end_batch, batch_id, ending, files, counts, int(time.time())):
                 log.info("batch %s %s: %d completed, %d failed", batch_id, ending, *counts)
+        except Exception:
+            await self._give_up(batch_id)
+            raise
         finally:
             self._busy.discard(batch_id)
 

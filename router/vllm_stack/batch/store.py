@@ -342,6 +342,15 @@ class BatchStore:
             full = self._one(f"SELECT {BATCH_COLUMNS} FROM vs_batches WHERE id = ?", (row[0],))
         return _batch_row(full) if full else None
 
+    def release_batch(self, batch_id: str, retry_at: float) -> None:
+        """Give up a batch this router holds (its validation or finalization failed): any router takes it
+        again from ``retry_at``."""
+        with self._transaction():
+            self._exec(
+                "UPDATE vs_batches SET owner = NULL, lease_until = ? WHERE id = ? AND owner = ?",
+                (retry_at, batch_id, self.owner),
+            )
+
     def start_batch(
         self, batch_id: str, model: str | None, lines: Sequence[tuple[int, str, int, int]], now: int
     ) -> bool:
