@@ -377,3 +377,52 @@ def test_a_batch_database_secret_the_values_render_reaches_the_router(tmp_path: 
     plan, _ = _plan([values], tmp_path)
     assert plan.router.env["VLLM_STACK_BATCH_DATABASE_URL"] == "postgresql://u:p@127.0.0.1:5432/batches"
     assert "--batch-api" in plan.router.argv
+
+
+def test_cluster_pods_share_a_claims_folder_and_read_a_secret_learned_later(tmp_path: Path) -> None:
+    """For the cluster's Pods (vllm_stack_dev.cluster.pod_processes, a ``claims_dir``): both router replicas'
+    --batch-dir is the one folder of their claim, and the database URL comes from a Secret told to the
+    planner once the API server holds it (the user's, never rendered)."""
+    values = tmp_path / "v.yaml"
+    model = {"name": "m", "modelURL": "org/m", "replicaCount": 1, "requestCPU": 1, "requestMemory": "1Gi"}
+    batch = {
+        "enabled": True,
+        "database": {"secretName": "batch-db"},
+        "storage": {"accessMode": "ReadWriteMany"},
+    }
+    values.write_text(
+        yaml.safe_dump(
+            {"servingEngineSpec": {"modelSpec": [model]}, "routerSpec": {"replicaCount": 2, "batch": batch}}
+        )
+    )
+    objects = render([values])
+    (deployment,) = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["spec"]["template"]["metadata"]["labels"][COMPONENT] == "router"
+    ]
+    template = deployment["spec"]["template"]
+    planner = Planner(
+        objects, workdir=tmp_path / "pods", model_dir=MODEL_DIR, router_port=18080,
+        free_port=iter(range(20000, 21000)).__next__, cores=[0], max_engines=PLENTY,
+        claims_dir=tmp_path / "claims",
+    )  # fmt: skip
+
+    def pod(name: str) -> dict:
+        return {
+            "metadata": {"name": name, "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+        }
+
+    first = planner.plan_pod_router(pod("router-a"), "10.0.0.1")
+    assert "VLLM_STACK_BATCH_DATABASE_URL" not in first.env  # not rendered, not learned yet
+    dsn = "postgresql://u:p@127.0.0.1:5432/batches"
+    planner.learn([{"kind": "Secret", "metadata": {"name": "batch-db"}, "stringData": {"url": dsn}}])
+    second = planner.plan_pod_router(pod("router-b"), "10.0.0.2")
+    assert second.env["VLLM_STACK_BATCH_DATABASE_URL"] == dsn
+    shared = tmp_path / "claims" / "vllm-stack-router-batch"
+    for process in (first, second):
+        assert process.argv[process.argv.index("--batch-dir") + 1] == str(shared)
+        assert shared in process.folders
+    # Its other mounts stay the Pod's own.
+    assert first.argv[first.argv.index("--config") + 1].startswith(str(tmp_path / "pods" / "router-a"))

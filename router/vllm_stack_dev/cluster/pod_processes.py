@@ -11,6 +11,13 @@ server holds (vllm_stack_dev.up.plan says what changes, as for `vllm-stack up`):
   an endpoint picker Pod (the chart's ``inferenceExtension.epp``) the same way: the router's image and
   entry point, its own arguments (``--ext-proc-port``, ``--inference-pool``).
 
+What a Pod's container reads is taken as its kubelet would: the Secrets and ConfigMaps its environment
+names (``secretKeyRef``, ``configMapKeyRef``) are read from the API server when the process starts (a Secret
+the user created there, such as the router's batch database URL), else taken from the release's rendering;
+a variable whose Secret neither holds stays unset, as with ``vllm-stack up``. A PersistentVolumeClaim is one
+local folder per claim (``<workdir>/claims/<claim>``), whichever Pod mounts it: the router replicas on the
+chart's ReadWriteMany batch claim share their ``--batch-dir``, as they share the volume in a cluster.
+
 A Pod's process starts once the Pod is Running with an IP, and stops when the Pod is gone, unless the
 caller keeps it (a terminating container serves on through its grace period; a test can then check that
 nothing reaches it). No Service is involved: a test that addresses one maps it to Pod IPs itself
@@ -20,6 +27,7 @@ nothing reaches it). No Service is involved: a test that addresses one maps it t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -94,7 +102,7 @@ class PodProcesses:
             [o for o in objects if o.get("kind") in ("ConfigMap", "Secret")],
             workdir=workdir, model_dir=model_dir, router_port=port_for_later(), free_port=port_for_later,
             cores=list(cores) or sorted(os.sched_getaffinity(0)), max_engines=64, namespace=namespace,
-            dtype_override=dtype_override(),
+            dtype_override=dtype_override(), claims_dir=workdir / "claims",
         )  # fmt: skip
         self._model_dir = model_dir
         self.engines: dict[str, Engine] = {}  # by Pod name
@@ -152,7 +160,26 @@ class PodProcesses:
                 else:
                     stop_group(self.routers.pop(name).process)
 
+    def _learn_references(self, pod: dict) -> None:
+        """The Secrets and ConfigMaps the Pod's main container's environment names, as the API server holds
+        them now, told to the planner (those it lacks are left to the rendering's, or unset)."""
+        wanted: set[tuple[str, str]] = set()
+        for entry in pod["spec"]["containers"][0].get("env") or ():
+            source = entry.get("valueFrom") or {}
+            for key, kind in (("secretKeyRef", "secret"), ("configMapKeyRef", "configmap")):
+                if key in source:
+                    wanted.add((kind, source[key]["name"]))
+        found = []
+        for kind, name in sorted(wanted):
+            out = self.cluster.kubectl(
+                "get", kind, name, "-n", self.namespace, "--ignore-not-found", "-o", "json"
+            ).stdout
+            if out.strip():
+                found.append(json.loads(out))
+        self._planner.learn(found)
+
     def _start_engine(self, pod: dict, ip: str) -> Engine:
+        self._learn_references(pod)
         planned: Process = self._planner.plan_pod_engine(pod, ip)
         _write_files(planned)
         spec = EngineSpec(model_dir=self._model_dir, served_model_name=planned.model or "", args=planned.argv,
@@ -162,6 +189,7 @@ class PodProcesses:
         )
 
     def _start_router(self, pod: dict, ip: str) -> RouterProcess:
+        self._learn_references(pod)
         planned = self._planner.plan_pod_router(pod, ip)
         _write_files(planned)
         log = self.log_dir / f"{planned.name}.log"

@@ -225,9 +225,14 @@ class Planner:
         namespace: str = "default",
         dtype_override: Sequence[str] = (),
         key_factory: Callable[[], str] = lambda: "sk-local-" + secrets.token_hex(12),
+        claims_dir: Path | None = None,
     ) -> None:
         self.objects = list(objects)
         self.workdir = workdir
+        # Given (the cluster's Pods, vllm_stack_dev.cluster.pod_processes): each PersistentVolumeClaim is one
+        # folder here, whichever Pod mounts it (router replicas on a ReadWriteMany claim share its files).
+        # None (`vllm-stack up`): every mount, a claim's too, is a folder of its own pod's.
+        self.claims_dir = claims_dir
         self.model_dir = model_dir
         self.router_port = router_port
         self._pick_port = free_port
@@ -245,6 +250,13 @@ class Planner:
         self._next_core = 0
         self._folders: dict[str, list[Path]] = {}
         self._cpu_pd = False  # a PD engine's connector became NixlConnector: the router follows
+
+    def learn(self, objects: Sequence[dict]) -> None:
+        """ConfigMaps and Secrets known after the rendering (the cluster's, read from the API server for a
+        Pod about to start, as its kubelet would: a Secret the user created); they replace those of the
+        same name."""
+        self.secrets |= _decoded_secrets(objects)
+        self.config_maps |= _config_maps(objects)
 
     # ------------------------------------------------------------------------------------------ driver
     def plan(self) -> StackPlan:
@@ -293,7 +305,8 @@ class Planner:
     def plan_pod_router(self, pod: dict, host: str) -> Process:
         """The router process for the router Pod of a cluster, exactly as rendered (Kubernetes discovery
         included: it asks the cluster's API server) but listening at the Pod's IP; its mounted
-        ConfigMaps and Secrets written to local folders."""
+        ConfigMaps and Secrets written to local folders, a claim's folder shared with every Pod mounting
+        the claim when the planner has a ``claims_dir``."""
         planned, command, env, files = self._pod_container(pod, "router", host)
         port = planned.port_names.get("http") or next(iter(planned.ports))
         argv = _set(list(command), "--host", host)
@@ -453,7 +466,11 @@ class Planner:
             if path == "/dev/shm":
                 continue  # this machine's own shared memory
             volume = pod.volumes.get(mount["name"], {})
-            local = root / mount["name"]
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if self.claims_dir is not None and claim:
+                local = self.claims_dir / claim
+            else:
+                local = root / mount["name"]
             content = self._volume_files(pod, volume)
             self._folders.setdefault(pod.name, []).append(local)
             if mount.get("subPath"):
