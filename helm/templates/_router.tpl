@@ -57,7 +57,7 @@ instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
 {{- if and (not $pool) (include "vllm-stack.router.batch" $root) -}}
 {{- $args = concat $args (list "--batch-api" "--batch-dir" (include "vllm-stack.router.batchDir" $root)) -}}
 {{- $b := $r.batch -}}
-{{- range $key, $flag := dict "completionWindowSeconds" "--batch-completion-window" "maxFileBytes" "--batch-max-file-bytes" "concurrency" "--batch-concurrency" "leaseSeconds" "--batch-lease-seconds" -}}
+{{- range $key, $flag := dict "completionWindowSeconds" "--batch-completion-window" "maxFileBytes" "--batch-max-file-bytes" "concurrency" "--batch-concurrency" "reserveSlots" "--batch-reserve-slots" "leaseSeconds" "--batch-lease-seconds" -}}
 {{- $v := get $b $key -}}
 {{- if not (kindIs "invalid" $v) }}{{ $args = concat $args (list $flag (include "vllm-stack.str" $v)) }}{{ end -}}
 {{- end -}}
@@ -350,7 +350,7 @@ unknown, since the router would exit on it (argparse). Renders {args: [...], dro
 {{- $inline := ne $name $w -}}
 {{- $ours := get $table.ours $name -}}
 {{- $ps := get $table.productionStack $name | default dict -}}
-{{- if and $ours (hasPrefix "--batch-" $name) }}{{ fail (printf "routerSpec.extraArgs: %s: give the Batch API's settings in routerSpec.batch instead (enabled, completionWindowSeconds, maxFileBytes, concurrency, leaseSeconds): the chart then mounts the batch volume at --batch-dir and passes the database URL from its Secret" $name) }}{{ end -}}
+{{- if and $ours (hasPrefix "--batch-" $name) }}{{ fail (printf "routerSpec.extraArgs: %s: give the Batch API's settings in routerSpec.batch instead (enabled, completionWindowSeconds, maxFileBytes, concurrency, reserveSlots, leaseSeconds): the chart then mounts the batch volume at --batch-dir and passes the database URL from its Secret" $name) }}{{ end -}}
 {{- $takes := $ours | default ($ps.takes | default "") -}}
 {{- $value := "" -}}
 {{- $words2 := list $w -}}

@@ -104,13 +104,14 @@ def test_the_non_root_router_can_write_the_volume():
 
 def test_settings_become_flags(tmp_path):
     values = batch_values(
-        completionWindowSeconds=3600, maxFileBytes=104857600, concurrency=16, leaseSeconds=45
+        completionWindowSeconds=3600, maxFileBytes=104857600, concurrency=16, leaseSeconds=45, reserveSlots=2
     )
     args = container(router(render([values_file(tmp_path, values)])))["args"]
     assert flag(args, "--batch-completion-window") == "3600"
     assert flag(args, "--batch-max-file-bytes") == "104857600"  # no exponent: YAML numbers are floats in Helm
     assert flag(args, "--batch-concurrency") == "16"
     assert flag(args, "--batch-lease-seconds") == "45"
+    assert flag(args, "--batch-reserve-slots") == "2"
     assert args.count("--batch-api") == 1 and flag(args, "--batch-dir") == BATCH_DIR
     build_parser().parse_args(args)
 
