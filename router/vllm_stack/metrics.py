@@ -401,8 +401,8 @@ class RouterMetrics:
         self.batch_lines = Counter(
             PREFIX + "batch_lines",
             "Batch lines this router sent, by outcome: completed (the engine's 200), failed (an error "
-            "answer, written to the error file), retried (shed by the director while the engines were busy "
-            "with interactive work, or their engine failed: sent again later).",
+            "answer, written to the error file), retried (held back while no engine had a running slot to "
+            "spare beyond the reserve, shed by the director, or their engine failed: sent again later).",
             ["outcome"],
             registry=r,
         )

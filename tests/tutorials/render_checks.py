@@ -77,6 +77,32 @@ def _from_production_stack(out: str) -> None:
     assert all("model=llama3" in line for line in lines if line.startswith("Service vllm-llama3")), out
 
 
+def _batch(out: str) -> None:
+    """One router: the flags, the kept claim mounted at the batch dir, Recreate, the NOTES line; two routers on
+    SQLite refused with the reason; with PostgreSQL, the URL from the Secret and a ReadWriteMany claim."""
+    lines = [line.strip() for line in out.splitlines()]
+    i = lines.index("- --batch-api")
+    assert lines[i + 1 : i + 3] == ["- --batch-dir", "- /var/lib/vllm-stack/batch"], out
+    for rendered in (
+        "name: vllm-stack-router-batch",
+        "helm.sh/resource-policy: keep",
+        'storage: "20Gi"',
+        "claimName: vllm-stack-router-batch",
+        "replicas: 1",
+        "type: Recreate",
+        "routerSpec.batch.enabled with routerSpec.replicaCount 2: without a database the router keeps the batches"
+        " in SQLite on its volume, which one router owns",
+        "- name: VLLM_STACK_BATCH_DATABASE_URL",
+        "name: vllm-stack-batch-db",
+    ):
+        assert rendered in lines, (rendered, out)
+    order = [lines.index(line) for line in ("- ReadWriteOnce", "type: Recreate", "- ReadWriteMany")]
+    assert order == sorted(order), out  # the one-router claim and strategy, then the replicas' claim
+    notes = next(line for line in lines if line.startswith("Batch API"))
+    assert "vllm-stack-router-batch (kept on helm uninstall" in notes and "SQLite" in notes, out
+    assert "postgresql://" not in out, out  # the URL stays in the Secret
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "01-helm-minimal.md": _minimal,
     "02-autoscaling-keda.md": _keda,
@@ -88,6 +114,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "08-kv-offload-cache-server.md": _kv_offload,
     "09-observability.md": _observability,
     "10-from-production-stack.md": _from_production_stack,
+    "11-batch-api.md": _batch,
 }
 
 

@@ -307,6 +307,7 @@ class BatchRunner:
     def line_ended(self, request: BatchLineRequest, status: int, body: bytes, refused: bool) -> None:
         line = request.line
         self.in_flight.pop((line.batch_id, line.idx), None)
+        self.metrics.batch_lines_in_flight.set(len(self.in_flight))
         if refused and status in SHED_STATUSES:
             self._shed(line)
         elif not refused and status in RETRY_STATUSES and line.sends < self.settings.max_sends:
@@ -367,6 +368,7 @@ class BatchRunner:
             if key[0] == batch_id:
                 del self.in_flight[key]
                 request.abandon()
+        self.metrics.batch_lines_in_flight.set(len(self.in_flight))
 
     # ---- finalization ---------------------------------------------------------------------------------------------
     async def _finalize(self, batch: dict[str, Any]) -> None:
