@@ -48,6 +48,22 @@ async def upload(http: httpx.AsyncClient, content: bytes, purpose: str = "batch"
     )
 
 
+async def create_batch(
+    http: httpx.AsyncClient, file_id: str, endpoint: str = "/v1/chat/completions"
+) -> httpx.Response:
+    return await http.post(
+        "/v1/batches", json={"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"}
+    )
+
+
+async def start_batch(http: httpx.AsyncClient, lines: list[dict[str, Any]]) -> str:
+    """Upload ``lines`` and create a batch of them: its id."""
+    file_id = (await upload(http, jsonl(lines))).json()["id"]
+    answer = await create_batch(http, file_id, lines[0]["url"])
+    assert answer.status_code == 200, answer.text
+    return answer.json()["id"]
+
+
 async def wait_batch(
     http: httpx.AsyncClient, batch_id: str, statuses: Iterable[str], within: float = 60.0
 ) -> dict[str, Any]:

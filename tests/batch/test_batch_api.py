@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.batch.helpers import file_lines, input_lines, jsonl, upload, wait_batch
+from tests.batch.helpers import create_batch, file_lines, input_lines, jsonl, upload, wait_batch
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import running_router, stubs
 
@@ -63,12 +63,7 @@ async def test_other_endpoints(batch_router, endpoint: str) -> None:  # noqa: AN
     url, _, _ = batch_router
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         file_id = (await upload(http, jsonl(input_lines(3, MODEL, endpoint)))).json()["id"]
-        batch = (
-            await http.post(
-                "/v1/batches",
-                json={"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"},
-            )
-        ).json()
+        batch = (await create_batch(http, file_id, endpoint)).json()
         done = await wait_batch(http, batch["id"], {"completed", "failed"})
         assert done["status"] == "completed", done
         lines = await file_lines(http, done["output_file_id"])
@@ -89,16 +84,7 @@ async def test_invalid_input_fails_with_openai_errors(batch_router) -> None:  # 
     before = sum(e.completed for e in engines)
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         file_id = (await upload(http, jsonl(bad))).json()["id"]
-        batch = (
-            await http.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": file_id,
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            )
-        ).json()
+        batch = (await create_batch(http, file_id)).json()
         done = await wait_batch(http, batch["id"], {"failed", "completed"})
     assert done["status"] == "failed" and done["failed_at"]
     errors = done["errors"]["data"]

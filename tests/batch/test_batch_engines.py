@@ -14,7 +14,15 @@ import psycopg
 import pytest
 from vllm_stack_dev.testbed.engines import Engine, EngineGroup
 
-from tests.batch.helpers import RouterProcess, file_lines, input_lines, jsonl, upload, wait_batch
+from tests.batch.helpers import (
+    RouterProcess,
+    create_batch,
+    file_lines,
+    input_lines,
+    jsonl,
+    upload,
+    wait_batch,
+)
 from tests.conftest import CHAT_MODEL, EMBED_MODEL
 from tests.router.helpers import running_router, wait_for
 
@@ -79,16 +87,7 @@ async def test_two_replicas_on_postgres_one_killed(
         await survivor.ready(180)
         async with httpx.AsyncClient(base_url=survivor.url, timeout=60) as http:
             file_id = (await upload(http, jsonl(input_lines(LINES, CHAT_MODEL, max_tokens=24)))).json()["id"]
-            batch_id = (
-                await http.post(
-                    "/v1/batches",
-                    json={
-                        "input_file_id": file_id,
-                        "endpoint": "/v1/chat/completions",
-                        "completion_window": "24h",
-                    },
-                )
-            ).json()["id"]
+            batch_id = (await create_batch(http, file_id)).json()["id"]
             await wait_batch(http, batch_id, {"in_progress"})
             await wait_for(
                 lambda: leased_by(postgres_dsn, doomed.process.pid) >= 1, within=60, what="lines leased"

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.batch.helpers import file_lines, input_lines, jsonl, upload, wait_batch
+from tests.batch.helpers import create_batch, file_lines, input_lines, jsonl, start_batch, upload, wait_batch
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import metric_value, running_router, stubs, wait_for
 from vllm_stack.app import Router
@@ -31,16 +31,6 @@ async def batch_stack(
         httpx.AsyncClient(base_url=url, timeout=30) as http,
     ):
         yield http, router
-
-
-async def start_batch(http: httpx.AsyncClient, lines: list[dict[str, Any]]) -> str:
-    file_id = (await upload(http, jsonl(lines))).json()["id"]
-    answer = await http.post(
-        "/v1/batches",
-        json={"input_file_id": file_id, "endpoint": lines[0]["url"], "completion_window": "24h"},
-    )
-    assert answer.status_code == 200, answer.text
-    return answer.json()["id"]
 
 
 def _waiting(engine: Any) -> float:  # noqa: ANN401 - a registry Engine
@@ -182,10 +172,7 @@ async def test_a_missing_input_fails_the_batch_and_an_error_in_validation_is_tri
         assert done["status"] == "completed" and len(calls) == 2  # let go after the error, taken again
         file_id = (await upload(http, jsonl(input_lines(2, MODEL)))).json()["id"]
         (tmp_path / "batch" / "files" / file_id).unlink()  # a volume that is not the one it was written to
-        missing = await http.post(
-            "/v1/batches",
-            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        )
+        missing = await create_batch(http, file_id)
         failed = await wait_batch(http, missing.json()["id"], {"failed", "completed"})
         assert failed["status"] == "failed"
         assert [e["code"] for e in failed["errors"]["data"]] == ["input_file_missing"]

@@ -13,7 +13,15 @@ import httpx
 import psycopg
 import pytest
 
-from tests.batch.helpers import RouterProcess, file_lines, input_lines, jsonl, upload, wait_batch
+from tests.batch.helpers import (
+    RouterProcess,
+    create_batch,
+    file_lines,
+    input_lines,
+    jsonl,
+    upload,
+    wait_batch,
+)
 from tests.batch.test_restart import sends_per_line
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import stubs, wait_for
@@ -50,14 +58,7 @@ async def test_two_replicas_share_a_batch_and_one_dies(tmp_path: Path, postgres_
                 httpx.AsyncClient(base_url=survivor.url, timeout=30) as b,
             ):
                 file_id = (await upload(a, jsonl(input_lines(LINES, MODEL)))).json()["id"]
-                created = await b.post(
-                    "/v1/batches",
-                    json={
-                        "input_file_id": file_id,
-                        "endpoint": "/v1/chat/completions",
-                        "completion_window": "24h",
-                    },
-                )
+                created = await create_batch(b, file_id)
                 assert created.status_code == 200, created.text  # the file is known to the other replica
                 batch_id = created.json()["id"]
                 await wait_for(lambda: sum(e.completed for e in engines) >= 20, within=30, what="20 answered")

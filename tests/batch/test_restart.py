@@ -10,7 +10,15 @@ from pathlib import Path
 import httpx
 import orjson
 
-from tests.batch.helpers import RouterProcess, file_lines, input_lines, jsonl, upload, wait_batch
+from tests.batch.helpers import (
+    RouterProcess,
+    create_batch,
+    file_lines,
+    input_lines,
+    jsonl,
+    upload,
+    wait_batch,
+)
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import stubs, wait_for
 
@@ -41,16 +49,7 @@ async def test_a_router_killed_mid_batch_resumes_it_each_line_once(tmp_path: Pat
             await first.ready()
             async with httpx.AsyncClient(base_url=first.url, timeout=30) as http:
                 file_id = (await upload(http, jsonl(input_lines(LINES, MODEL)))).json()["id"]
-                batch_id = (
-                    await http.post(
-                        "/v1/batches",
-                        json={
-                            "input_file_id": file_id,
-                            "endpoint": "/v1/chat/completions",
-                            "completion_window": "24h",
-                        },
-                    )
-                ).json()["id"]
+                batch_id = (await create_batch(http, file_id)).json()["id"]
                 await wait_for(lambda: sum(e.completed for e in engines) >= 15, within=30, what="15 answered")
             for engine in engines:  # what is sent from now on stays in flight until the kill
                 engine.behaviour.delay_s = 5

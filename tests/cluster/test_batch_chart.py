@@ -39,7 +39,7 @@ from vllm_stack_dev.cluster.releases import Helm, namespace_object, place, wait_
 from vllm_stack_dev.testbed.postgres import PostgresError, PostgresServer, find_binaries
 from vllm_stack_dev.waiting import wait_http_ok
 
-from tests.batch.helpers import file_lines, input_lines, jsonl, upload, wait_batch
+from tests.batch.helpers import create_batch, file_lines, input_lines, jsonl, upload, wait_batch
 from tests.cluster.serving import wait_for
 from tests.cluster.test_install import RELEASE
 from tests.conftest import CHAT_MODEL, READY_TIMEOUT
@@ -182,10 +182,7 @@ async def run_batch(upload_url: str, create_url: str) -> tuple[str, dict[str, An
         uploaded = await upload(a, jsonl(input_lines(LINES, CHAT_MODEL, max_tokens=8)))
         assert uploaded.status_code == 200, uploaded.text
         file_id = uploaded.json()["id"]
-        created = await b.post(
-            "/v1/batches",
-            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        )
+        created = await create_batch(b, file_id)
         assert created.status_code == 200, created.text
         done = await wait_batch(b, created.json()["id"], {"completed", "failed", "expired"}, within=300)
         seen_by_a = (await a.get(f"/v1/batches/{done['id']}")).json()

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from vllm_stack.api.http import Receive, Send, read_body, send_bytes, send_json
+from vllm_stack.api.http import Receive, Send, read_json_object, send_bytes, send_json
 from vllm_stack.api.state import RouterState
 from vllm_stack.engines.adapter_placement import ALREADY_LOADED
 from vllm_stack.errors import RouterError, model_not_found, no_healthy_engine
@@ -88,15 +88,10 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
     """
     headers = scope["headers"]
     _check_admin(router, headers)
-    content_length = next((v for k, v in headers if k == b"content-length"), None)
-    body = await read_body(receive, router.max_body_bytes, content_length)
-    if body is None:
+    doc = await read_json_object(receive, router.max_body_bytes, headers)
+    if doc is None:
         return
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("lora_name"), str):
+    if not isinstance(doc.get("lora_name"), str):
         raise RouterError(
             400, "The request must name a 'lora_name'.", param="lora_name", code="missing_lora_name"
         )

@@ -53,6 +53,24 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
             return b"".join(parts)
 
 
+async def read_json_object(
+    receive: Receive, limit: int, headers: list[tuple[bytes, bytes]]
+) -> dict[str, Any] | None:
+    """The request body as a JSON object (400 ``invalid_json`` when it is not one; 413 past ``limit``), or
+    None when the client disconnected first."""
+    content_length = next((v for k, v in headers if k == b"content-length"), None)
+    body = await read_body(receive, limit, content_length)
+    if body is None:
+        return None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(doc, dict):
+        raise RouterError(400, "The request body must be a JSON object.", code="invalid_json")
+    return doc
+
+
 async def send_json(
     send: Send, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:

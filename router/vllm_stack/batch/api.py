@@ -11,7 +11,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from vllm_stack.api.http import Receive, Send, read_body, send_json
+from vllm_stack.api.http import Receive, Send, read_json_object, send_json
 from vllm_stack.api.state import RouterState
 from vllm_stack.batch.files import Upload
 from vllm_stack.batch.objects import (
@@ -227,15 +227,9 @@ async def _file_content(runner: BatchRunner, tenant: str, file_id: str, send: Se
 async def _create_batch(
     runner: BatchRunner, tenant: str, scope: dict[str, Any], receive: Receive, send: Send
 ) -> None:
-    body = await read_body(receive, MAX_CREATE_BODY, _header(scope, b"content-length") or None)
-    if body is None:
+    doc = await read_json_object(receive, MAX_CREATE_BODY, scope["headers"])
+    if doc is None:
         return
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise RouterError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(doc, dict):
-        raise RouterError(400, "The request body must be a JSON object.", code="invalid_json")
     endpoint = doc.get("endpoint")
     if endpoint not in ENDPOINTS:
         raise RouterError(
