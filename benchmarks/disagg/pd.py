@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for _path in (ROOT / "router", ROOT / "benchmarks" / "routing"):
+for _path in (ROOT / "router", ROOT / "benchmarks" / "routing", ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -69,6 +69,7 @@ from contenders import (  # noqa: E402  benchmarks/routing
     start,
     wait_ready,
 )
+from engine_bench import markdown_table, percentile_ms, spread_cell, write_report  # noqa: E402  benchmarks/engine_bench.py
 from vllm_stack_dev.paths import cache_dir  # noqa: E402
 from vllm_stack_dev.testbed import engines as tb  # noqa: E402
 from vllm_stack_dev.testbed.models import build_model  # noqa: E402
@@ -360,14 +361,6 @@ async def settle(urls: list[str]) -> None:
         await wait_idle(session, urls)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile in milliseconds."""
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, round(q * len(v)) - 1))] * 1e3
-
-
 def measure(outcomes: list[Outcome], wall_s: float) -> dict:
     result: dict = {"wall_s": wall_s, "errors": sum(not o.ok for o in outcomes)}
     result["error_samples"] = sorted({o.error for o in outcomes if not o.ok})[:3]
@@ -377,10 +370,10 @@ def measure(outcomes: list[Outcome], wall_s: float) -> dict:
         gaps = [g for o in ok for g in o.gaps_s]
         result[cls] = {
             "n_ok": len(ok),
-            "ttft_p50_ms": percentile(ttfts, 0.5),
-            "ttft_p99_ms": percentile(ttfts, 0.99),
-            "itl_p50_ms": percentile(gaps, 0.5),
-            "itl_p99_ms": percentile(gaps, 0.99),
+            "ttft_p50_ms": percentile_ms(ttfts, 0.5),
+            "ttft_p99_ms": percentile_ms(ttfts, 0.99),
+            "itl_p50_ms": percentile_ms(gaps, 0.5),
+            "itl_p99_ms": percentile_ms(gaps, 0.99),
             "prompt_tokens_median": statistics.median([o.prompt_tokens for o in ok]) if ok else None,
             "output_tokens_median": statistics.median([o.output_tokens for o in ok]) if ok else None,
         }
@@ -454,14 +447,6 @@ def summarize(rounds: list[dict], names: list[str], baseline: str = "ours-whole"
     return summary
 
 
-def cell(s: dict | None, digits: int = 0) -> str:
-    if s is None:
-        return "-"
-    if s["min"] == s["max"]:
-        return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
 COLUMNS = ("contender", "class", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "wall s", "errors")
 
 
@@ -470,8 +455,8 @@ def rows(report: dict) -> list[list[str]]:
     for name in report["contenders"]:
         s = report["summary"][name]
         for cls in CLASSES:
-            figs = [cell(s[cls][f]) if "ttft" in f else cell(s[cls][f], 1) for f in FIGURES]
-            out.append([name, cls, *figs, cell(s["wall_s"], 1), str(s["errors"])])
+            figs = [spread_cell(s[cls][f]) if "ttft" in f else spread_cell(s[cls][f], 1) for f in FIGURES]
+            out.append([name, cls, *figs, spread_cell(s["wall_s"], 1), str(s["errors"])])
     return out
 
 
@@ -481,8 +466,8 @@ def ratio_rows(report: dict) -> list[list[str]]:
         r = report["summary"][name].get("ratio_vs_ours-whole")
         if not r:
             continue
-        out.append([name, *(cell(r[f"{c}_{f}"], 2) for c in CLASSES for f in ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")),
-                    cell(r["wall"], 2)])  # fmt: skip
+        out.append([name, *(spread_cell(r[f"{c}_{f}"], 2) for c in CLASSES for f in ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")),
+                    spread_cell(r["wall"], 2)])  # fmt: skip
     return out
 
 
@@ -516,18 +501,13 @@ def engine_rows(report: dict) -> list[list[str]]:
         a, b = s["engine_A"], s["engine_B"]
         problems = [p for r in report["rounds"] if name in r for p in r[name]["problems"]]
         out.append([
-            name, cell(a["vllm:request_success_total"]), cell(a["vllm:generation_tokens_total"]),
-            cell(b["vllm:request_success_total"]), cell(b["vllm:generation_tokens_total"]),
-            cell(b["vllm:external_prefix_cache_hits_total"]), cell(a["vllm:external_prefix_cache_hits_total"]),
+            name, spread_cell(a["vllm:request_success_total"]), spread_cell(a["vllm:generation_tokens_total"]),
+            spread_cell(b["vllm:request_success_total"]), spread_cell(b["vllm:generation_tokens_total"]),
+            spread_cell(b["vllm:external_prefix_cache_hits_total"]), spread_cell(a["vllm:external_prefix_cache_hits_total"]),
             router_counts(report, name),
             "ok" if not problems else "FAIL: " + "; ".join(sorted(set(problems))),
         ])  # fmt: skip
     return out
-
-
-def table(columns: tuple[str, ...], body_rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1),
-            *("| " + " | ".join(r) + " |" for r in body_rows)]  # fmt: skip
 
 
 def class_mix(report: dict, name: str) -> list[tuple[int, int]]:
@@ -651,20 +631,20 @@ def render(report: dict) -> str:
         f"(~{report['workload']['long_prompt_tokens']} tokens, max_tokens {report['workload']['long_max_tokens']}) and "
         f"short prompt (~{report['workload']['short_prompt_tokens']} tokens, max_tokens "
         f"{report['workload']['short_max_tokens']}), `ignore_eos`; prompt tokens the engines counted (chat template "
-        f"and nonce included, median): long {cell(report['measured_prompt_tokens']['long'])}, short "
-        f"{cell(report['measured_prompt_tokens']['short'])}. {report['n_rounds']} rounds, contenders interleaved "
+        f"and nonce included, median): long {spread_cell(report['measured_prompt_tokens']['long'])}, short "
+        f"{spread_cell(report['measured_prompt_tokens']['short'])}. {report['n_rounds']} rounds, contenders interleaved "
         "per round; figures are medians over rounds with min-max in brackets; TTFT to the first content chunk and "
         "ITL (gaps between content chunks, all gaps of the class) measured at the client.",
         "",
-        *table(COLUMNS, rows(report)),
+        *markdown_table(COLUMNS, rows(report)),
         "",
         "Ratios against ours-whole (per round, then the median; < 1 is better):",
         "",
-        *table(RATIO_COLUMNS, ratio_rows(report)),
+        *markdown_table(RATIO_COLUMNS, ratio_rows(report)),
         "",
         "What the engines did (counter deltas per contender run, median over rounds):",
         "",
-        *table(ENGINE_COLUMNS, engine_rows(report)),
+        *markdown_table(ENGINE_COLUMNS, engine_rows(report)),
         "",
         "## Reading",
         "",
@@ -677,8 +657,8 @@ def render(report: dict) -> str:
 
 
 def print_table(report: dict) -> None:
-    for block in (table(COLUMNS, rows(report)), table(RATIO_COLUMNS, ratio_rows(report)),
-                  table(ENGINE_COLUMNS, engine_rows(report))):  # fmt: skip
+    for block in (markdown_table(COLUMNS, rows(report)), markdown_table(RATIO_COLUMNS, ratio_rows(report)),
+                  markdown_table(ENGINE_COLUMNS, engine_rows(report))):  # fmt: skip
         print("\n".join(block))
         print()
 
@@ -907,12 +887,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rounds": rounds,  # per round, per contender: client figures, engine counter deltas, router metrics
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(render(report))
-    print()
-    print_table(report)
+    write_report(args.out, report, render, print_table)
     return 0
 
 

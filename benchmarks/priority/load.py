@@ -31,24 +31,21 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "router"))
+for _path in (ROOT / "router", ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
+import engine_bench  # noqa: E402  benchmarks/engine_bench.py
 import httpx  # noqa: E402
-import yaml  # noqa: E402
-from vllm_stack_dev.paths import cache_dir  # noqa: E402
 from vllm_stack_dev.testbed import engines as tb  # noqa: E402
-from vllm_stack_dev.testbed.models import build_model  # noqa: E402
-from vllm_stack_dev.waiting import wait_http_ok  # noqa: E402
 
 MODEL = "tiny-llama"
 KEY = "bench-priority-key"
@@ -81,32 +78,9 @@ def router_config(priority: bool, backends: list[str], reserve: int = 0) -> dict
     }
 
 
-def start_router(config: dict, log_dir: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
-    path = log_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = tb.free_port()
-    command = [sys.executable, "-m", "vllm_stack.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-               "--config", str(path)]  # fmt: skip
-    env = os.environ | {"VLLM_STACK_PRIORITY_API_KEYS": KEY}
-    process = tb.spawn_logged(command, log_dir / f"{name}.log", env)
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ok(url + "/ready", 60, process)
-    return process, url
-
-
-def wait_idle(engines: list[tb.Engine], timeout: float = 180.0) -> None:
-    """Until both engines run and queue nothing (the same starting state for every run)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        busy = sum(
-            e.metric_value(m)
-            for e in engines
-            for m in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        )
-        if busy == 0:
-            return
-        time.sleep(0.5)
-    raise TimeoutError("engines did not go idle")
+def router_env() -> dict[str, str]:
+    """The router's environment: the API key that may raise a request to critical."""
+    return os.environ | {"VLLM_STACK_PRIORITY_API_KEYS": KEY}
 
 
 def headers(cls: str) -> dict[str, str]:
@@ -114,26 +88,6 @@ def headers(cls: str) -> dict[str, str]:
     if cls == "critical":  # above the model's default (standard): needs a key that may raise it
         h["authorization"] = f"Bearer {KEY}"
     return h
-
-
-async def capacity(url: str, seconds: float = 15.0, concurrency: int = 16) -> float:
-    """Completed requests/s of a closed loop at ``concurrency`` (after a 3 s warm-up)."""
-    done: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        start = time.monotonic() + 3
-        end = start + seconds
-
-        async def worker() -> None:
-            while time.monotonic() < end:
-                r = await client.post("/v1/chat/completions", json=BODY, headers=headers("standard"))
-                r.raise_for_status()
-                if time.monotonic() >= start:
-                    done.append(time.monotonic())
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    inside = [t for t in done if t <= end]
-    return len(inside) / seconds
 
 
 async def open_loop(url: str, rate: float, duration: float, seed: int) -> dict[str, dict]:
@@ -172,13 +126,6 @@ async def open_loop(url: str, rate: float, duration: float, seed: int) -> dict[s
             out[tasks[task]]["unfinished"] += 1
         await asyncio.gather(*pending, return_exceptions=True)
     return out
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, round(q * len(v)) - 1))] * 1e3
 
 
 def summarize(rounds: list[dict], runs: list[str]) -> dict:
@@ -232,14 +179,6 @@ def reading(summary: dict, headroom: int) -> str:
     )
 
 
-def cell(s: dict | None, digits: int = 0) -> str:
-    if s is None:
-        return "-"
-    if s["min"] == s["max"]:
-        return f"{s['median']:.{digits}f}"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
 COLUMNS = ("run", "class", "sent", "200", "429", "other", "unfinished", "p50 ms", "p99 ms")
 
 
@@ -248,7 +187,10 @@ def rows(report: dict) -> list[list[str]]:
     for run in report["runs"]:
         for cls in CLASSES:
             s = report["summary"][run][cls]
-            figs = [cell(s[f]) for f in ("sent", "ok", "rejected", "other", "unfinished", "p50_ms", "p99_ms")]
+            figs = [
+                engine_bench.spread_cell(s[f])
+                for f in ("sent", "ok", "rejected", "other", "unfinished", "p50_ms", "p99_ms")
+            ]
             out.append([run, cls, *figs])
     return out
 
@@ -265,29 +207,22 @@ def render(report: dict) -> str:
         f"standard / 30% sheddable; on-2x-headroom keeps {report['headroom_slots']} slot(s) per engine. "
         "Medians over the rounds, min-max in brackets; latency from the intended send time, of 200s only.",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2),
+        *engine_bench.markdown_table(COLUMNS, rows(report), left_columns=2),
     ]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(report)]
     lines += ["", *report["verdicts"], "", "## Reading", "", report["reading"], ""]
     return "\n".join(lines)
 
 
 def print_table(report: dict) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(render(report))
-        return
-    table = Table(title=f"Request priority under overload (C = {report['capacity_rps']['median']:.1f} req/s)")
-    for i, c in enumerate(COLUMNS):
-        table.add_column(c, justify="left" if i < 2 else "right")
-    for r in rows(report):
-        table.add_row(*r)
-    Console(width=160).print(table)
-    for v in report["verdicts"]:
-        print(v)
+    engine_bench.print_console_table(
+        f"Request priority under overload (C = {report['capacity_rps']['median']:.1f} req/s)",
+        COLUMNS,
+        rows(report),
+        left_columns=2,
+        width=160,
+        notes=report["verdicts"],
+        fallback_markdown=render(report),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,26 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown runs: {', '.join(unknown)}")
 
-    model_dir = build_model("tiny", cache_dir() / "models" / "tiny")
-    log_dir = Path(tempfile.mkdtemp(prefix="priority-load-"))
-    spec = tb.EngineSpec(model_dir, MODEL, kv_events=False, enable_lora=False, max_model_len=512,
-                         extra_args=["--max-num-seqs", "4", "--scheduling-policy", "priority"])  # fmt: skip
-    cpus = tb.default_cpus(2)
-    engines = [tb.launch(spec, name=f"engine-{i}", cpu=cpus[i], log_dir=log_dir) for i in range(2)]
+    engines, log_dir = engine_bench.launch_tiny_engines(
+        MODEL, "priority-load-", ["--max-num-seqs", "4", "--scheduling-policy", "priority"]
+    )
     router: subprocess.Popen[bytes] | None = None
     caps: list[float] = []
     rounds: list[dict] = []
-    print(f"logs in {log_dir}", flush=True)
     try:
         tb.wait_ready(engines, 420)
         backends = [e.url for e in engines]
-        router, url = start_router(router_config(False, backends), log_dir, "capacity")
-        for _ in range(2):
-            wait_idle(engines)
-            caps.append(asyncio.run(capacity(url)))
-            print(f"capacity: {caps[-1]:.2f} requests/s", flush=True)
-        tb.stop_process(router)
-        router = None
+        caps = engine_bench.measure_capacity(
+            engines, router_config(False, backends), log_dir, BODY, headers("standard"), router_env()
+        )
         cap = statistics.median(caps)
         for i in range(args.rounds):
             result: dict = {}
@@ -330,22 +257,23 @@ def main(argv: list[str] | None = None) -> int:
                 priority, load, reserve = RUNS[run]
                 if run == "on-2x-headroom":
                     reserve = args.headroom_slots
-                router, url = start_router(router_config(priority, backends, reserve), log_dir, f"{run}-{i}")
-                wait_idle(engines)
+                config = router_config(priority, backends, reserve)
+                router, url = engine_bench.start_router(config, log_dir, f"{run}-{i}", router_env())
+                engine_bench.wait_idle(engines)
                 res = asyncio.run(open_loop(url, load * cap, args.duration, seed=1000 * i + int(load * 10)))
                 tb.stop_process(router)
                 router = None
                 for c in CLASSES:
                     lat = res[c].pop("lat")
-                    res[c] |= {"p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99)}
+                    res[c] |= {
+                        "p50_ms": engine_bench.percentile_ms(lat, 0.5),
+                        "p99_ms": engine_bench.percentile_ms(lat, 0.99),
+                    }
                 result[run] = res
                 print(f"round {i + 1} {run}: " + json.dumps(res), flush=True)
             rounds.append(result)
     finally:
-        if router is not None:
-            tb.stop_process(router)
-        for e in engines:
-            e.stop()
+        engine_bench.stop_testbed(router, engines)
     summary = summarize(rounds, runs)
     crit_base = summary["on-0.5x"]["critical"]["p99_ms"] if "on-0.5x" in summary else None
     verdicts = []
@@ -356,29 +284,24 @@ def main(argv: list[str] | None = None) -> int:
             crit_on is not None and crit_base is not None and crit_on["median"] <= 1.5 * crit_base["median"]
         )
         verdicts += [
-            f"{'PASS' if p99_ok else 'FAIL'}: critical p99 at 2x ({run}: {cell(crit_on)} ms) <= 1.5 x "
-            f"critical p99 at 0.5x ({cell(crit_base)} ms)",
+            f"{'PASS' if p99_ok else 'FAIL'}: critical p99 at 2x ({run}: {engine_bench.spread_cell(crit_on)} ms) <= 1.5 x "
+            f"critical p99 at 0.5x ({engine_bench.spread_cell(crit_base)} ms)",
             f"{'PASS' if rejected and rejected['max'] == 0 else 'FAIL'}: critical requests rejected ({run}): "
-            f"{cell(rejected)}",
+            f"{engine_bench.spread_cell(rejected)}",
         ]
     report = {
         "duration_s": args.duration,
         "rounds": args.rounds,
         "runs": runs,
         "headroom_slots": args.headroom_slots,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": engine_bench.machine_summary(),
         "capacity_rps": {"median": statistics.median(caps), "raw": caps},
         "summary": summary,
         "raw": rounds,
         "verdicts": verdicts,
     }
     report["reading"] = reading(summary, args.headroom_slots)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(render(report))
-    print()
-    print_table(report)
+    engine_bench.write_report(args.out, report, render, print_table)
     return 0
 
 
