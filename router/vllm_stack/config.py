@@ -166,7 +166,7 @@ class RouterConfig:
     batch_concurrency: int = 8  # batch lines in flight from this router, at most
     # running slots per engine batch lines leave free for interactive requests (vllm_stack.engines.load.
     # background_room: vLLM does not preempt a running request for a more urgent one)
-    batch_reserve_slots: int = 1
+    batch_reserve_slots: int = 2
     batch_lease_seconds: float = 30.0  # a dead router's lines and batches are taken again after this
     shutdown_grace: float = 30.0  # seconds answers under way may take to finish after SIGTERM
     json_parser: str = "msgspec"

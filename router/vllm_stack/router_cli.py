@@ -205,7 +205,7 @@ def build_parser(prog: str = "vllm-stack router") -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-reserve-slots",
         type=int,
-        help="running slots per engine batch lines leave free for interactive requests (default 1)",
+        help="running slots per engine batch lines leave free for interactive requests (default 2)",
     )
     p.add_argument(
         "--batch-lease-seconds",

@@ -80,7 +80,7 @@ class BatchSettings:
     max_file_bytes: int
     concurrency: int  # lines in flight from this router
     lease_seconds: float
-    reserve_slots: int = 1  # running slots per engine batch lines leave free (for interactive requests)
+    reserve_slots: int = 2  # running slots per engine batch lines leave free (for interactive requests)
     max_kv_cache_usage: float = 0.8  # an engine past this KV cache usage takes no batch line
     max_sends: int = 3  # sends of one line in all (engine failures, routers that died holding it)
 
