@@ -87,8 +87,14 @@ def tool_env() -> dict[str, str]:
     every test while the cluster tier's cases run on a thread pool, and ``setenv`` may move the array
     the exec is reading. The exec then fails with EFAULT (seen in CI as `OSError: [Errno 14] Bad
     address` for Helm; 354 in 20 s in a four-thread reproduction, none with an explicit environment).
-    A copy of ``os.environ`` is a Python dict, read under the interpreter lock."""
-    return dict(os.environ)
+    Copying ``os.environ`` iterates it in Python, so the main thread can remove a key between the listing
+    and the read (seen in CI: ``KeyError: 'PYTEST_CURRENT_TEST'``) or add one (RuntimeError): the copy is
+    then made again."""
+    while True:
+        try:
+            return dict(os.environ)
+        except (KeyError, RuntimeError):  # changed by another thread while copied
+            continue
 
 
 class ClusterError(RuntimeError):
