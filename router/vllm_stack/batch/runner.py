@@ -291,7 +291,7 @@ class BatchRunner:
         pool = ctx.pool or ctx.model
         roomy, crowded = self._engines_with_room(pool)
         if not roomy or router.director.queue.ahead(pool, -1):  # no free slot: wait for one
-            self._hold(line)
+            self._shed(line)
             return
         if crowded:  # the scheduler picks among the engines with a free slot (prefix affinity included)
             ctx.excluded = crowded
@@ -340,12 +340,9 @@ class BatchRunner:
                 crowded.add(engine.name)
         return roomy, crowded
 
-    def _hold(self, line: ClaimedLine) -> None:
-        """No engine of the line's model has a slot to spare: the line waits, unsent, and the runner backs off."""
-        self._shed(line)
-
     def _shed(self, line: ClaimedLine) -> None:
-        """The director had no room for a sheddable request: back off, and the line waits."""
+        """No engine of the line's model has a slot to spare, or the director shed it: the line waits,
+        unsent, and the runner backs off."""
         self._backoff = min(max(self._backoff * 2, 0.1), MAX_BACKOFF)
         self._paused_until = time.monotonic() + self._backoff
         self.metrics.batch_lines.labels("retried").inc()
