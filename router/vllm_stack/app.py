@@ -86,6 +86,9 @@ RESTART_ONLY: Mapping[str, str] = {
     "trace_sample_ratio": "the tracer's sampler is built at start",
     "ext_proc_port": "the endpoint picker's gRPC server is bound at start",
     "inference_pool": "the InferencePool's selector and port are read at start",
+    "ext_proc_idle_timeout": "the endpoint picker's gRPC server takes it at start",
+    "ext_proc_answer_timeout": "the endpoint picker's gRPC server takes it at start",
+    "ext_proc_max_connections": "the endpoint picker's gRPC server takes it at start",
     "endpoint_picker": "the endpoint picker's channel is opened at start",
     "endpoint_picker_timeout": "the endpoint picker's client is built at start",
     "endpoint_picker_fail_open": "the endpoint picker's client is built at start",
@@ -437,6 +440,7 @@ class Router:
             self._tasks.append(asyncio.ensure_future(self.pd_notifications.run()))
         if config.ext_proc_port:
             from vllm_stack.epp.inference_objects import Objectives  # lazy: gRPC and Envoy's messages
+            from vllm_stack.epp.limits import PickerLimits
             from vllm_stack.epp.server import PickerServer
 
             objectives = (
@@ -449,8 +453,7 @@ class Router:
                 config.host,
                 config.ext_proc_port,
                 objectives,
-                buffer_limit=config.max_buffered_body_bytes,
-                max_streams=config.max_connections,
+                PickerLimits.of(config),
             )
             await self.picker_server.start()
         if self.batch is not None:

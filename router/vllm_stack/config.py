@@ -150,6 +150,16 @@ class RouterConfig:
     # port (0: none) scheduling for a gateway; its engines the pods of this InferencePool (k8s discovery)
     ext_proc_port: int = 0
     inference_pool: str = ""
+    # The endpoint picker's bounds on what a gateway holds (docs/inference-extension.md "Bounds"): seconds
+    # a stream waiting for its request (headers, body chunks), a connection with no stream, or one not
+    # past its HTTP/2 preface may send nothing before it is ended (a gateway's request arrives in
+    # milliseconds, as a router's head does: the same 30 s as request_head_timeout); seconds a picked
+    # request's answer may send nothing before its engine booking is released (the router's
+    # request_timeout for an engine's silence); gateway connections held at once (each holds a file
+    # descriptor of the process the router's own port shares)
+    ext_proc_idle_timeout: float = 30.0
+    ext_proc_answer_timeout: float = 600.0
+    ext_proc_max_connections: int = 256
     # Gateway mode: each request's engine asked of this endpoint picker (grpc://host:port; empty: ours)
     endpoint_picker: str = ""
     endpoint_picker_timeout: float = 1.0  # seconds for its answer, after the request body was sent
@@ -260,6 +270,10 @@ class RouterConfig:
             raise ConfigError("trace_sample_ratio must be in [0, 1]")
         if not 0 <= self.ext_proc_port <= 65535:
             raise ConfigError("ext_proc_port must be a port number (0: no endpoint picker)")
+        if self.ext_proc_idle_timeout <= 0 or self.ext_proc_answer_timeout <= 0:
+            raise ConfigError("ext_proc_idle_timeout and ext_proc_answer_timeout must be > 0")
+        if self.ext_proc_max_connections <= 0:
+            raise ConfigError("ext_proc_max_connections must be > 0")
         if self.inference_pool and self.service_discovery != "k8s":
             raise ConfigError("inference_pool needs service_discovery k8s (its pods are the engines)")
         if self.endpoint_picker:

@@ -314,7 +314,10 @@ class RouterMetrics:
             PREFIX + "ext_proc_streams_total",
             "Endpoint picker: ext_proc streams (one per gateway request) by outcome: picked, immediate "
             "(an error answered by the gateway), header_only (no body: any engine), aborted (the stream "
-            "ended before an answer), protocol_error.",
+            "ended before an answer), protocol_error, idle_timeout (silent while its request arrived: "
+            "408), evicted (stalled at the stream cap, its place given to a new stream: 408), refused "
+            "(the stream cap reached: RESOURCE_EXHAUSTED), answer_timeout (picked, then no answer "
+            "message for ext_proc_answer_timeout: the engine booking released).",
             "counter",
             ["outcome"],
         )

@@ -171,6 +171,23 @@ def build_parser(prog: str = "vllm-stack router") -> argparse.ArgumentParser:
         help="serve this router's scheduling as an endpoint picker (ext_proc v3 gRPC) on this port",
     )
     p.add_argument(
+        "--ext-proc-idle-timeout",
+        type=float,
+        help="seconds a picker stream waiting for its request, or an idle gateway connection, may send "
+        "nothing; then 408 or closed (default 30)",
+    )
+    p.add_argument(
+        "--ext-proc-answer-timeout",
+        type=float,
+        help="seconds a picked request's answer may send nothing; then its engine booking is released "
+        "(default 600)",
+    )
+    p.add_argument(
+        "--ext-proc-max-connections",
+        type=int,
+        help="gateway connections the endpoint picker holds at once; more are closed (default 256)",
+    )
+    p.add_argument(
         "--inference-pool",
         help="engines: the pods of this InferencePool (its selector and target port; with k8s discovery)",
     )

@@ -15,10 +15,11 @@ from typing import Any, Protocol
 
 import msgspec
 import orjson
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from vllm_stack.errors import RouterError
+from vllm_stack.json_depth import too_deep, too_deep_message
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ def _bad_json(exc: Exception) -> RouterError:
 
 
 def _too_deep() -> RouterError:
-    return RouterError(400, "Request body is nested too deeply.", code="invalid_json")
+    return RouterError(400, f"Request body: {too_deep_message()}", code="invalid_json")
 
 
 def _check_model(model: Any) -> str | None:
@@ -75,6 +76,8 @@ class MsgspecParser:
             raise _bad_json(exc) from None
         except RecursionError:  # msgspec's depth limit, in any field (skipped ones too)
             raise _too_deep() from None
+        if too_deep(body):  # the router's own limit, the same for every part that reads JSON
+            raise _too_deep()
         raw = f.messages or f.prompt or f.input
         view = memoryview(raw) if raw else None  # no copy of the prompt
         prefix = bytes(view[: self._prefix_bytes]) if view is not None else None
@@ -98,6 +101,8 @@ class OrjsonParser:
             raise _bad_json(exc) from None
         except RecursionError:
             raise _too_deep() from None
+        if too_deep(body):
+            raise _too_deep()
         if not isinstance(doc, dict):
             raise _bad_json(ValueError("expected an object"))
         raw = doc.get("messages") or doc.get("prompt") or doc.get("input")
@@ -246,7 +251,7 @@ def multipart_field(body: bytes, content_type: bytes, field: bytes) -> str | Non
         parser = MultipartParser(boundary, reader.callbacks())
         parser.write(body)
         parser.finalize()
-    except MultipartParseError:
+    except FormParserError:  # malformed, or a boundary past python-multipart's 256 characters
         raise _bad_form("Invalid multipart data.") from None
     if reader.is_file:
         raise RouterError(

@@ -84,12 +84,14 @@ class PickedRequest(DirectedRequest):
         self._settle(FAILURE if status >= 500 else SUCCESS)
         self._account()
 
-    def lost(self) -> None:
-        """The gateway's stream ended before the answer did: the client left, or the gateway gave up."""
+    def lost(self, status: str = "client_closed") -> None:
+        """The gateway's stream ended before the answer did (the client left, or the gateway gave up),
+        or it sent nothing of the answer for the picker's answer timeout (``answer_timeout``): the books
+        must not wait for an end that may never come."""
         if self.done:
             return
         self.done = True
-        self.status = "client_closed"
+        self.status = status
         self._leave_stages()
         self._settle(RELEASED)
         self._account()

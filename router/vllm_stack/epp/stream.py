@@ -1,7 +1,9 @@
 """One ext_proc stream (one gateway request): the messages in, the answers out, in the protocol's order.
 
-The request's headers and body chunks are gathered until the body's end (bounded by the router's body
-limits); then the request goes through the same parsing as the router's own (:func:`vllm_stack.api.
+The request is judged on its headers first, as the router judges its own on their head: the client key,
+then the path (:mod:`.paths`: the router's proxied paths and GET routes; anything else its 404/405), and a
+body that comes before any headers is never picked. Its headers and body chunks are then gathered until
+the body's end (bounded by the router's body limits, and in time by the server's sweep); then the request goes through the same parsing as the router's own (:func:`vllm_stack.api.
 proxied.resolve`) and the director's stages (:class:`~.request.PickedRequest`). The answer to the
 request headers (the picked endpoint, as a header and as ``envoy.lb`` metadata with fallbacks after it)
 and the body (as the engine must get it: a weighted name's target, the engine priority field) follow, or
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_stack.api.head import unauthorized
 from vllm_stack.api.proxied import MULTIPART_PATHS, resolve
+from vllm_stack.epp.paths import headerless, refusal
 from vllm_stack.epp.request import PickedRequest
 from vllm_stack.errors import RouterError, error_body, no_healthy_engine
 from vllm_stack.extproc import wire
@@ -59,9 +62,16 @@ class Exchange:
         "status",
         "answer_tail",
         "closed",
+        "heard_headers",
+        "waiting_request",
+        "task",
+        "reading",
+        "since",
+        "evicted",
+        "expired",
     )
 
-    def __init__(self, service: PickerService) -> None:
+    def __init__(self, service: PickerService, task: asyncio.Task[Any]) -> None:
         self.service = service
         self.router: RouterState = service.router
         self.headers: list[tuple[str, str]] = []
@@ -75,6 +85,16 @@ class Exchange:
         self.status = 200
         self.answer_tail = b""
         self.closed = False  # an ImmediateResponse was sent: the stream ends
+        self.heard_headers = False  # the request's headers came (and passed the key check)
+        # the request is still arriving (headers, body chunks): its silence is the idle timeout's, and
+        # at the stream cap it may give way to a new stream (.slots); False from the pick (or the
+        # answer at once) on, when the engine's answer is what the stream waits for
+        self.waiting_request = True
+        self.task = task  # the gRPC handler's, which reads the stream's messages
+        self.reading = False  # the task waits for the stream's next message
+        self.since = 0.0  # ... since then (time.monotonic)
+        self.evicted = False  # a new stream took this one's place (.slots): answered 408
+        self.expired = False  # the read was cancelled for silence (or eviction)
 
     # ---- messages in --------------------------------------------------------------------------------
     async def receive(self, message: wire.ProcessingRequest) -> Responses:
@@ -88,11 +108,17 @@ class Exchange:
             if auth.enabled and not auth.check(
                 (name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers
             ):  # judged on the headers, as the router's own requests are: no body is gathered for it
-                self.router.metrics.observe_request("unknown", "none", "401", 0.0)
-                return self._refuse(unauthorized(), "immediate")
+                return self._refuse_early(unauthorized())
+            error = refusal(self.headers)
+            if error is not None:
+                return self._refuse_early(error)
+            self.heard_headers = True
             if message.request_headers.end_of_stream:
                 return self._header_only()
             return []
+        if not self.heard_headers and kind in ("request_body", "request_trailers"):
+            # a body before any headers: nothing to check a key on, so nothing may be picked for it
+            return self._refuse_early(headerless(self.router.auth.enabled))
         if kind == "request_body":
             body = message.request_body
             if body.body:
@@ -120,6 +146,74 @@ class Exchange:
         self.service.metrics.ext_proc_streams.child("protocol_error").inc()
         return []
 
+    # ---- silence ------------------------------------------------------------------------------------
+    def listen(self, now: float) -> None:
+        """The stream's task is about to wait for its next message: silence counts from ``now``."""
+        self.since = now
+        self.reading = True
+        if self.waiting_request:
+            self.service.slots.heard(self, now)
+
+    def silence_allowed(self) -> float:
+        """Seconds the stream's next message may take: the idle timeout while its request arrives, the
+        answer timeout after the pick."""
+        limits = self.service.limits
+        return limits.idle_timeout if self.waiting_request else limits.answer_timeout
+
+    def overdue(self, now: float) -> bool:
+        return self.reading and now - self.since >= self.silence_allowed()
+
+    def expire(self) -> bool:
+        """End the wait for the next message: the read is cancelled, only while the task waits in it, so
+        the cancellation surfaces there and nowhere else (the handler then calls :meth:`silent`). False
+        when the task is not waiting there (then nothing is done)."""
+        if not self.reading or self.expired:
+            return False
+        self.expired = True
+        self.task.cancel()
+        return True
+
+    def evict(self) -> bool:
+        """A new stream takes this one's place (:mod:`.slots`), which waits for its request's next part."""
+        self.evicted = self.expire()
+        return self.evicted
+
+    def silent(self) -> Responses:
+        """The wait for the next message was ended. A request still arriving is answered 408, its body's
+        budget given back; a picked request's engine booking is released (the engine may still be
+        answering: the gateway's own timeout decides what its client gets), and nothing is answered:
+        the caller ends the stream with an error."""
+        if self.waiting_request:
+            if self.evicted:
+                error = RouterError(
+                    408,
+                    "The request stalled while the endpoint picker was full; its place went to another.",
+                    code="request_timeout",
+                )
+                return self._refuse(error, "evicted")
+            error = RouterError(
+                408,
+                f"No part of the request arrived for {self.silence_allowed():g}s.",
+                code="request_timeout",
+            )
+            return self._refuse(error, "idle_timeout")
+        request = self.request
+        if request is not None and not request.done:
+            self.service.metrics.ext_proc_streams.child("answer_timeout").inc()
+            request.lost("answer_timeout")
+        return []
+
+    def _request_complete(self) -> None:
+        """Picked, or answered at once: the stream now waits on the answer, not on its request."""
+        if self.waiting_request:
+            self.waiting_request = False
+            self.service.slots.settled(self)
+
+    def _refuse_early(self, error: RouterError) -> Responses:
+        """A refusal before any parsing (the key, the path, the protocol), counted as the router's are."""
+        self.router.metrics.observe_request("unknown", "none", str(error.status), 0.0)
+        return self._refuse(error, "immediate")
+
     def _gather(self, chunk: bytes) -> RouterError | None:
         limit = self.router.max_body_bytes
         if self.size + len(chunk) > limit:
@@ -144,6 +238,7 @@ class Exchange:
 
     # ---- the pick -----------------------------------------------------------------------------------
     async def _pick(self) -> Responses:
+        self._request_complete()
         router = self.router
         started = time.perf_counter()
         body = b"".join(self.chunks)
@@ -155,6 +250,7 @@ class Exchange:
             router.priority.header.decode(): None,
         }
         request_id = b""
+        invalid_id = False
         raw: list[tuple[bytes, bytes]] = []
         path = "/v1/completions"
         objective = ""
@@ -163,15 +259,22 @@ class Exchange:
                 wanted[name] = value.encode("latin-1")
             if name == ":path":
                 path = value.partition("?")[0]
-            elif name == "x-request-id" and valid_request_id(value.encode("latin-1")):
+            elif name == "x-request-id":
+                if not valid_request_id(value.encode("latin-1")):
+                    invalid_id = True  # dropped below, never passed on
+                    continue
                 request_id = value.encode("latin-1")
             elif name == wire.OBJECTIVE_HEADER:
                 objective = value
             if not name.startswith(":"):
                 raw.append((name.encode("latin-1"), value.encode("latin-1")))
+        if invalid_id:  # the router's rule (api.proxied.handle): only a valid client id is used
+            self.headers = headers = [
+                (n, v) for n, v in headers if n != "x-request-id" or valid_request_id(v.encode("latin-1"))
+            ]
         if not request_id:
             request_id = new_request_id()
-            self.headers.append(("x-request-id", request_id.decode()))
+            headers.append(("x-request-id", request_id.decode()))
         session = wanted[router.session_header.decode()]
         priority = wanted[router.priority.header.decode()]
         try:
@@ -204,6 +307,7 @@ class Exchange:
 
     def _header_only(self) -> Responses:
         """A request without a body (a GET): any healthy engine, the least busy, no scheduling."""
+        self._request_complete()
         engines = [e for e in self.router.registry.engines() if e.routable()]
         if self.subset is not None:
             allowed = set(self.subset)
@@ -271,6 +375,7 @@ class Exchange:
             answer.set_result(answers)
 
     def _refuse(self, error: RouterError, outcome: str) -> Responses:
+        self._request_complete()
         self._release_body()
         self.closed = True
         self.service.metrics.ext_proc_streams.child(outcome).inc()
