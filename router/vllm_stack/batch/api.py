@@ -53,34 +53,28 @@ async def handle(
     batches it may see (a digest of its key; with client keys, one key's objects are not another's)."""
     method = scope["method"]
     parts = scope["path"].strip("/").split("/")[1:]  # ["files", id, "content"] / ["batches", id, "cancel"]
-    query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode("latin-1")).items()}
     kind, rest = parts[0], parts[1:]
-    if kind == "files":
-        if not rest:
-            if method == "POST":
-                return await _create_file(runner, tenant, scope, receive, send)
-            if method in ("GET", "HEAD"):
-                return await _list_files(runner, tenant, query, send)
-        elif len(rest) == 1:
-            if method in ("GET", "HEAD"):
-                return await _get_file(runner, tenant, rest[0], send)
-            if method == "DELETE":
-                return await _delete_file(runner, tenant, rest[0], send)
-        elif len(rest) == 2 and rest[1] == "content" and method in ("GET", "HEAD"):
-            return await _file_content(runner, tenant, rest[0], send)
-    else:
-        if not rest:
-            if method == "POST":
-                return await _create_batch(runner, tenant, scope, receive, send)
-            if method in ("GET", "HEAD"):
-                return await _list_batches(runner, tenant, query, send)
-        elif len(rest) == 1 and method in ("GET", "HEAD"):
-            return await _get_batch(runner, tenant, rest[0], send)
-        elif len(rest) == 2 and rest[1] == "cancel" and method == "POST":
-            return await _cancel_batch(runner, tenant, rest[0], send)
-    if len(rest) > 2 or (len(rest) == 2 and rest[1] not in ("content", "cancel")):
+    shape = (kind, len(rest), rest[1] if len(rest) == 2 else "")
+    methods = ROUTES.get(shape)
+    if methods is None:
         raise RouterError(404, f"Unknown path {scope['path']}.", code="not_found")
-    raise RouterError(405, f"Method {method} not allowed on {scope['path']}.", code="method_not_allowed")
+    if method not in methods:
+        allow = ", ".join(methods)
+        raise RouterError(
+            405,
+            f"{scope['path']} takes {allow} only.",
+            code="method_not_allowed",
+            headers=[(b"allow", allow.encode())],
+        )
+    if method == "HEAD":
+        method = "GET"
+    query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode("latin-1")).items()}
+    endpoint = methods[method]
+    if endpoint in (_create_file, _create_batch):
+        return await endpoint(runner, tenant, scope, receive, send)
+    if not rest:
+        return await endpoint(runner, tenant, query, send)
+    return await endpoint(runner, tenant, rest[0], send)
 
 
 def _header(scope: dict[str, Any], name: bytes) -> bytes:
@@ -316,3 +310,15 @@ async def _cancel_batch(runner: BatchRunner, tenant: str, batch_id: str, send: S
     runner.abandon_batch(batch_id)
     runner.wake()
     await send_json(send, 200, batch_object(row))
+
+
+#: Each path's shape (``files`` or ``batches``, how many parts follow, the last one's name when two) and the
+#: methods it takes (HEAD wherever GET is); 405 answers list them in ``Allow``.
+ROUTES: dict[tuple[str, int, str], dict[str, Any]] = {
+    ("files", 0, ""): {"GET": _list_files, "HEAD": _list_files, "POST": _create_file},
+    ("files", 1, ""): {"GET": _get_file, "HEAD": _get_file, "DELETE": _delete_file},
+    ("files", 2, "content"): {"GET": _file_content, "HEAD": _file_content},
+    ("batches", 0, ""): {"GET": _list_batches, "HEAD": _list_batches, "POST": _create_batch},
+    ("batches", 1, ""): {"GET": _get_batch, "HEAD": _get_batch},
+    ("batches", 2, "cancel"): {"POST": _cancel_batch},
+}

@@ -16,12 +16,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO
 
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from vllm_stack.errors import RouterError
 
-MAX_FIELD_BYTES = 4096  # a form field other than the file (``purpose``)
+#: The form fields an upload may have beside ``file`` (OpenAI's ``files.create``); any other is refused.
+FORM_FIELDS = frozenset({"purpose", "expires_after[anchor]", "expires_after[seconds]"})
+MAX_FIELD_BYTES = 4096  # one such field's value
+MAX_PART_HEADER_BYTES = 8192  # one part's header lines together (Content-Disposition, Content-Type)
+MAX_BOUNDARY = 70  # characters of a multipart boundary (RFC 2046 5.1.1)
+#: What the form costs in memory beside the file's bytes, at most: its fields and one part's headers.
+FORM_BYTES = len(FORM_FIELDS) * MAX_FIELD_BYTES + MAX_PART_HEADER_BYTES
 MULTIPART_SLACK = 64 * 1024  # what the form adds around the file, at most
 READ_CHUNK = 256 * 1024
 
@@ -80,7 +86,9 @@ class FileDirectory:
 
 class Upload:
     """One ``multipart/form-data`` upload, fed as it arrives: ``purpose`` kept, ``file`` written to
-    ``target``; the file part may have at most ``limit`` bytes."""
+    ``target``; the file part may have at most ``limit`` bytes. Beside the piece being fed, an upload holds
+    at most :data:`FORM_BYTES` in memory whatever its form: only the known fields are kept (others are
+    refused), each bounded, and one part's headers at a time, bounded."""
 
     def __init__(self, content_type: bytes, target: Path, limit: int) -> None:
         kind, options = parse_options_header(content_type)
@@ -89,6 +97,12 @@ class Upload:
             raise RouterError(
                 400,
                 "Uploads take multipart/form-data with the fields 'purpose' and 'file'.",
+                code="invalid_content_type",
+            )
+        if len(boundary) > MAX_BOUNDARY:
+            raise RouterError(
+                400,
+                f"The multipart boundary is longer than {MAX_BOUNDARY} characters (RFC 2046).",
                 code="invalid_content_type",
             )
         self.target = target
@@ -103,6 +117,7 @@ class Upload:
         self._field_size = 0
         self._header_name = b""
         self._header_value = b""
+        self._header_bytes = 0  # of the current part's header lines
         self._headers: dict[bytes, bytes] = {}
         self._error: RouterError | None = None
         self._parser = MultipartParser(
@@ -122,14 +137,17 @@ class Upload:
     def feed(self, data: bytes) -> None:
         try:
             self._parser.write(data)
-        except MultipartParseError as exc:
+        except FormParserError as exc:
             raise RouterError(400, f"Malformed multipart body: {exc}", code="invalid_multipart") from None
         if self._error is not None:
             raise self._error
 
     def finish(self) -> None:
         """The body ended: the file is whole on disk (not yet published), or this raises."""
-        self._parser.finalize()
+        try:
+            self._parser.finalize()
+        except FormParserError as exc:
+            raise RouterError(400, f"Malformed multipart body: {exc}", code="invalid_multipart") from None
         if self._handle is not None:  # the body ended inside the file part
             self.discard()
             raise RouterError(400, "The multipart body ended inside a part.", code="invalid_multipart")
@@ -146,16 +164,29 @@ class Upload:
     # ---- parser callbacks --------------------------------------------------------------------------------------
     def _part_begin(self) -> None:
         self._headers = {}
+        self._header_bytes = 0
         self._part_name = None
         self._part_filename = None
         self._field = []
         self._field_size = 0
 
     def _header_field(self, data: bytes, start: int, end: int) -> None:
-        self._header_name += data[start:end]
+        if self._header_room(end - start):
+            self._header_name += data[start:end]
 
     def _header_value_part(self, data: bytes, start: int, end: int) -> None:
-        self._header_value += data[start:end]
+        if self._header_room(end - start):
+            self._header_value += data[start:end]
+
+    def _header_room(self, size: int) -> bool:
+        self._header_bytes += size
+        if self._header_bytes > MAX_PART_HEADER_BYTES and self._error is None:
+            self._error = RouterError(
+                400,
+                f"A multipart part's headers are longer than {MAX_PART_HEADER_BYTES} bytes.",
+                code="invalid_multipart",
+            )
+        return self._error is None
 
     def _header_end(self) -> None:
         self._headers[self._header_name.strip().lower()] = self._header_value.strip()
@@ -166,6 +197,15 @@ class Upload:
         name = options.get(b"name")
         self._part_name = name.decode("utf-8", "replace") if name is not None else None
         filename = options.get(b"filename")
+        if self._part_name != "file" and self._part_name not in FORM_FIELDS and self._error is None:
+            self._error = RouterError(
+                400,
+                f"Unknown form field {self._part_name!s:.64}; an upload takes 'file', 'purpose' and"
+                " 'expires_after'.",
+                param=self._part_name[:64] if self._part_name else None,
+                code="invalid_field",
+            )
+            return
         if self._part_name == "file":
             if self.filename is not None:
                 self._error = RouterError(400, "The upload has two 'file' parts.", param="file")
@@ -188,7 +228,10 @@ class Upload:
         self._field_size += size
         if self._field_size > MAX_FIELD_BYTES:
             self._error = RouterError(
-                400, f"Form field '{self._part_name}' is too long.", code="invalid_field"
+                400,
+                f"Form field '{self._part_name}' is longer than {MAX_FIELD_BYTES} bytes.",
+                param=self._part_name,
+                code="invalid_field",
             )
             return
         self._field.append(data[start:end])

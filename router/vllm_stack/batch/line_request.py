@@ -133,6 +133,12 @@ class BatchLineRequest(DirectedRequest):
                     502, f"The engine did not answer: {type(exc).__name__}: {exc}", code="upstream_error"
                 ),
             )
+        except Exception:  # a fault of the router's: this line fails, nothing else does
+            log.exception("batch line %s: sending it failed", ctx.request_id.decode("latin-1"))
+            status, body = (
+                500,
+                error_body(500, "The router could not send this request.", code="line_send_failed"),
+            )
         self._answered(status, body)
 
     def _answered(self, status: int, body: bytes) -> None:

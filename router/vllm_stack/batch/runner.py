@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 
 from vllm_stack.api.proxied import model_served, resolve
@@ -66,6 +67,17 @@ MISSING_INPUT = (
     "The input file's contents are missing from the router's batch directory (with router replicas, the "
     "batch directory must be one volume every replica mounts: ReadWriteMany)."
 )
+LINE_SEND_FAILED = "The router could not send this request; it was not retried."
+
+
+class _Line(msgspec.Struct):
+    """What the runner reads of an input line: its body, as raw JSON (sent as it is, never re-encoded)."""
+
+    body: msgspec.Raw
+
+
+_LINE = msgspec.json.Decoder(_Line)
+
 UNSENT = {
     EXPIRED: ("batch_expired", "This request could not be executed before the completion window expired."),
     CANCELLED: ("batch_cancelled", "This request was not executed: the batch was cancelled."),
@@ -97,6 +109,7 @@ class BatchRunner:
         self.store = BatchStore(settings.database_url, settings.directory, owner)
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment] - made at start
         self.in_flight: dict[tuple[str, int], BatchLineRequest] = {}
+        self._preparing: set[tuple[str, int]] = set()  # lines leased whose body is being read (off the loop)
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[Any]] = (
@@ -191,26 +204,32 @@ class BatchRunner:
                     job = self._validate(batch) if status == VALIDATING else self._finalize(batch)
                     self._spawn(job)
                     break
-        free = min(self.settings.concurrency - len(self.in_flight), self._room())
+        free = min(self.settings.concurrency - len(self.in_flight) - len(self._preparing), self._room())
         if free <= 0 or time.monotonic() < self._paused_until:
             return
         lines = await store.run(
             store.claim_lines, free, now, self.settings.lease_seconds, self.settings.max_sends
         )
-        for line in lines:
-            self._send(line)
+        for line in lines:  # each on its own: what goes wrong with one line is that line's alone
+            self._preparing.add((line.batch_id, line.idx))
+            self._spawn(self._send(line))
 
     async def _keep_leases(self) -> None:
-        """This router's leases renewed (lines in flight, batches being validated or finalized), and lines
-        waiting on a director stage past the request timeout answered."""
+        """The leases of what this router really works on renewed (lines being read or in flight, batches
+        being validated or finalized), and lines waiting on a director stage past the request timeout
+        answered. A line leased but lost track of (a fault here) is not renewed: its lease runs out and any
+        router takes it again, so it cannot hold its batch, or another's, for ever."""
         interval = self.settings.lease_seconds / 3
         while True:
             await asyncio.sleep(interval)
             tick = time.perf_counter()
             for request in list(self.in_flight.values()):
                 request.check_timeout(tick)
+            lines = [*self.in_flight, *self._preparing]
             try:
-                await self.store.run(self.store.renew_leases, time.time(), self.settings.lease_seconds)
+                await self.store.run(
+                    self.store.renew_leases, lines, list(self._busy), time.time(), self.settings.lease_seconds
+                )
             except Exception:  # noqa: BLE001 - the store is away: the leases may run out, and be taken again
                 log.exception("renewing the batch leases failed")
 
@@ -233,7 +252,9 @@ class BatchRunner:
         try:
             path = self.files.path(batch["input_file_id"])
             try:
-                checked = await asyncio.to_thread(check_input, path, batch["endpoint"])
+                checked = await asyncio.to_thread(
+                    check_input, path, batch["endpoint"], self.router.max_body_bytes
+                )
             except FileNotFoundError:  # deleting an active batch's input is refused: its volume is not this
                 checked = CheckedInput()
                 checked.error("input_file_missing", MISSING_INPUT)
@@ -261,10 +282,27 @@ class BatchRunner:
             await self.store.run(self.store.release_batch, batch_id, time.time() + RETRY_BATCH_SECONDS)
 
     # ---- lines -----------------------------------------------------------------------------------------------------
-    def _send(self, line: ClaimedLine) -> None:
-        """One leased line through the director (or failed at once when it cannot be sent)."""
+    async def _send(self, line: ClaimedLine) -> None:
+        """One leased line through the director (or failed at once when it cannot be sent). Whatever goes
+        wrong here fails this line alone: it goes to the error file, counted, and the runner goes on."""
         key = (line.batch_id, line.idx)
         request_id = new_request_id()
+        try:
+            await self._prepare(line, request_id)
+        except Exception:
+            log.exception("batch %s: line %d could not be sent", line.batch_id, line.idx)
+            request = self.in_flight.pop(key, None)
+            if request is not None:  # started, not ended: its engine's booking goes back
+                request.abandon()
+            if not line.settled:
+                body = error_body(500, LINE_SEND_FAILED, code="line_send_failed")
+                self._record(line, request_id.decode(), 500, body)
+        finally:
+            self._preparing.discard(key)
+            self.metrics.batch_lines_in_flight.set(len(self.in_flight))
+
+    async def _prepare(self, line: ClaimedLine, request_id: bytes) -> None:
+        """The line's body read from its file (off the loop), its request resolved and started."""
         if line.sends < 0:  # sent max_sends times already, each time by a router that died
             body = error_body(
                 502,
@@ -275,8 +313,7 @@ class BatchRunner:
             return
         router = self.router
         try:
-            raw = self.files.read_range(line.input_file_id, line.start, line.length)
-            body = orjson.dumps(orjson.loads(raw)["body"])
+            body = await asyncio.to_thread(self._read_body, line)
             ctx = resolve(router, line.endpoint, body, b"application/json", None, None, ())
         except RouterError as err:
             if err.status in SHED_STATUSES:
@@ -284,9 +321,11 @@ class BatchRunner:
             else:
                 self._record(line, request_id.decode(), err.status, err.body())
             return
-        except (OSError, ValueError, KeyError) as exc:  # the input file changed or went away
+        except (OSError, ValueError) as exc:  # the input file changed or went away
             body = error_body(500, f"The input line could not be read again: {exc}", code="input_unreadable")
             self._record(line, request_id.decode(), 500, body)
+            return
+        if (line.batch_id, line.idx) not in self._preparing:  # its batch ended meanwhile
             return
         pool = ctx.pool or ctx.model
         roomy, crowded = self._engines_with_room(pool)
@@ -300,9 +339,18 @@ class BatchRunner:
             ctx.body = router.priority.engine_body(pool, -1, ctx.body, None)
         ctx.request_id = request_id
         ctx.arrived = time.perf_counter()
-        request = self.in_flight[key] = BatchLineRequest(router.director, ctx, self, line)
+        request = self.in_flight[(line.batch_id, line.idx)] = BatchLineRequest(
+            router.director, ctx, self, line
+        )
+        self._preparing.discard((line.batch_id, line.idx))
         self.metrics.batch_lines_in_flight.set(len(self.in_flight))
         request.start()  # (the director may refuse it at once: line_ended runs before this returns)
+
+    def _read_body(self, line: ClaimedLine) -> bytes:
+        """(on a worker thread) The line's body as it stands in the file: validation found the line at most
+        ``max_body_bytes`` long and nested within the router's limit."""
+        raw = self.files.read_range(line.input_file_id, line.start, line.length)
+        return bytes(_LINE.decode(raw).body)
 
     def line_ended(self, request: BatchLineRequest, status: int, body: bytes, refused: bool) -> None:
         line = request.line
@@ -311,6 +359,7 @@ class BatchRunner:
         if refused and status in SHED_STATUSES:
             self._shed(line)
         elif not refused and status in RETRY_STATUSES and line.sends < self.settings.max_sends:
+            line.settled = True
             self.metrics.batch_lines.labels("retried").inc()
             self._spawn(self.store.run(self.store.release_line, line.batch_id, line.idx, time.time(), False))
         else:
@@ -343,6 +392,7 @@ class BatchRunner:
     def _shed(self, line: ClaimedLine) -> None:
         """No engine of the line's model has a slot to spare, or the director shed it: the line waits,
         unsent, and the runner backs off."""
+        line.settled = True
         self._backoff = min(max(self._backoff * 2, 0.1), MAX_BACKOFF)
         self._paused_until = time.monotonic() + self._backoff
         self.metrics.batch_lines.labels("retried").inc()
@@ -350,6 +400,7 @@ class BatchRunner:
         self._spawn(self.store.run(self.store.release_line, line.batch_id, line.idx, not_before, True))
 
     def _record(self, line: ClaimedLine, request_id: str, status: int, body: bytes) -> None:
+        line.settled = True
         if status == 200:
             self._backoff = 0.0
         failed = status != 200
@@ -361,6 +412,7 @@ class BatchRunner:
 
     def abandon_batch(self, batch_id: str) -> None:
         """The batch ended here (cancelled, expired): its lines in flight are let go."""
+        self._preparing = {key for key in self._preparing if key[0] != batch_id}
         for key, request in list(self.in_flight.items()):
             if key[0] == batch_id:
                 del self.in_flight[key]

@@ -115,7 +115,9 @@ _ACTIVE_SQL = ", ".join(f"'{s}'" for s in ACTIVE)
 class ClaimedLine:
     """A line this router leased to send: where it is in its batch's input file."""
 
-    __slots__ = ("batch_id", "idx", "custom_id", "start", "length", "sends", "input_file_id", "endpoint")
+    __slots__ = (
+        "batch_id", "idx", "custom_id", "start", "length", "sends", "input_file_id", "endpoint", "settled"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -136,6 +138,7 @@ class ClaimedLine:
         self.sends = sends  # including this one
         self.input_file_id = input_file_id
         self.endpoint = endpoint
+        self.settled = False  # the runner recorded its result, or gave it back (sent again later)
 
 
 class BatchStore:
@@ -256,7 +259,7 @@ class BatchStore:
         order = "DESC" if newest_first else "ASC"
         with self._transaction():
             if after:
-                row = self._one("SELECT seq FROM vs_files WHERE id = ?", (after,))
+                row = self._one("SELECT seq FROM vs_files WHERE id = ? AND tenant = ?", (after, tenant))
                 if row is not None:
                     clauses.append(f"seq {'<' if newest_first else '>'} ?")
                     params.append(row[0])
@@ -301,7 +304,7 @@ class BatchStore:
         with self._transaction():
             where, params = "WHERE tenant = ?", [tenant]
             if after:
-                row = self._one("SELECT seq FROM vs_batches WHERE id = ?", (after,))
+                row = self._one("SELECT seq FROM vs_batches WHERE id = ? AND tenant = ?", (after, tenant))
                 if row is not None:
                     where, params = "WHERE tenant = ? AND seq < ?", [tenant, row[0]]
             rows = self._all(
@@ -456,17 +459,22 @@ class BatchStore:
             line.sends = -line.sends  # marks it for the runner: record a failure, do not send
         return lines
 
-    def renew_leases(self, now: float, lease: float) -> None:
-        """This router is alive: its lines' and batches' leases run on."""
+    def renew_leases(
+        self, lines: Sequence[tuple[str, int]], batches: Sequence[str], now: float, lease: float
+    ) -> None:
+        """The leases of the ``lines`` (batch id, index) and ``batches`` this router works on run on; any
+        other lease it holds runs out."""
         with self._transaction():
-            self._exec(
-                "UPDATE vs_lines SET lease_until = ? WHERE owner = ? AND state = ?",
-                (now + lease, self.owner, LEASED),
-            )
-            self._exec(
-                "UPDATE vs_batches SET lease_until = ? WHERE owner = ? AND status IN (?, ?, ?)",
-                (now + lease, self.owner, VALIDATING, FINALIZING, CANCELLING),
-            )
+            for batch_id, idx in lines:
+                self._exec(
+                    "UPDATE vs_lines SET lease_until = ? WHERE batch_id = ? AND idx = ? AND owner = ? AND state = ?",
+                    (now + lease, batch_id, idx, self.owner, LEASED),
+                )
+            for batch_id in batches:
+                self._exec(
+                    "UPDATE vs_batches SET lease_until = ? WHERE id = ? AND owner = ? AND status IN (?, ?, ?)",
+                    (now + lease, batch_id, self.owner, VALIDATING, FINALIZING, CANCELLING),
+                )
 
     def release_line(self, batch_id: str, idx: int, not_before: float, unsent: bool) -> None:
         """A line waiting again, to be sent no earlier than ``not_before``: the director shed it (the
