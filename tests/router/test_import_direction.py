@@ -34,6 +34,7 @@ LAYERS = {
     "metrics": 1,
     "errors": 1,
     "priority": 0,
+    "json_depth": 0,
     "request_id": 0,
     "version": 0,
 }
