@@ -194,6 +194,8 @@ class Router:
         self._apply_runtime(config, setup)
         # What the server asks of each request's head (api.head.refusal), bound once: a call less
         self.check_head = functools.partial(head.refusal, self)
+        # ... and whose share of the body budget a request's body counts against (api.head.body_holder)
+        self.body_holder = functools.partial(head.body_holder, self)
         # The hot path's check: None when no adapter or weighted name is configured.
         self.catalog: AdapterCatalog | None = self.adapters.catalog if self.adapters.catalog else None
         self.control_session: aiohttp.ClientSession | None = None
@@ -279,6 +281,13 @@ class Router:
     def buffer_limit(self) -> int:
         return self.config.max_buffered_body_bytes
 
+    def body_share_limit(self) -> int:
+        """One client key's share of the body budget; at least one largest body, so a key may always
+        send one."""
+        config = self.config
+        share = int(config.max_buffered_body_bytes * config.max_body_share_per_key)
+        return max(share, config.max_body_bytes)
+
     def body_stream_limit(self, method: str, path: str) -> int:
         """A batch file upload's body is written to disk as it arrives (up to the file limit and the
         form around it); every other body is buffered within ``max_body_bytes``."""
@@ -294,6 +303,9 @@ class Router:
 
     def head_timeout(self) -> float:
         return self.config.request_head_timeout
+
+    def body_timeout(self) -> float:
+        return self.config.request_body_timeout
 
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
         """Proxied paths to the hot path; everything else to the control endpoints' ASGI app."""

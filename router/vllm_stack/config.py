@@ -127,11 +127,18 @@ class RouterConfig:
     # Well-kept proxies close within 60 s (nginx's client_header_timeout); a real client's head
     # takes milliseconds.
     request_head_timeout: float = 30.0
+    # seconds a request body (buffered, or an upload streamed to disk) may send no byte; then 408 and
+    # close, so a silent client gives back what its body holds of max_buffered_body_bytes. nginx's
+    # client_body_timeout, with its default
+    request_body_timeout: float = 60.0
     engine_ca_file: str | None = None  # CA bundle that signs https engines' certificates (default: system)
     max_body_bytes: int = 32 * 1024 * 1024
     # request bodies all client connections together may hold (arriving, queued or being answered);
     # a request whose body would pass it gets 503 with Retry-After (server/http1.py)
     max_buffered_body_bytes: int = 256 * 1024 * 1024
+    # with client keys: the part of max_buffered_body_bytes the bodies of one key's requests may hold
+    # together (at least one max_body_bytes body); past it 429 with Retry-After (server/budget.py)
+    max_body_share_per_key: float = 0.25
     max_connections: int = 10_000  # client connections held at once; more are answered 503 and closed
     retries: int = 2  # extra attempts on another engine before any byte reached the client
     api_keys_file: str | None = None
@@ -232,12 +239,14 @@ class RouterConfig:
         for backend in self.static_backends:
             if not backend.startswith(("http://", "https://")):
                 raise ConfigError(f"static backend {backend!r} must be an http(s):// URL")
-        if self.request_head_timeout <= 0:
-            raise ConfigError("request_head_timeout must be > 0")
+        if self.request_head_timeout <= 0 or self.request_body_timeout <= 0:
+            raise ConfigError("request_head_timeout and request_body_timeout must be > 0")
         if self.retries < 0 or self.max_body_bytes <= 0 or self.request_timeout <= 0:
             raise ConfigError("retries must be >= 0; max_body_bytes and request_timeout > 0")
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise ConfigError("max_buffered_body_bytes must be >= max_body_bytes (one largest body must fit)")
+        if not 0 < self.max_body_share_per_key <= 1:
+            raise ConfigError("max_body_share_per_key must be in (0, 1]")
         if self.max_connections <= 0:
             raise ConfigError("max_connections must be > 0")
         if self.engine_scrape_interval <= 0 or self.health_check_interval <= 0:

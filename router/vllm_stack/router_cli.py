@@ -110,11 +110,22 @@ def build_parser(prog: str = "vllm-stack router") -> argparse.ArgumentParser:
         type=float,
         help="seconds a request head may take to arrive; then 408 and close (default 30)",
     )
+    p.add_argument(
+        "--request-body-timeout",
+        type=float,
+        help="seconds a request body may send no byte; then 408 and close (default 60)",
+    )
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 32 MiB)")
     p.add_argument(
         "--max-buffered-body-bytes",
         type=int,
         help="request bodies all connections together may hold; past it 503 + Retry-After (default 256 MiB)",
+    )
+    p.add_argument(
+        "--max-body-share-per-key",
+        type=float,
+        help="with client keys: the part of --max-buffered-body-bytes one key's bodies may hold; "
+        "past it 429 + Retry-After (default 0.25)",
     )
     p.add_argument("--engine-ca-file", help="CA bundle for https engines (default: the system's)")
     p.add_argument("--api-keys-file", help="client API keys, one per line (or env VLLM_STACK_API_KEYS)")

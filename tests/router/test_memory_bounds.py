@@ -143,6 +143,9 @@ def router_process() -> Iterator[RouterProcess]:
 
 
 KEY = "memory-test-key"
+#: Eight client keys (KEY the first), so the budget test's bodies are not bounded by one key's share
+#: of the budget (max_body_share_per_key) before the budget itself.
+KEYS = [KEY, *(f"memory-test-key-{i}" for i in range(1, 8))]
 BUDGET_MB = 64
 
 
@@ -150,7 +153,7 @@ BUDGET_MB = 64
 def keyed_router_process() -> Iterator[RouterProcess]:
     """With an API key, the default 32 MiB body limit and a 64 MiB budget for all bodies together."""
     flags = ("--max-buffered-body-bytes", str(BUDGET_MB << 20))
-    with _router_process(*flags, environ={"VLLM_STACK_API_KEYS": KEY}) as router:
+    with _router_process(*flags, environ={"VLLM_STACK_API_KEYS": ",".join(KEYS)}) as router:
         yield router
 
 
@@ -394,11 +397,11 @@ async def _big_body(
             await writer.drain()
             sent += len(block)
     try:
-        # A refusal is written as soon as the head arrives, before the first MiB is read: by now it
-        # is in this socket's buffer, and 0.5 s is ample for the loop to hand it over. A body being
+        # A refusal is written as soon as the head arrives, or as the body's bytes pass the budget
+        # (then the sending above stops): by now it is in this socket's buffer, and 0.5 s is ample for the loop to hand it over. A body being
         # taken gets no answer until it is whole (never, here).
         with contextlib.suppress(TimeoutError, ConnectionError):
-            await asyncio.wait_for(asyncio.shield(answer), 0.5 if key == KEY else 10)
+            await asyncio.wait_for(asyncio.shield(answer), 0.5 if key in KEYS else 10)
         at_hold.put_nowait(port)
         await hold.wait()
         return answer.result() if answer.done() and not answer.exception() else b""
@@ -440,7 +443,9 @@ def test_keyed_and_keyless_bodies_together_stay_within_the_budget(
 ) -> None:
     """Issue 29: keyed clients holding large bodies half-sent take the body budget (64 MiB here)
     and no more: past it they get 503; keyless ones alongside cost nothing; the router's peak RSS
-    stays within the budget plus 50 MB."""
+    stays within the budget plus 50 MB. (Eight keys, one body each: each key's share, 32 MiB, holds
+    its body. Issue 44: bytes count as they arrive, so four bodies of 15 MiB fit and a fifth's bytes
+    do not.)"""
     router = keyed_router_process
     asyncio.run(_until_answered(router.port, 2, KEY))
     watch = Watch(router)
@@ -448,7 +453,7 @@ def test_keyed_and_keyless_bodies_together_stay_within_the_budget(
 
     async def attack() -> list[bytes]:
         hold, at_hold = asyncio.Event(), asyncio.Queue()
-        keyed = [_big_body(router.port, KEY, declared, declared - (1 << 20), hold, at_hold) for _ in range(8)]
+        keyed = [_big_body(router.port, key, declared, declared - (1 << 20), hold, at_hold) for key in KEYS]
         keyless = [_big_body(router.port, None, LARGE, LARGE, hold, at_hold) for _ in range(10)]
         tasks = [asyncio.create_task(c) for c in keyed + keyless]
         for _ in tasks:  # every body is sent (a keyed one but its last MiB) or refused: then all leave

@@ -40,6 +40,14 @@ class ApiKeyAuth:
             ok |= hmac.compare_digest(digest, known)
         return ok
 
+    def holder(self, headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+        """The key a request offered, as the identity its body is counted under (the server's share
+        per key); b"" for none; None when auth is disabled. Not checked here: call it for a request
+        :meth:`check` passed. Held in memory only while its bodies are, never logged."""
+        if not self._digests:
+            return None
+        return _offered(headers) or b""
+
     def owner(self, headers: Iterable[tuple[bytes, bytes]]) -> str:
         """Whose the request's stored objects are (the Batch API's files and batches): a digest of its key
         (never the key), so one client cannot list or read another's; "" when auth is disabled."""

@@ -5,8 +5,9 @@ The connection feeds what it reads; the handler takes it with :meth:`BodyStream.
 ``receive``). At most :data:`WINDOW` bytes wait between the two: past it the connection stops reading the
 socket until the handler has taken half of them, so a client that sends faster than the handler writes to
 disk is slowed by TCP, and what the router holds per upload is bounded (the window is reserved from the
-server's buffer budget for the whole request). A body past its limit, a client silent for
-:data:`IDLE_SECONDS` or a malformed chunk ends the stream with an error the handler's next read raises.
+server's buffer budget for the whole request). A body past its limit, a client silent for the server's
+body timeout (``request_body_timeout``, the same as for a buffered body) or a malformed chunk ends the
+stream with an error the handler's next read raises.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Protocol
 from vllm_stack.errors import RouterError
 
 WINDOW = 1024 * 1024  # bytes read from the socket but not yet taken by the handler, at most (about)
-IDLE_SECONDS = 60.0  # a streamed body with no byte for this long is answered 408
 READ_CHUNK = 256 * 1024  # read() joins waiting pieces up to about this many bytes
 
 
@@ -45,11 +45,13 @@ class BodyStream:
         "_lost",
         "_waiter",
         "last_data",
+        "idle_timeout",
     )
 
-    def __init__(self, transport: ReadingTransport, limit: int) -> None:
+    def __init__(self, transport: ReadingTransport, limit: int, idle_timeout: float) -> None:
         self._transport = transport
         self.limit = limit
+        self.idle_timeout = idle_timeout  # seconds without a byte before the body is answered 408
         self.received = 0
         self._pieces: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -105,10 +107,10 @@ class BodyStream:
         self._wake()
 
     def check_idle(self, now: float) -> None:
-        if not self.finished and now - self.last_data > IDLE_SECONDS:
+        if not self.finished and now - self.last_data > self.idle_timeout:
             self.abort(
                 RouterError(
-                    408, f"No request body byte arrived for {IDLE_SECONDS:g}s.", code="request_timeout"
+                    408, f"No request body byte arrived for {self.idle_timeout:g}s.", code="request_timeout"
                 )
             )
 

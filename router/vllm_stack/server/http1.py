@@ -17,10 +17,14 @@ What the connection guarantees, whatever the handler:
 - a body over the limit is refused with 413 as soon as its declared or received size passes it,
   without reading the rest; request lines and headers are bounded too (431);
 - the bodies held by all connections together (arriving, queued behind a pipelined request, or of a
-  request being answered) stay within the server's buffer budget (:meth:`ServerContext.buffer_limit`):
-  a request whose body would pass it gets 503 with ``Retry-After`` at once (a declared length is
-  reserved from the head on, a chunked body as it arrives). Refusing rather than pausing: bodies still
-  arriving hold the budget, and pausing them all would wait forever;
+  request being answered) stay within the server's buffer budget (:class:`~.budget.BodyBudget`), and
+  with client keys those of one key within its share of it: body bytes are counted as they arrive
+  (a head alone holds nothing), and a request whose body would pass either bound gets 503 (429 for a
+  key's share) with ``Retry-After``: mid-body, or at once when a large declared length cannot fit now.
+  Refusing rather than pausing: bodies still arriving hold the budget, and pausing them all would
+  wait forever;
+- a body that sends no byte for the server's body timeout (:meth:`HttpConnection.check_reading`) gets
+  408 and the connection is closed, so what a silent client holds is given back;
 - ``Expect: 100-continue`` is answered when the request's turn comes, and only once its head passed;
 - only the request head carries headers: chunked trailer fields are read and discarded, never
   merged into the head (a credential or routing header sent as a trailer would otherwise slip past
@@ -48,6 +52,7 @@ import httptools
 from vllm_stack.errors import RouterError, render_error
 from vllm_stack.request_id import new_request_id, valid_request_id
 from vllm_stack.server.body_stream import WINDOW, BodyStream
+from vllm_stack.server.budget import BodyBudget
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,10 @@ LINGER_SECONDS = 2.0  # after refusing a request mid-body: how long the rest is 
 LINGER_BYTES = 64 * 1024 * 1024  # ... and at most how much of it
 #: A request refused on its head with a body of at most this many bytes has the body read and
 #: dropped (the connection is kept); a larger one is answered at once and the connection closed.
+#: A larger declared body is also checked against the buffer budget on its head (see _check_room).
 DISCARD_BYTES = 256 * 1024
+#: A request (its head and body) still arriving after this many seconds gets 408, however it trickles.
+REQUEST_READ_TIMEOUT = 300.0
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Headers the connection itself acts on.
@@ -88,6 +96,7 @@ class HttpRequest:
         "expect",
         "refusal",
         "stream",
+        "holder",
     )
 
     def __init__(
@@ -100,6 +109,7 @@ class HttpRequest:
         http_10: bool,
         expect: bool,
         refusal: RouterError | None = None,
+        holder: bytes | None = None,
     ) -> None:
         self.method = method
         # the request target as :func:`split_target` gives it: path and query, the path alone, the query
@@ -112,6 +122,7 @@ class HttpRequest:
         self.refusal = refusal  # refused on its head (its body was dropped): answered with this error
         # a body handed over as it arrives (ServerContext.body_stream_limit), ``body`` then empty
         self.stream: BodyStream | None = None
+        self.holder = holder  # whose share of the buffer budget the body counts against (body_holder)
 
 
 def split_target(target: bytes) -> tuple[bytes, str, bytes]:
@@ -142,17 +153,22 @@ class ServerContext(Protocol):
     connections: set[HttpConnection]
     draining: bool
     reserved_paths: frozenset[str]  # answered even on a connection past the limit (probes)
-    buffered_body_bytes: int  # request body bytes all connections hold (or reserved) together
+    budget: BodyBudget  # the request body bytes all connections hold together, and each key's
     stream_paths: frozenset[str]  # paths whose bodies may be streamed (body_stream_limit is asked then)
 
     def body_limit(self) -> int: ...
 
-    def buffer_limit(self) -> int:
-        """The most body bytes all connections together may hold (see ``buffered_body_bytes``)."""
+    def body_timeout(self) -> float:
+        """Seconds a request body may send nothing; then 408 and close."""
         ...
 
     def check_head(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
         """The refusal of a request judged on its head alone (before its body is read), or None."""
+        ...
+
+    def body_holder(self, path: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """Whose share of the budget a request's body counts against (its client key), asked once the
+        head passed :meth:`check_head`; None: the total alone bounds it (client keys off)."""
         ...
 
     def body_stream_limit(self, method: str, path: str) -> int:
@@ -209,7 +225,11 @@ class HttpConnection(asyncio.Protocol):
         "_target",
         "_method",
         "_reserved",
+        "_holder",
         "_current",
+        "_current_holder",
+        "_seen",
+        "_seen_at",
         "_refusal",
         "_pending_error",
         "restricted",
@@ -239,13 +259,18 @@ class HttpConnection(asyncio.Protocol):
         self.restricted = False  # past the connection limit: only the reserved paths are answered
         self.answering_head = False  # the request being answered is a HEAD one: no body in the answer
         self._reserved = 0  # buffer budget held for the body being received (see _reserve)
+        self._holder: bytes | None = None  # ... and whose it is (ServerContext.body_holder)
         self._current = 0  # ... and by the body of the request being answered
+        self._current_holder: bytes | None = None
+        # a request being read as the last sweep saw it (its head's start, body bytes), and since when
+        self._seen = (0.0, -1)
+        self._seen_at = 0.0
         self._stream: BodyStream | None = None  # the body being handed over as it arrives
         self._begin()
 
     def _begin(self) -> None:
         if self._reserved:  # a body given up half-way (refused, or its connection gone)
-            self.server.buffered_body_bytes -= self._reserved
+            self.server.budget.give(self._reserved, self._holder)
             self._reserved = 0
         self._refusal: RouterError | None = None
         self._url = b""
@@ -331,9 +356,10 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        self.queue.clear()
-        self.server.buffered_body_bytes -= self._queued_bytes + self._current
-        self._queued_bytes = self._current = 0
+        self._drop_queue()
+        if self._current:
+            self.server.budget.give(self._current, self._current_holder)
+            self._current = 0
         if self._stream is not None:
             self._stream.lost()
             self._stream = None
@@ -438,6 +464,7 @@ class HttpConnection(asyncio.Protocol):
         if refusal is not None:
             self._refuse(refusal, declared)
             return
+        self._holder = server.body_holder(target[1], self._headers)
         if target[1] in server.stream_paths and not self.busy and not self._upgrade_offer:
             stream_limit = server.body_stream_limit(method, target[1])
             if stream_limit:
@@ -449,7 +476,8 @@ class HttpConnection(asyncio.Protocol):
         if declared:
             if declared > limit:
                 raise _Reject(_too_large(limit, declared))
-            self._reserve(declared)
+            if declared > DISCARD_BYTES:
+                self._check_room(declared)
         if self._expect and not self.busy and not self.queue:
             self._expect = False
             self.transport.write(_CONTINUE)
@@ -470,7 +498,8 @@ class HttpConnection(asyncio.Protocol):
             parser.get_http_version() == "1.0",
             self._expect,
         )
-        request.stream = self._stream = BodyStream(self.transport, limit)
+        request.holder = self._holder
+        request.stream = self._stream = BodyStream(self.transport, limit, self.server.body_timeout())
         self._expect = False
         self.head_started = 0.0  # the stream's idle timeout applies, not the whole-request one
         self._start(request)
@@ -486,12 +515,18 @@ class HttpConnection(asyncio.Protocol):
         self._refusal = refusal
         self._expect = False
 
+    def _check_room(self, declared: int) -> None:
+        """A large declared body that cannot fit the budget now is refused on its head, so its client
+        need not send it (nothing is taken here: its bytes are, as they arrive)."""
+        refusal = self.server.budget.refusal(declared, self._holder)
+        if refusal is not None:
+            raise _Reject(refusal)
+
     def _reserve(self, size: int) -> None:
         """Take ``size`` more bytes of the buffer budget for the body being received, or refuse it."""
-        server = self.server
-        if server.buffered_body_bytes + size > server.buffer_limit():
-            raise _Reject(_buffers_full())
-        server.buffered_body_bytes += size
+        refusal = self.server.budget.take(size, self._holder)
+        if refusal is not None:
+            raise _Reject(refusal)
         self._reserved += size
 
     def on_body(self, body: bytes) -> None:
@@ -500,21 +535,19 @@ class HttpConnection(asyncio.Protocol):
             self._stream.feed(body)
             return
         size = self._body_size = self._body_size + len(body)
-        if size > self._reserved and not self._more_body(size):  # never for a declared length
+        if size > self._limit and not self._over_limit(size):  # a refused request's body: limit 0
             return
+        self._reserve(len(body))  # taken as it arrives: a head alone holds nothing
         self._body.append(body)
 
-    def _more_body(self, size: int) -> bool:
-        """A body past what was reserved for it: a chunked one (within the body limit and the buffer
-        budget; True: keep it), or a refused request's, dropped (False) up to DISCARD_BYTES."""
+    def _over_limit(self, size: int) -> bool:
+        """A body past its limit: a refused request's (limit 0), dropped (False) up to DISCARD_BYTES,
+        or one too large (a chunked one: a declared length was checked on the head), refused."""
         if self._refusal is not None:
             if size > DISCARD_BYTES:
                 raise _Reject(self._refusal)
             return False
-        if size > self._limit:
-            raise _Reject(_too_large(self._limit))
-        self._reserve(size - self._reserved)
-        return True
+        raise _Reject(_too_large(self._limit))
 
     def on_message_complete(self) -> None:
         stream = self._stream
@@ -551,6 +584,7 @@ class HttpConnection(asyncio.Protocol):
             parser.get_http_version() == "1.0",
             self._expect,
             self._refusal,
+            self._holder,
         )
         self._body = []
         self.head_started = 0.0
@@ -573,6 +607,7 @@ class HttpConnection(asyncio.Protocol):
         self.busy = True
         self.idle_since = 0.0
         self._current = len(request.body) if request.stream is None else WINDOW
+        self._current_holder = request.holder
         self.answering_head = request.method == "HEAD"
         if self.restricted:  # past the connection limit: a probe is answered, then the connection closed
             if request.path not in self.server.reserved_paths:
@@ -593,17 +628,27 @@ class HttpConnection(asyncio.Protocol):
                     RouterError(500, "Internal router error.", code="internal_error"), None, False
                 )
 
-    def check_slow_head(self, now: float, limit: float) -> None:
-        """A request head still arriving ``limit`` seconds after its first byte (slowloris) gets 408
-        and the connection is closed (RFC 9110 15.5.9)."""
-        if (
-            self.head_started
-            and not self._head_done
-            and not self.closed
-            and self._pending_error is None
-            and now - self.head_started > limit
-        ):
-            self._fail(RouterError(408, "The request head took too long to arrive.", code="request_timeout"))
+    def check_reading(self, now: float, head_limit: float, body_limit: float) -> None:
+        """A request still arriving too slowly gets 408 and the connection is closed (RFC 9110
+        15.5.9), and so gives back what its body held: a head not whole ``head_limit`` seconds after
+        its first byte (slowloris), a body that sent no byte for ``body_limit`` seconds, or any request
+        still arriving after :data:`REQUEST_READ_TIMEOUT`. Asked by the server's sweep (``now``:
+        ``time.monotonic()``), which samples a body's progress, so reading a body keeps no clock."""
+        started = self.head_started
+        if not started or self.closed or self._pending_error is not None:
+            return
+        if now - started > REQUEST_READ_TIMEOUT:
+            self._fail(_request_timeout(f"The request took over {REQUEST_READ_TIMEOUT:g}s to arrive."))
+        elif not self._head_done:
+            if now - started > head_limit:
+                self._fail(_request_timeout("The request head took too long to arrive."))
+        elif self._expect:  # its client waits for the 100 Continue this connection still owes it
+            return
+        elif (started, self._body_size) != self._seen:
+            self._seen = (started, self._body_size)
+            self._seen_at = now
+        elif now - self._seen_at > body_limit:
+            self._fail(_request_timeout(f"No request body byte arrived for {body_limit:g}s."))
 
     def _refuse_if_idle(self) -> None:
         """A connection past the limit that has not started a request by now gets the 503."""
@@ -616,7 +661,7 @@ class HttpConnection(asyncio.Protocol):
         self.handler = None
         self.busy = False
         if self._current:  # its body's share of the buffer budget is given back
-            self.server.buffered_body_bytes -= self._current
+            self.server.budget.give(self._current, self._current_holder)
             self._current = 0
         if self.closed:
             return
@@ -640,6 +685,15 @@ class HttpConnection(asyncio.Protocol):
         elif self._reading_paused and self._pending_error is None:  # a streamed body's pause, handed over
             self._reading_paused = False
             self.transport.resume_reading()
+
+    def _drop_queue(self) -> None:
+        """Pipelined requests that will not be answered: their bodies' budget is given back."""
+        budget = self.server.budget
+        for request in self.queue:
+            if request.body:
+                budget.give(len(request.body), request.holder)
+        self.queue.clear()
+        self._queued_bytes = 0
 
     def _queue_full(self) -> bool:
         """Pipelined requests wait within bounds: a count, and their bodies within one body limit."""
@@ -676,9 +730,7 @@ class HttpConnection(asyncio.Protocol):
                 self._reading_paused = True
                 self.transport.pause_reading()
             return
-        self.queue.clear()
-        self.server.buffered_body_bytes -= self._queued_bytes
-        self._queued_bytes = 0
+        self._drop_queue()
         self.busy = True
         self.answering_head = head
         self.send_error(error, request_id, keep_alive=False)
@@ -731,13 +783,8 @@ def _too_many_connections() -> RouterError:
     )
 
 
-def _buffers_full() -> RouterError:
-    return RouterError(
-        503,
-        "The router holds as many request bodies as it may (max_buffered_body_bytes); retry shortly.",
-        code="body_buffers_full",
-        headers=[(b"retry-after", b"1")],
-    )
+def _request_timeout(message: str) -> RouterError:
+    return RouterError(408, message, code="request_timeout")
 
 
 def _too_large(limit: int, declared: int | None = None) -> RouterError:

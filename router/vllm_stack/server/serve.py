@@ -20,13 +20,13 @@ import time
 from typing import Protocol
 
 from vllm_stack.errors import RouterError
+from vllm_stack.server.budget import BodyBudget
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.server.memory import Allocator
 
 log = logging.getLogger(__name__)
 
 KEEP_ALIVE_TIMEOUT = 75.0  # idle keep-alive connections are closed after this (above common LB idle timeouts)
-REQUEST_READ_TIMEOUT = 300.0  # a request (its body) still arriving after this is dropped
 SWEEP_INTERVAL = 1.0
 #: Answered even on connections past the connection limit: the probes must not fail under a flood.
 RESERVED_PATHS = frozenset({"/health", "/ready"})
@@ -38,11 +38,21 @@ class ServedApp(Protocol):
 
     def body_limit(self) -> int: ...
 
-    def buffer_limit(self) -> int: ...
+    def buffer_limit(self) -> int:
+        """The most request body bytes all connections together may hold."""
+        ...
+
+    def body_share_limit(self) -> int:
+        """The most request body bytes the requests of one client key may hold together."""
+        ...
 
     def check_head(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
     ) -> RouterError | None: ...
+
+    def body_holder(self, path: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """See :meth:`vllm_stack.server.http1.ServerContext.body_holder`."""
+        ...
 
     #: Paths whose request bodies may be handed over as they arrive (``body_stream_limit`` says).
     stream_paths: frozenset[str]
@@ -57,6 +67,10 @@ class ServedApp(Protocol):
 
     def head_timeout(self) -> float:
         """Seconds a request head may take to arrive whole; then 408 and close."""
+        ...
+
+    def body_timeout(self) -> float:
+        """Seconds a request body (buffered or streamed) may send nothing; then 408 and close."""
         ...
 
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None: ...
@@ -88,7 +102,7 @@ class RouterServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.reserved_paths = RESERVED_PATHS
-        self.buffered_body_bytes = 0  # request bodies all connections hold (HttpConnection._reserve)
+        self.budget = BodyBudget(router.buffer_limit, router.body_share_limit)  # bodies held (_reserve)
         self.stream_paths: frozenset[str] = router.stream_paths
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -96,18 +110,28 @@ class RouterServer:
         self.dispatch = router.dispatch  # type: ignore[method-assign]
         self.body_limit = router.body_limit  # type: ignore[method-assign]
         self.check_head = router.check_head  # type: ignore[method-assign]
+        self.body_holder = router.body_holder  # type: ignore[method-assign]
 
     # ---- ServerContext ---------------------------------------------------------------------------------
     def body_limit(self) -> int:
         """Replaced in ``__init__`` by the application's own ``body_limit``."""
         return self.router.body_limit()
 
-    def buffer_limit(self) -> int:
-        return self.router.buffer_limit()
+    @property
+    def buffered_body_bytes(self) -> int:
+        """Request body bytes all connections hold now (what tests and diagnostics read)."""
+        return self.budget.held
+
+    def body_timeout(self) -> float:
+        return self.router.body_timeout()
 
     def check_head(self, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
         """Replaced in ``__init__`` by the application's own ``check_head``."""
         return self.router.check_head(method, path, headers)
+
+    def body_holder(self, path: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """Replaced in ``__init__`` by the application's own ``body_holder``."""
+        return self.router.body_holder(path, headers)
 
     def body_stream_limit(self, method: str, path: str) -> int:
         return self.router.body_stream_limit(method, path)
@@ -140,8 +164,10 @@ class RouterServer:
         and, every few sweeps, free heap pages handed back (see :mod:`.memory`)."""
         sweeps = 0
         while True:
-            head_timeout = self.router.head_timeout()
-            await asyncio.sleep(min(SWEEP_INTERVAL, self.router.request_timeout() / 4, head_timeout / 4))
+            head_timeout, body_timeout = self.router.head_timeout(), self.router.body_timeout()
+            await asyncio.sleep(
+                min(SWEEP_INTERVAL, self.router.request_timeout() / 4, head_timeout / 4, body_timeout / 4)
+            )
             sweeps += 1
             if self.allocator is not None and sweeps % TRIM_EVERY == 0:
                 self.allocator.trim()
@@ -153,10 +179,8 @@ class RouterServer:
                     handler.check_timeout(tick)
                 elif conn.idle_since and not conn.busy and now - conn.idle_since > self.keep_alive_timeout:
                     conn.close()
-                if conn.head_started:
-                    conn.check_slow_head(now, head_timeout)
-                    if now - conn.head_started > REQUEST_READ_TIMEOUT:
-                        conn.close()
+                if conn.head_started:  # a request being read: its head, or its body
+                    conn.check_reading(now, head_timeout, body_timeout)
 
     async def stop(self) -> None:
         """Stop accepting, let answers under way finish within the grace period, then stop the router."""
