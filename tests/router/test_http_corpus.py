@@ -63,6 +63,7 @@ class Answer:
 class Exchange:
     answers: list[Answer] = field(default_factory=list)
     closed: bool = False
+    raw: bytes = b""  # every byte the router sent, as sent
 
 
 class _Responses:
@@ -106,6 +107,7 @@ async def exchange(url: str, data: bytes) -> Exchange:
     reader, writer = await asyncio.open_connection(host, int(port))
     responses = _Responses()
     result = Exchange()
+    received: list[bytes] = []
     try:
         writer.write(data)
         with contextlib.suppress(ConnectionError):
@@ -122,6 +124,7 @@ async def exchange(url: str, data: bytes) -> Exchange:
             if not chunk:
                 result.closed = True
                 break
+            received.append(chunk)
             try:
                 responses.parser.feed_data(chunk)
             except httptools.HttpParserUpgrade:
@@ -131,6 +134,7 @@ async def exchange(url: str, data: bytes) -> Exchange:
     finally:
         writer.close()
     result.answers = responses.answers
+    result.raw = b"".join(received)
     return result
 
 
@@ -265,6 +269,8 @@ async def test_engine_to_router(case: dict[str, Any]) -> None:
             assert answer.headers[MARKER] == expect["code"], answer
         if "body" in expect:
             assert answer.body == expect["body"].encode()
+        if "ends_with" in expect:  # (the parser above skips a stray CRLF; an h11 client does not)
+            assert got.raw.endswith(_bytes(expect["ends_with"])), got.raw[-60:]
         for name in expect.get("client_lacks", ()):
             assert name not in answer.headers, f"{name} reached the client"
         if "pooled" in expect:  # the exchange's connection went back to the pool, or was closed

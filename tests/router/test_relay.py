@@ -4,16 +4,18 @@ connections of engines that leave, per-event stream metrics (stub engines, no re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from tests.fakes.raw_engine import raw_engine
+from tests.fakes.raw_engine import Answer, raw_engine
 from tests.fakes.stub_engine import StubBehaviour, StubEngine, serve
 from tests.router.helpers import FAST, client, http, metric_value, running_router, stubs, wait_for
-from vllm_stack.app import build_router
+from vllm_stack.app import Router, build_router
 from vllm_stack.engines.discovery.base import EndpointInfo
-from vllm_stack.relay.leg import chunked_end
+from vllm_stack.relay.leg import chunked_end, chunked_end_before_crlf
 from vllm_stack.server import RouterServer
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -198,6 +200,24 @@ async def test_pipelined_bodies_beyond_one_body_limit_wait_and_are_all_answered(
     assert ids == [b"pipe-%d" % i for i in range(6)]
 
 
+@contextlib.asynccontextmanager
+async def through_router(
+    answer: Answer,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter, Router, str]]:
+    """A client connection to a router over one raw engine that answers with ``answer``; yields the
+    connection, the router and the engine's URL."""
+    async with (
+        raw_engine(answer) as engine_url,
+        running_router([engine_url], health_check_interval=30) as (url, router),
+    ):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            yield reader, writer, router, engine_url
+        finally:
+            writer.close()
+
+
 def test_chunked_end_finds_where_a_chunked_body_ends() -> None:
     """The end of a chunked body is found exactly, trailers included, whatever follows it."""
     body = b"5\r\nhello\r\n0\r\nx-t: 1\r\n\r\n"
@@ -206,6 +226,16 @@ def test_chunked_end_finds_where_a_chunked_body_ends() -> None:
     assert chunked_end(body + b"XXXX") == len(body)
     assert chunked_end(b"5\r\nhel") is None  # not ended yet
     assert chunked_end(b"lo\r\n0\r\n\r\n") is None  # starts inside a chunk: cannot be told
+
+
+def test_chunked_end_before_crlf_tells_the_answers_crlfs_from_those_after_it() -> None:
+    """Issue 44: of a chunked answer's last read that nothing but CR and LF may follow, the answer's
+    part ends with its last line and CRLF CRLF (the last chunk's line may have come in the read before)."""
+    assert chunked_end_before_crlf(b"", b"0\r\n\r\n\r\n") == 5
+    assert chunked_end_before_crlf(b"", b"0\r\nx-t: 1\r\n\r\n\r\n\r\n") == len(b"0\r\nx-t: 1\r\n\r\n")
+    assert chunked_end_before_crlf(b"...\r\n0", b"\r\n\r\n\r\n") == 4
+    assert chunked_end_before_crlf(b"\r\n0\r\n\r", b"\n") == 1  # the answer's own last byte
+    assert chunked_end_before_crlf(b"", b"\r\n") is None  # nothing before it: cannot be told
 
 
 async def test_bytes_past_a_stream_that_cannot_be_placed_end_it() -> None:
@@ -226,12 +256,7 @@ async def test_bytes_past_a_stream_that_cannot_be_placed_end_it() -> None:
         await writer.drain()
         return True
 
-    async with (
-        raw_engine(answer) as engine_url,
-        running_router([engine_url], health_check_interval=30) as (url, router),
-    ):
-        host, port = url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+    async with through_router(answer) as (reader, writer, router, engine_url):
         body = b'{"model":"stub-model","stream":true,"messages":[{"role":"user","content":"h"}]}'
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
@@ -240,7 +265,71 @@ async def test_bytes_past_a_stream_that_cannot_be_placed_end_it() -> None:
         got = await asyncio.wait_for(reader.readuntil(b"data: [DO"), 5)
         forwarded.set()
         got += await asyncio.wait_for(reader.read(), 5)  # until the router closes
-        writer.close()
         assert got.startswith(b"HTTP/1.1 200 OK") and got.count(b"HTTP/1.1") == 1, got
         assert b"NE]" not in got, got
         assert router.pools.idle_connections(engine_url) == 0
+
+
+PLAIN = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
+CHAT = b'{"model":"stub-model","messages":[{"role":"user","content":"h"}]}'
+CHAT_REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%b" % (len(CHAT), CHAT)
+)
+
+
+class EngineConnections:
+    """Which of a raw engine's connections each request came on (0, 1, ... in order of first use)."""
+
+    def __init__(self) -> None:
+        self.writers: list[asyncio.StreamWriter] = []
+        self.requests: list[int] = []  # per request, its connection's number
+
+    def saw(self, writer: asyncio.StreamWriter) -> int:
+        """The request's connection number; and how many requests came on it before this one."""
+        if not any(w is writer for w in self.writers):
+            self.writers.append(writer)
+        number = next(i for i, w in enumerate(self.writers) if w is writer)
+        self.requests.append(number)
+        return self.requests.count(number) - 1
+
+
+async def plain_answers(engine_bytes: Callable[[int], bytes], count: int = 3) -> tuple[list[int], int]:
+    """``count`` chat requests through a router, one after another on one client connection, to a
+    raw engine that writes ``engine_bytes(n)`` for a request that came after ``n`` others on its
+    connection. Each answer's head must start right where the last answer's Content-Length ended.
+    Returns each request's engine connection (numbered in order of first use) and how many engine
+    connections the router's pool holds afterwards."""
+    seen = EngineConnections()
+
+    async def answer(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(engine_bytes(seen.saw(writer)))
+        await writer.drain()
+        return True
+
+    async with through_router(answer) as (reader, writer, router, engine_url):
+        for _ in range(count):
+            writer.write(CHAT_REQUEST)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert await asyncio.wait_for(reader.readexactly(length), 5) == b'{"ok":true}'
+        return seen.requests, router.pools.idle_connections(engine_url)
+
+
+async def test_a_crlf_after_an_answer_is_not_forwarded_and_its_connection_not_reused() -> None:
+    """Issue 44: an engine writes a bare CRLF after an answer of Content-Length 11. The upstream
+    parser skips CRLF between messages (as HTTP allows), so the client got 13 bytes (h11, the OpenAI
+    SDK's HTTP stack, then fails its next request on that connection) and the engine connection was
+    pooled. Now the client's next answer starts where the first ended, and each request has an engine
+    connection of its own."""
+    assert await plain_answers(lambda _earlier: PLAIN + b"\r\n") == ([0, 1, 2], 0)
+
+
+async def test_a_crlf_read_before_the_next_answer_is_dropped_and_ends_its_connection() -> None:
+    """Issue 44: the CRLF an engine wrote after an answer may come in a read of its own, after the
+    connection went back to the pool and carried the next request: it is not the next answer's (whose
+    head the client gets as the engine framed it), and that connection is not reused afterwards (the
+    third request takes a new one, which is pooled after its clean answer)."""
+    requests, pooled = await plain_answers(lambda earlier: (b"\r\n" if earlier else b"") + PLAIN)
+    assert (requests, pooled) == ([0, 0, 1], 1)

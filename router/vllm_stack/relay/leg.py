@@ -68,6 +68,7 @@ def _without_hop_by_hop(status: int, head: bytes, drop: frozenset[bytes]) -> byt
 
 
 _CHUNK_END = b"0\r\n\r\n"
+_CR_LF = b"\r\n"  # the bytes the upstream parser skips after an answer without a word (see on_read)
 _NO_HISTOGRAM = _HistogramChild(())
 
 
@@ -121,6 +122,19 @@ def _ends(body: bytes) -> bool:
 
 
 _CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunked_end_before_crlf(prior: bytes, data: bytes) -> int | None:
+    """Where in ``data`` a chunked body ends that nothing but CR and LF bytes follow, or None when that
+    cannot be told. Such a body ends with its last line (the last chunk's, or a trailer field's) and an
+    empty one: one non-CR/LF byte, then exactly CRLF CRLF; what follows that is past the answer.
+    ``prior``: the bytes read before ``data`` (their last four can hold part of that CRLF CRLF)."""
+    tail = prior[-4:] + data
+    run = len(tail) - len(tail.rstrip(_CR_LF))
+    past = run - 4
+    if run == len(tail) or not 0 <= past <= len(data):
+        return None
+    return len(data) - past
 
 
 def chunked_end(body: bytes) -> int | None:
@@ -341,10 +355,17 @@ class Leg(PooledExchange):
         """
         now = time.perf_counter()
         self.last_activity = now
-        if complete and self.up is not None and self.up.overrun:  # the engine sent more than its answer
-            data = self._framed_part(data)
+        # The engine sent more than its answer (overrun), or maybe CR or LF bytes after it, which the
+        # upstream parser skips without a word: a chunked answer's own last bytes unless it is the
+        # usual last chunk, a plain one's only if its body ends so.
+        if (
+            complete
+            and data
+            and self.up is not None
+            and (self.up.overrun or (data[-1] in _CR_LF and not (self.chunked and data.endswith(_CHUNK_END))))
+        ):
+            data = self._answer_part(data, self.up)
             if data is None:
-                self._unframed()
                 return
         if data:
             if self.dechunker is not None:
@@ -358,6 +379,8 @@ class Leg(PooledExchange):
                     events = data.count(b"\n\n")  # an SSE event ends with a blank line
                     if events:
                         self._observe_tokens(now, events)
+                else:  # where a plain answer ends, should bytes follow it (see _framed_part)
+                    self.held_size += len(data)
             else:
                 self.held.append(data)
                 self.held_size += len(data)
@@ -382,18 +405,43 @@ class Leg(PooledExchange):
                 up.release()
             self.owner.leg_complete(self)
 
-    def _framed_part(self, data: bytes) -> bytes | None:
-        """Of the read that ended the answer and carried more, the answer's own part: up to its
-        Content-Length, or to the end of its last chunk (found from the bytes held, or from this
-        read alone once some were forwarded). None when that cannot be told."""
+    def _answer_part(self, data: bytes, up: UpstreamConnection) -> bytes | None:
+        """Of the read that ended the answer, the answer's own part; whatever followed it is not the
+        client's, and the connection that carried it is not pooled (a client such as h11 fails its
+        next request on a stray CRLF). None when the leg ended instead: bytes past the answer whose
+        place cannot be told. Where only CR and LF may have followed and that cannot be told either,
+        the read is forwarded whole, as the engine framed it, and the connection closed after it."""
+        part = self._framed_part(data, up.overrun)
+        if part is None:
+            if up.overrun:
+                self._unframed()
+                return None
+            up.keep_alive = False
+            return data
+        if len(part) < len(data):
+            up.keep_alive = False
+        return part
+
+    def _framed_part(self, data: bytes, overrun: bool) -> bytes | None:
+        """Of the read that ended the answer, the answer's part: up to its Content-Length (counted
+        from the bytes held or forwarded before, but a stream's), or to the end of its last chunk
+        (found from the bytes held, or from this read alone once some were forwarded; or, when only
+        CR and LF can follow it (not ``overrun``), from its last bytes). None when that cannot be told."""
         if self.status in _NO_BODY_STATUS:
             return b""
         if not self.chunked:
             match = _CONTENT_LENGTH.search(self.head.lower())
-            if match is None or self.committed:  # the bytes forwarded so far are not counted
+            if match is None or (self.committed and self.sse):  # a stream's bytes are not counted
                 return None
             rest = int(match.group(1)) - self.held_size
             return data[:rest] if 0 <= rest <= len(data) else None
+        if not overrun:
+            if self.dechunker is not None:  # (it drops what follows the last chunk itself)
+                return None
+            end = chunked_end_before_crlf(
+                (self.last_data or b"") if self.committed else b"".join(self.held)[-4:], data
+            )
+            return None if end is None else data[:end]
         prior = b"" if self.committed else b"".join(self.held)
         end = chunked_end(prior + data)
         return data[: end - len(prior)] if end is not None and end >= len(prior) else None

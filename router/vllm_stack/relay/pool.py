@@ -8,7 +8,10 @@ purpose: it would cost a call per streamed token. A connection goes back to its 
 response was read to the end with keep-alive; any other end (client gone, error, timeout) closes
 it, which is how an engine learns to abort the request. Nor does one whose engine sent more bytes
 after the answer's framing ended (:attr:`UpstreamConnection.overrun`): those bytes are not the
-answer's, and the exchange forwards only what is (see the relay leg).
+answer's, and the exchange forwards only what is (see the relay leg). CR and LF bytes after an answer
+are such bytes too, though the parser skips them without a word (as HTTP allows between messages):
+the relay leg finds them in the answer's last read, and here they are found before the next answer's
+head, and an idle connection that receives any byte is closed.
 """
 
 from __future__ import annotations
@@ -164,7 +167,13 @@ class UpstreamConnection(asyncio.Protocol):
             if self.exchange is exchange:
                 exchange.on_read(data, self.complete)
             return
-        self.got_bytes = True
+        if not self.got_bytes:
+            if data[0] in b"\r\n":  # the end of the previous answer's bytes, read only now: dropped,
+                data = data.lstrip(b"\r\n")  # and the connection closed after this answer
+                self.keep_alive = False
+                if not data:
+                    return
+            self.got_bytes = True
         self.head += data
         try:
             self.parser.feed_data(data)
@@ -225,7 +234,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self.head_done = True
         self.head = received[end + 4 :]  # body bytes read together with the head
-        self.keep_alive = self.parser.should_keep_alive()
+        self.keep_alive = self.keep_alive and self.parser.should_keep_alive()  # (once False, for good)
         if self.exchange is not None:
             self.exchange.on_head(status, received[: end + 2])
 
