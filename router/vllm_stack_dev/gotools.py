@@ -285,6 +285,17 @@ LWEPP = GoTool(
     version_args=(),
 )
 TEST_TOOLS = (*CLUSTER_TOOLS, OTELCOL, EPP, LWEPP)
+# The local image registry (distribution/distribution's `registry serve`) that the images are pushed to
+# (vllm_stack_dev.images), so that a container runtime with it as the mirror of `ghcr.io/vllm-stack` pulls
+# them under their chart names. v3.1.2 is the newest the proxy serves; its go.mod (`go 1.26.0`) has no
+# replace directives. `registry --version` prints the version variable set below (`v3.1.2+unknown` unset).
+REGISTRY = GoTool(
+    name="registry",
+    module="github.com/distribution/distribution/v3",
+    version="v3.1.2",
+    binaries=(("registry", "github.com/distribution/distribution/v3/cmd/registry"),),
+    ldflags=("-s", "-w", "-X github.com/distribution/distribution/v3/version.version={version}"),
+)
 
 
 def _tail(text: str) -> str:
@@ -459,11 +470,13 @@ def is_installed(tool: GoTool) -> bool:
     return all(tool.binary(name).is_file() for name, _ in tool.binaries)
 
 
-def install_tools(tools: Iterable[GoTool]) -> str:
+def install_tools(tools: Iterable[GoTool], lock_name: str = ".build-lock") -> str:
     """Build every tool that is not installed, one after another (each `go build` uses every core).
 
     When something must be built, a lock file serialises concurrent installs (`make install` and a test
     session at once would otherwise build into the same folders); the stamps are checked again under it.
+    A tool that no other set builds may take a lock of its own (`lock_name`), so that it does not wait for
+    the control plane's builds (the local image registry, vllm_stack_dev.images).
     A tool that fails to build does not stop the others: each is tried, then GoBuildError names every
     failure with its output, so the tools that did build are there for the tests that need only them.
     """
@@ -472,7 +485,7 @@ def install_tools(tools: Iterable[GoTool]) -> str:
         return "up to date"
     built: list[str] = []
     failed: list[str] = []
-    lock_path = tools_dir() / "go" / ".build-lock"
+    lock_path = tools_dir() / "go" / lock_name
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -6,7 +6,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from vllm_stack_dev.gotools import STAMP_NAME, TEST_TOOLS
+from vllm_stack_dev.devsetup import STEPS
+from vllm_stack_dev.gotools import REGISTRY, STAMP_NAME, TEST_TOOLS
+from vllm_stack_dev.images import IMAGES, base_reference, image_id, registry_dir
 from vllm_stack_dev.paths import engine_python, helm_binary, repo_root
 
 
@@ -27,19 +29,24 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
         root / ".cache" / "wheels" / ".vllm-stack-stamp",
         *(tool.binary(name) for tool in TEST_TOOLS for name, _ in tool.binaries),
         *(tool.folder / STAMP_NAME for tool in TEST_TOOLS),
+        REGISTRY.binary("registry"),
+        registry_dir() / "pushed.json",
     ]
+    images = [base_reference(), *(image.reference() for image in IMAGES)]
     subprocess.run(
         ["make", "-s", "install"], cwd=root, check=True, capture_output=True
     )  # whatever was missing
     before = _snapshot(watched)
+    image_ids = [image_id(reference) for reference in images]
     started = time.monotonic()
     result = subprocess.run(["make", "-s", "install"], cwd=root, capture_output=True, text=True)
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     assert elapsed < 10, f"second make install took {elapsed:.1f} s"
     assert _snapshot(watched) == before
+    assert [image_id(reference) for reference in images] == image_ids and None not in image_ids
     assert len(before) == len(watched), "make install must create every stamp and tool it checks"
-    assert result.stderr.count("up to date") == 7, result.stderr
+    assert result.stderr.count("up to date") == len(STEPS), result.stderr
 
 
 def test_engine_requirements_leave_out_only_the_torch_family() -> None:
