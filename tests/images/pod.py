@@ -1,0 +1,121 @@
+"""A rendered Pod template run with podman as a kubelet would run it: the container's image, entrypoint
+and args, its user and group, a read-only root file system with only the chart's mounts writable,
+capabilities dropped, no privilege escalation.
+
+What a kubelet does that this does not: probes, resource limits (podman would need cgroup settings of its
+own here), projected ServiceAccount tokens, Pod networking (the container shares the host's loopback).
+Volumes: `emptyDir` becomes a tmpfs of its `sizeLimit` (mode 0777, as an emptyDir), `configMap` a
+read-only bind mount of the rendered ConfigMap's files; any other kind fails the test rather than being
+skipped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from vllm_stack_dev.images import image_id, podman, run_limits
+
+QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def require_podman() -> None:
+    """Skip where no container can run (podman or runc absent); `make install` installs both as root."""
+    missing = [tool for tool in ("podman", "runc") if not shutil.which(tool)]
+    if missing:
+        pytest.skip(
+            f"{', '.join(missing)} not installed: containers cannot run here (`make install` as root installs them)"
+        )
+
+
+def require_image(reference: str) -> None:
+    require_podman()
+    if image_id(reference) is None:
+        pytest.fail(f"image {reference} missing: run `make install` (vllm_stack_dev.images builds it)")
+
+
+def _bytes(quantity: str) -> int:
+    for suffix, factor in QUANTITY.items():
+        if quantity.endswith(suffix):
+            return int(float(quantity[: -len(suffix)]) * factor)
+    return int(quantity)
+
+
+def podman_run_args(
+    pod_spec: dict, container: dict, config_maps: dict[str, dict], workdir: Path
+) -> list[str]:
+    """`podman run` options for one container of a Pod spec (the image and args come after them)."""
+    pod_sc = pod_spec.get("securityContext") or {}
+    sc = container.get("securityContext") or {}
+    user = sc.get("runAsUser", pod_sc.get("runAsUser"))
+    group = sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+    args = ["--network", "host", "--no-healthcheck", *run_limits()]
+    if user is not None:
+        args += ["--user", f"{user}:{group}" if group is not None else str(user)]
+    if pod_sc.get("fsGroup") is not None:
+        args += ["--group-add", str(pod_sc["fsGroup"])]
+    if sc.get("readOnlyRootFilesystem"):
+        args += ["--read-only", "--read-only-tmpfs=false"]  # podman would add /tmp, /run, /var/tmp
+    caps = sc.get("capabilities") or {}
+    args += [f"--cap-drop={cap}" for cap in caps.get("drop", [])]
+    args += [f"--cap-add={cap}" for cap in caps.get("add", [])]
+    if sc.get("allowPrivilegeEscalation") is False:
+        args += ["--security-opt", "no-new-privileges"]
+    for env in container.get("env", []):
+        if "value" not in env:
+            pytest.fail(f"env {env['name']} comes from {env.get('valueFrom')}: not supported here")
+        args += ["--env", f"{env['name']}={env['value']}"]
+    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        target = mount["mountPath"]
+        if "emptyDir" in volume:
+            size = (volume["emptyDir"] or {}).get("sizeLimit")
+            spec = f"type=tmpfs,destination={target},tmpfs-mode=0777"
+            args += ["--mount", spec + (f",tmpfs-size={_bytes(size)}" if size else "")]
+        elif "configMap" in volume:
+            data = config_maps[volume["configMap"]["name"]].get("data") or {}
+            folder = workdir / f"volume-{mount['name']}"
+            folder.mkdir(mode=0o755)
+            for key, text in data.items():
+                (folder / key).write_text(text)
+                (folder / key).chmod(0o644)
+            args += ["--volume", f"{folder}:{target}:ro"]
+        else:
+            pytest.fail(f"volume {mount['name']} ({sorted(volume)}) is not supported by tests/images/pod.py")
+    return args
+
+
+async def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = await asyncio.to_thread(subprocess.run, [*podman(), *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result
+
+
+@contextlib.asynccontextmanager
+async def running(
+    pod_spec: dict, container: dict, config_maps: dict[str, dict], workdir: Path, args: list[str]
+) -> AsyncIterator[str]:
+    """The container started detached with `args` (the rendered ones, as the test adapted them); yields its
+    ID; removed (by ID) on exit, its log printed first so that a failing test shows it."""
+    if container.get("command"):
+        pytest.fail("the chart sets a command; this helper runs the image's entrypoint with args only")
+    options = podman_run_args(pod_spec, container, config_maps, workdir)
+    started = await _podman("run", "--detach", *options, container["image"], *args)
+    cid = started.stdout.strip().splitlines()[-1]
+    try:
+        yield cid
+    finally:
+        logs = await _podman("logs", cid, check=False)
+        print(f"--- container {cid[:12]} log ---\n{logs.stdout[-4000:]}{logs.stderr[-4000:]}")
+        await _podman("rm", "--force", "--time", "2", cid, check=False)
+
+
+async def exec_in(cid: str, *command: str) -> subprocess.CompletedProcess[str]:
+    return await _podman("exec", cid, *command, check=False)
