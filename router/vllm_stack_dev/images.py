@@ -363,22 +363,37 @@ def build_image(image: DockerImage) -> str:
     if found:
         if image_id(wanted) != found:
             _run([*podman(), "tag", found, wanted])
+        _keep_recent_keys(image, keyed)
         return "up to date"
     start = time.monotonic()
     image.build(base, tags=(keyed, wanted))
-    _remove_other_keys(image.key_reference(""), keep=keyed)
+    _keep_recent_keys(image, keyed)
     size = image_info(wanted)["Size"]
     return f"built {wanted} ({time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB)"
 
 
-def _remove_other_keys(repository: str, keep: str) -> None:
-    """Untag the builds of older inputs (`repository` ends with `:`) and drop what nothing uses any more,
-    so that the storage holds one build per image rather than one per change."""
-    listed = _run([*podman(), "images", "--format", "{{.Repository}}:{{.Tag}}", repository.rstrip(":")])
-    old = [ref for ref in listed.split() if ref.startswith(repository) and ref != keep]
-    for ref in old:
-        _run([*podman(), "untag", ref, ref])  # this name only, whatever else names the same image
+KEPT_BUILDS = 4
+
+
+def _keep_recent_keys(image: DockerImage, keyed: str) -> None:
+    """Keep the builds of the last KEPT_BUILDS inputs used (several checkouts, a CI clone beside a working
+    tree, share the cache and would otherwise rebuild in turn); untag older ones and drop what nothing
+    uses any more. The order is a file beside the storage, rewritten only when it changes."""
+    record = cache_home() / "images" / f"{image.name}.recent"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        recent = record.read_text().split()
+    except OSError:
+        recent = []
+    if recent[:1] == [keyed]:
+        return
+    recent = [keyed, *(ref for ref in recent if ref != keyed)]
+    listed = _run([*podman(), "images", "--format", "{{.Repository}}:{{.Tag}}", image.key_reference("")[:-1]])
+    for ref in listed.split():
+        if ref.startswith(image.key_reference("")) and ref not in recent[:KEPT_BUILDS]:
+            _run([*podman(), "untag", ref, ref])  # this name only, whatever else names the same image
     _run([*podman(), "image", "prune", "--force"])
+    record.write_text("\n".join(recent[:KEPT_BUILDS]) + "\n")
 
 
 # --- the local registry ---------------------------------------------------------------------------------
