@@ -16,7 +16,8 @@ import pytest
 
 from tests.batch.helpers import create_batch, file_lines, input_lines, jsonl, upload, wait_batch
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import running_router, stubs
+from tests.router.helpers import _awaiting, bounded, running_router, stubs, wait_for
+from vllm_stack.app import build_router
 from vllm_stack.batch import runner as runner_module
 from vllm_stack.batch import validation
 from vllm_stack.batch.store import BatchStore
@@ -156,7 +157,9 @@ async def test_a_line_changed_on_disk_after_validation_is_refused_as_a_client_re
         data = bytearray(path.read_bytes())
         deep = nested(300)
         at = data.index(b"p" * 2000) - 1  # the string (quotes included), inside the first line's body
-        data[at : at + 2002] = deep.ljust(2002)  # the same length: the others stay where validation found them
+        data[at : at + 2002] = deep.ljust(
+            2002
+        )  # the same length: the others stay where validation found them
         runner = router.batch
         assert runner is not None
         runner._paused_until = time.monotonic() + 3600  # noqa: SLF001 - hold sending until the file changed
@@ -274,3 +277,23 @@ async def test_a_cursor_of_another_keys_object_is_not_found(keyed_router) -> Non
         assert [x["id"] for x in (await b.get("/v1/batches", params={"after": a_batch})).json()["data"]] == [
             b_batch
         ]
+
+
+async def test_the_runner_stops_when_woken_as_it_is_cancelled(tmp_path: Path) -> None:
+    """The suite's hang: a runner woken (a line ended, a batch created) just as it was stopped never
+    stopped, since Python 3.11's ``asyncio.wait_for`` returns normally when what it waits for completes
+    in the same turn as its task's cancellation, and the loop went on with its one cancellation lost."""
+    router = build_router({"static_backends": "http://127.0.0.1:9", "batch_api": True, "batch_dir": str(tmp_path / "batch")})
+    runner = router.batch
+    assert runner is not None
+    await runner.start()
+    work = runner._tasks[0]  # noqa: SLF001 - the runner's loop
+
+    def waiting_for_work() -> bool:  # suspended between two rounds, on its wake-up
+        chain = _awaiting(work.get_coro())
+        return "_work" in chain and "_round" not in chain and "run" not in chain.rsplit("->", 1)[-1]
+
+    await wait_for(waiting_for_work, what="the runner's loop to wait for work")
+    runner.wake()
+    await bounded(runner.stop(), 10, "the runner to stop after a wake-up")
+    assert work.done()

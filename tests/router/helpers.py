@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -56,15 +58,71 @@ async def running_router(
         yield url, router
 
 
+STOP_WITHIN = 30.0  # seconds a test's router may take to stop (its grace period is 2 s)
+
+
 @contextlib.asynccontextmanager
 async def serving(router: Router) -> AsyncIterator[str]:
-    """Serve ``router`` on its own server at an ephemeral port; yields the base URL; stops on exit."""
+    """Serve ``router`` on its own server at an ephemeral port; yields the base URL; stops on exit, within
+    :data:`STOP_WITHIN` or with an error that names what was still running (never a silent hang)."""
     server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=2.0)
     await server.start()
     try:
         yield server.url
     finally:
-        await server.stop()
+        await bounded(server.stop(), STOP_WITHIN, "the router to stop")
+
+
+async def bounded(awaitable: Any, within: float, what: str) -> Any:  # noqa: ANN401 - whatever it returns
+    """``awaitable``'s result, or an AssertionError after ``within`` seconds naming ``what`` it waited for,
+    where it was suspended, and the tasks and threads still running then."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=within)
+    if done:
+        return task.result()
+    where = _awaiting(task.get_coro())
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await asyncio.wait({task}, timeout=5)
+    raise AssertionError(f"timed out after {within:g}s waiting for {what} (at {where}); {running_now(task)}")
+
+
+def _awaiting(awaitable: Any) -> str:  # noqa: ANN401 - a coroutine, or any awaitable
+    """Where a coroutine was suspended, innermost last (its chain of awaits)."""
+    chain = []
+    while awaitable is not None:
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "ag_frame", None)
+        if frame is not None:
+            chain.append(
+                f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+            )
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "ag_await", None)
+    return " -> ".join(chain) or repr(awaitable)
+
+
+def running_now(*also_skip: asyncio.Task[Any]) -> str:
+    """The event loop's other tasks (where each waits) and the threads alive: what a stuck wait waits on."""
+    import threading
+
+    current = asyncio.current_task()
+    tasks = []
+    for task in asyncio.all_tasks():
+        if task is current or task in also_skip:
+            continue
+        frames = task.get_stack(limit=1)
+        where = f"{frames[0].f_code.co_filename.rsplit('/', 2)[-1]}:{frames[0].f_lineno}" if frames else "?"
+        tasks.append(f"{task.get_coro().__qualname__} at {where}")
+    frames = sys._current_frames()  # noqa: SLF001 - where each thread is, for the failure's message
+    threads = [
+        f"{t.name} at {' <- '.join(_where(f) for f in traceback.extract_stack(frames[t.ident])[-4:][::-1])}"
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.ident in frames
+    ]
+    return f"tasks: {sorted(tasks)}; threads: {sorted(threads)}"
+
+
+def _where(frame: traceback.FrameSummary) -> str:
+    return f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} {frame.name}"
 
 
 @contextlib.asynccontextmanager

@@ -40,6 +40,7 @@ from vllm_stack.batch.objects import (
 )
 
 T = TypeVar("T")
+BLOCKING_CALL_SECONDS = 120.0  # a worker thread's call of the store (a page of results), at most
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS vs_files (
@@ -159,8 +160,10 @@ class BatchStore:
         return await asyncio.get_running_loop().run_in_executor(self._thread, method, *args)
 
     def call_blocking(self, method: Callable[..., T], *args: Any) -> T:  # noqa: ANN401
-        """Call one of the store's methods on its thread from another worker thread (never the loop's)."""
-        return self._thread.submit(method, *args).result()
+        """Call one of the store's methods on its thread from another worker thread (never the loop's);
+        bounded, so a stuck store cannot hold a worker thread (and a stopping loop, which waits for its
+        worker threads) for ever."""
+        return self._thread.submit(method, *args).result(timeout=BLOCKING_CALL_SECONDS)
 
     def close(self) -> None:
         def shut() -> None:

@@ -219,7 +219,8 @@ class KvEventFeed:
             sock.connect(source.replay)
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(copy=False), REPLAY_TIMEOUT)
+                async with asyncio.timeout(REPLAY_TIMEOUT):  # (not wait_for, which can lose a cancellation)
+                    frames = await sock.recv_multipart(copy=False)
                 if len(frames) != 4:
                     continue
                 seq = int.from_bytes(frames[2].bytes, "big", signed=True)
