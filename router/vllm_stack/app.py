@@ -194,8 +194,6 @@ class Router:
         self._apply_runtime(config, setup)
         # What the server asks of each request's head (api.head.refusal), bound once: a call less
         self.check_head = functools.partial(head.refusal, self)
-        # ... and whose share of the body budget a request's body counts against (api.head.body_holder)
-        self.body_holder = functools.partial(head.body_holder, self)
         # The hot path's check: None when no adapter or weighted name is configured.
         self.catalog: AdapterCatalog | None = self.adapters.catalog if self.adapters.catalog else None
         self.control_session: aiohttp.ClientSession | None = None
@@ -256,6 +254,10 @@ class Router:
         self.auth = ApiKeyAuth(config.api_keys)
         self.admin_auth = ApiKeyAuth(config.admin_api_keys)
         self.max_body_bytes = config.max_body_bytes
+        # what the server's body budget reads (server.budget.BudgetLimits): attributes, no call per body
+        self.buffered_body_limit = config.max_buffered_body_bytes
+        share = int(config.max_buffered_body_bytes * config.max_body_share_per_key)
+        self.key_body_limit = max(share, config.max_body_bytes)  # at least one largest body per key
         self.session_header = config.session_key.lower().encode("latin-1")
 
     @property
@@ -279,14 +281,17 @@ class Router:
         return self.max_body_bytes
 
     def buffer_limit(self) -> int:
-        return self.config.max_buffered_body_bytes
+        return self.buffered_body_limit
 
     def body_share_limit(self) -> int:
-        """One client key's share of the body budget; at least one largest body, so a key may always
-        send one."""
-        config = self.config
-        share = int(config.max_buffered_body_bytes * config.max_body_share_per_key)
-        return max(share, config.max_body_bytes)
+        """One client key's share of the body budget (at least one largest body: a key may always
+        send one)."""
+        return self.key_body_limit
+
+    def body_holder(self, path: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """Whose share of the body budget a request's body counts against (api.head.body_holder);
+        with client keys off, None in this one call."""
+        return head.body_holder(self, path, headers) if self.auth.enabled else None
 
     def body_stream_limit(self, method: str, path: str) -> int:
         """A batch file upload's body is written to disk as it arrives (up to the file limit and the

@@ -15,14 +15,11 @@ from collections.abc import Iterable
 class ApiKeyAuth:
     """Checks client keys; disabled (everything allowed) when no key is configured."""
 
-    __slots__ = ("_digests",)
+    __slots__ = ("_digests", "enabled")
 
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in keys)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._digests)
+        self.enabled = bool(self._digests)  # an attribute, not a property: read once per request
 
     def __repr__(self) -> str:
         return f"ApiKeyAuth(keys={len(self._digests)})"

@@ -79,7 +79,7 @@ def body_holder(router: RouterState, path: str, headers: list[tuple[bytes, bytes
     """Whose share of the server's body budget (``max_body_share_per_key``) a request's body counts
     against, asked once :func:`refusal` let its head pass: the key it offered, which that check found
     valid on every path but the open ones, whose requests (keyless, or with any key) share one holder
-    (b""), so made-up keys cannot multiply shares. None with client keys off: no share applies."""
+    (b""), so made-up keys cannot multiply shares. Asked only with client keys on."""
     if path in OPEN_PATHS:
-        return b"" if router.auth.enabled else None
+        return b""
     return router.auth.holder(headers)

@@ -13,33 +13,40 @@ keys' requests go on. With keys off there is no holder and only the total counts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from vllm_stack.errors import RouterError
+
+
+class BudgetLimits(Protocol):
+    """The application's limits, read at each :meth:`BodyBudget.take` (they change on reload);
+    attributes rather than methods, as that runs for every body read."""
+
+    buffered_body_limit: int  # the most bytes all holders together may hold
+    key_body_limit: int  # the most bytes one holder may hold
 
 
 class BodyBudget:
     """Body bytes held, in total and per holder (a client key; None: counted in the total only).
 
-    The limits are asked of the application at each :meth:`take` (they change on reload). A holder's
-    entry exists only while it holds bytes, so the map is bounded by the connections holding bodies."""
+    A holder's entry exists only while it holds bytes, so the map is bounded by the connections
+    holding bodies."""
 
-    __slots__ = ("held", "_by_holder", "_limit", "_share")
+    __slots__ = ("held", "_by_holder", "_limits")
 
-    def __init__(self, limit: Callable[[], int], share: Callable[[], int]) -> None:
+    def __init__(self, limits: BudgetLimits) -> None:
         self.held = 0  # bytes all connections hold (arriving, queued or being answered)
         self._by_holder: dict[bytes, int] = {}
-        self._limit = limit  # the most bytes all holders together may hold
-        self._share = share  # the most bytes one holder may hold
+        self._limits = limits
 
     def take(self, size: int, holder: bytes | None) -> RouterError | None:
         """Count ``size`` more bytes of ``holder``; or, when they would not fit, the error to answer."""
         held = self.held + size
-        if held > self._limit():
+        if held > self._limits.buffered_body_limit:
             return _buffers_full()
         if holder is not None:
             mine = self._by_holder.get(holder, 0) + size
-            if mine > self._share():
+            if mine > self._limits.key_body_limit:
                 return _share_full()
             self._by_holder[holder] = mine
         self.held = held

@@ -537,7 +537,10 @@ class HttpConnection(asyncio.Protocol):
         size = self._body_size = self._body_size + len(body)
         if size > self._limit and not self._over_limit(size):  # a refused request's body: limit 0
             return
-        self._reserve(len(body))  # taken as it arrives: a head alone holds nothing
+        refusal = self.server.budget.take(len(body), self._holder)  # as it arrives (_reserve, inlined)
+        if refusal is not None:
+            raise _Reject(refusal)
+        self._reserved += len(body)
         self._body.append(body)
 
     def _over_limit(self, size: int) -> bool:
@@ -661,7 +664,10 @@ class HttpConnection(asyncio.Protocol):
         self.handler = None
         self.busy = False
         if self._current:  # its body's share of the buffer budget is given back
-            self.server.budget.give(self._current, self._current_holder)
+            if self._current_holder is None:  # (BodyBudget.give without a holder, inlined)
+                self.server.budget.held -= self._current
+            else:
+                self.server.budget.give(self._current, self._current_holder)
             self._current = 0
         if self.closed:
             return

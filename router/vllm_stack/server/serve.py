@@ -36,15 +36,12 @@ TRIM_EVERY = 5  # sweeps between two trims of the allocator's free pages (when o
 class ServedApp(Protocol):
     """What the server needs of the application it serves."""
 
+    #: The most request body bytes all connections together may hold, and the requests of one client
+    #: key (see :class:`~.budget.BudgetLimits`).
+    buffered_body_limit: int
+    key_body_limit: int
+
     def body_limit(self) -> int: ...
-
-    def buffer_limit(self) -> int:
-        """The most request body bytes all connections together may hold."""
-        ...
-
-    def body_share_limit(self) -> int:
-        """The most request body bytes the requests of one client key may hold together."""
-        ...
 
     def check_head(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
@@ -102,7 +99,7 @@ class RouterServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.reserved_paths = RESERVED_PATHS
-        self.budget = BodyBudget(router.buffer_limit, router.body_share_limit)  # bodies held (_reserve)
+        self.budget = BodyBudget(router)  # the request bodies connections hold (HttpConnection._reserve)
         self.stream_paths: frozenset[str] = router.stream_paths
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
