@@ -111,6 +111,7 @@ class BatchRunner:
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment] - made at start
         self.in_flight: dict[tuple[str, int], BatchLineRequest] = {}
         self._preparing: set[tuple[str, int]] = set()  # lines leased whose body is being read (off the loop)
+        self._reading = asyncio.Semaphore(1)  # one line read at a time: a line and its body's copy, at most
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._jobs: set[asyncio.Task[Any]] = (
@@ -322,7 +323,8 @@ class BatchRunner:
             return
         router = self.router
         try:
-            body = await asyncio.to_thread(self._read_body, line)
+            async with self._reading:
+                body = await asyncio.to_thread(self._read_body, line)
             ctx = resolve(router, line.endpoint, body, b"application/json", None, None, ())
         except RouterError as err:
             if err.status in SHED_STATUSES:
