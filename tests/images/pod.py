@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -39,6 +40,18 @@ def require_image(reference: str) -> None:
         pytest.fail(f"image {reference} missing: run `make install` (vllm_stack_dev.images builds it)")
 
 
+def set_flag(args: list[str], name: str, value: str) -> list[str]:
+    """`args` with the value after `name` replaced (as a test adapts a rendered argument list)."""
+    out = list(args)
+    out[out.index(name) + 1] = value
+    return out
+
+
+def drop_flag(args: list[str], name: str) -> list[str]:
+    i = args.index(name)
+    return args[:i] + args[i + 2 :]
+
+
 def _bytes(quantity: str) -> int:
     for suffix, factor in QUANTITY.items():
         if quantity.endswith(suffix):
@@ -47,9 +60,15 @@ def _bytes(quantity: str) -> int:
 
 
 def podman_run_args(
-    pod_spec: dict, container: dict, config_maps: dict[str, dict], workdir: Path
+    pod_spec: dict,
+    container: dict,
+    config_maps: dict[str, dict],
+    workdir: Path,
+    fields: dict[str, str] | None = None,
 ) -> list[str]:
-    """`podman run` options for one container of a Pod spec (the image and args come after them)."""
+    """`podman run` options for one container of a Pod spec (the image and args come after them).
+
+    fields: the values of `fieldRef` environment variables (`status.podIP`: the test's loopback)."""
     pod_sc = pod_spec.get("securityContext") or {}
     sc = container.get("securityContext") or {}
     user = sc.get("runAsUser", pod_sc.get("runAsUser"))
@@ -67,9 +86,13 @@ def podman_run_args(
     if sc.get("allowPrivilegeEscalation") is False:
         args += ["--security-opt", "no-new-privileges"]
     for env in container.get("env", []):
-        if "value" not in env:
+        field = ((env.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        if "value" in env:
+            args += ["--env", f"{env['name']}={env['value']}"]
+        elif field in (fields or {}):
+            args += ["--env", f"{env['name']}={(fields or {})[field]}"]
+        else:
             pytest.fail(f"env {env['name']} comes from {env.get('valueFrom')}: not supported here")
-        args += ["--env", f"{env['name']}={env['value']}"]
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
     for mount in container.get("volumeMounts", []):
         volume = volumes[mount["name"]]
@@ -100,14 +123,26 @@ async def _podman(*args: str, check: bool = True) -> subprocess.CompletedProcess
 
 @contextlib.asynccontextmanager
 async def running(
-    pod_spec: dict, container: dict, config_maps: dict[str, dict], workdir: Path, args: list[str]
+    pod_spec: dict,
+    container: dict,
+    config_maps: dict[str, dict],
+    workdir: Path,
+    args: list[str],
+    *,
+    command: list[str] | None = None,
+    extra: tuple[str, ...] = (),
+    fields: dict[str, str] | None = None,
 ) -> AsyncIterator[str]:
-    """The container started detached with `args` (the rendered ones, as the test adapted them); yields its
-    ID; removed (by ID) on exit, its log printed first so that a failing test shows it."""
-    if container.get("command"):
-        pytest.fail("the chart sets a command; this helper runs the image's entrypoint with args only")
-    options = podman_run_args(pod_spec, container, config_maps, workdir)
-    started = await _podman("run", "--detach", *options, container["image"], *args)
+    """The container started detached with `args` (the rendered ones, as the test adapted them; with
+    `command`, the rendered command, as the test adapted it, replaces the image's entrypoint, as
+    Kubernetes' `command` does); yields its ID; removed (by ID) on exit, its log printed first so that a
+    failing test shows it. `extra`: more `podman run` options (a test's own volume)."""
+    if container.get("command") and command is None:
+        pytest.fail("the chart sets a command: pass it (adapted) as `command`")
+    options = podman_run_args(pod_spec, container, config_maps, workdir, fields)
+    if command:
+        options += ["--entrypoint", json.dumps(command)]
+    started = await _podman("run", "--detach", *options, *extra, container["image"], *args)
     cid = started.stdout.strip().splitlines()[-1]
     try:
         yield cid
@@ -119,3 +154,8 @@ async def running(
 
 async def exec_in(cid: str, *command: str) -> subprocess.CompletedProcess[str]:
     return await _podman("exec", cid, *command, check=False)
+
+
+async def is_running(cid: str) -> bool:
+    state = await _podman("inspect", "--format", "{{.State.Running}}", cid, check=False)
+    return state.stdout.strip() == "true"

@@ -34,10 +34,11 @@ from vllm_stack_dev.images import (
     run_limits,
     serve_registry,
 )
+from vllm_stack_dev.testbed.engines import free_port
 
 from tests.fakes.stub_engine import StubEngine, serve
 from tests.helm.chart import ROOT, container, find, one, render, router_name, values_file
-from tests.images.pod import exec_in, require_image, running
+from tests.images.pod import drop_flag, exec_in, require_image, running, set_flag
 
 pytestmark = pytest.mark.helm
 
@@ -59,23 +60,6 @@ NOT_IN_IMAGE = {
 SIZE_CEILING_MB = (
     400  # measured 331 MB (README "Container images"); this catches a heavy dependency slipping in
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _set_flag(args: list[str], name: str, value: str) -> list[str]:
-    out = list(args)
-    out[out.index(name) + 1] = value
-    return out
-
-
-def _drop_flag(args: list[str], name: str) -> list[str]:
-    i = args.index(name)
-    return args[:i] + args[i + 2 :]
 
 
 async def _wait_ok(session: aiohttp.ClientSession, url: str, what: str) -> None:
@@ -101,7 +85,7 @@ async def test_router_image_serves_as_the_chart_runs_it(tmp_path: Path):
     require_image(IMAGE)
     engine = StubEngine("stub", ["stub-model"])
     async with serve(engine) as engine_url:
-        port = _free_port()
+        port = free_port()
         values = {
             "routerSpec": {
                 "serviceDiscovery": "static",
@@ -117,7 +101,7 @@ async def test_router_image_serves_as_the_chart_runs_it(tmp_path: Path):
         assert spec["image"] == IMAGE
         assert spec["securityContext"]["readOnlyRootFilesystem"] is True
         assert [m["mountPath"] for m in spec["volumeMounts"]] == ["/tmp"]
-        args = _set_flag(spec["args"], "--host", "127.0.0.1")
+        args = set_flag(spec["args"], "--host", "127.0.0.1")
         async with (
             running(pod, spec, _config_maps(objs), tmp_path, args) as cid,
             aiohttp.ClientSession() as http,
@@ -158,11 +142,11 @@ async def test_endpoint_picker_starts_from_the_router_image(tmp_path: Path):
     assert spec["image"] == IMAGE and not spec.get("command")
     engine = StubEngine("stub", ["org/tiny"])
     async with serve(engine) as engine_url:
-        port, grpc_port = _free_port(), _free_port()
-        args = _set_flag(spec["args"], "--host", "127.0.0.1")
-        args = _set_flag(_set_flag(args, "--port", str(port)), "--ext-proc-port", str(grpc_port))
-        args = _drop_flag(_drop_flag(args, "--k8s-namespace"), "--inference-pool")
-        args = _set_flag(args, "--service-discovery", "static") + ["--static-backends", engine_url]
+        port, grpc_port = free_port(), free_port()
+        args = set_flag(spec["args"], "--host", "127.0.0.1")
+        args = set_flag(set_flag(args, "--port", str(port)), "--ext-proc-port", str(grpc_port))
+        args = drop_flag(drop_flag(args, "--k8s-namespace"), "--inference-pool")
+        args = set_flag(args, "--service-discovery", "static") + ["--static-backends", engine_url]
         async with running(pod, spec, _config_maps(objs), tmp_path, args), aiohttp.ClientSession() as http:
             await _wait_ok(http, f"http://127.0.0.1:{port}/health", "the picker's /health")
             with socket.create_connection(("127.0.0.1", grpc_port), timeout=5):
