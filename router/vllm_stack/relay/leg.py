@@ -362,7 +362,7 @@ class Leg(PooledExchange):
             complete
             and data
             and self.up is not None
-            and (self.up.overrun or (data[-1] in _CR_LF and not (self.chunked and data.endswith(_CHUNK_END))))
+            and (self.up.overrun or (not data.endswith(_CHUNK_END) if self.chunked else data[-1] in _CR_LF))
         ):
             data = self._answer_part(data, self.up)
             if data is None:

@@ -534,13 +534,14 @@ class HttpConnection(asyncio.Protocol):
             self._body_size += len(body)  # (data_received tells body bytes from chunk framing by it)
             self._stream.feed(body)
             return
-        size = self._body_size = self._body_size + len(body)
+        n = len(body)
+        size = self._body_size = self._body_size + n
         if size > self._limit and not self._over_limit(size):  # a refused request's body: limit 0
             return
-        refusal = self.server.budget.take(len(body), self._holder)  # as it arrives (_reserve, inlined)
+        refusal = self.server.budget.take(n, self._holder)  # as it arrives (_reserve, inlined)
         if refusal is not None:
             raise _Reject(refusal)
-        self._reserved += len(body)
+        self._reserved += n
         self._body.append(body)
 
     def _over_limit(self, size: int) -> bool:
