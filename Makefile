@@ -13,7 +13,7 @@ help:
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
 	@echo "make test-fast  tests that need no engine and no cluster"
 	@echo "make test-cluster  the chart on a real API server (etcd, kube-apiserver, controller manager, scheduler, kwok)"
-	@echo "make test-images  the images run as the chart runs them, the CPU engine image too (built on first use, ~5 GB)"
+	@echo "make test-images  the images run as the chart runs them, the CPU engine image too (built on first use, ~7 GB)"
 	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make images     build the router image with podman (REGISTRY=host/ns PUSH=1: tag and push it there; ENGINE=1: the CPU engine image too)"

@@ -286,7 +286,7 @@ OPT_IN_MARKERS = ("stacks", "engine_image")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`stacks` tests (every example stack brought up, `make test-stacks`) run only when asked for
     with ``-m stacks``: they take a quarter of an hour, on top of `make test`'s own stacks. The same for
-    `engine_image` (`make test-images`): its first run builds the CPU engine image (~5 GB)."""
+    `engine_image` (`make test-images`): its first run builds the CPU engine image (~7 GB)."""
     markexpr = config.getoption("markexpr") or ""
     skipped = [marker for marker in OPT_IN_MARKERS if marker not in markexpr]
     kept = [item for item in items if not any(item.get_closest_marker(m) for m in skipped)]

@@ -8,12 +8,16 @@ from pathlib import Path
 
 from vllm_stack_dev.devsetup import STEPS
 from vllm_stack_dev.gotools import REGISTRY, STAMP_NAME, TEST_TOOLS
-from vllm_stack_dev.images import IMAGES, base_reference, image_id, registry_dir
+from vllm_stack_dev.images import IMAGES, ROUTER, base_reference, image_id, registry_dir
 from vllm_stack_dev.paths import engine_python, helm_binary, repo_root
 
 
 def _snapshot(paths: list[Path]) -> dict[str, int]:
     return {str(path): path.stat().st_mtime_ns for path in paths if path.exists()}
+
+
+def _router_inputs() -> str:
+    return ROUTER.input_key(image_id(base_reference()) or "")
 
 
 def test_second_install_is_fast_and_changes_nothing() -> None:
@@ -33,14 +37,20 @@ def test_second_install_is_fast_and_changes_nothing() -> None:
         registry_dir() / "pushed.json",
     ]
     images = [base_reference(), *(image.reference() for image in IMAGES)]
-    subprocess.run(
-        ["make", "-s", "install"], cwd=root, check=True, capture_output=True
-    )  # whatever was missing
-    before = _snapshot(watched)
-    image_ids = [image_id(reference) for reference in images]
-    started = time.monotonic()
-    result = subprocess.run(["make", "-s", "install"], cwd=root, capture_output=True, text=True)
-    elapsed = time.monotonic() - started
+    # The router image is keyed by the content of router/: in a working tree that someone edits meanwhile,
+    # the second install rightly rebuilds it; such a round is run again (a CI clone never sees one).
+    for _ in range(3):
+        subprocess.run(
+            ["make", "-s", "install"], cwd=root, check=True, capture_output=True
+        )  # whatever was missing
+        inputs = _router_inputs()
+        before = _snapshot(watched)
+        image_ids = [image_id(reference) for reference in images]
+        started = time.monotonic()
+        result = subprocess.run(["make", "-s", "install"], cwd=root, capture_output=True, text=True)
+        elapsed = time.monotonic() - started
+        if _router_inputs() == inputs:
+            break
     assert result.returncode == 0, result.stderr
     assert elapsed < 10, f"second make install took {elapsed:.1f} s"
     assert _snapshot(watched) == before
