@@ -4,8 +4,9 @@
 # unprivileged user. `docker build -f engine-image/engine.Dockerfile -t <registry>/vllm-stack-engine:v0.32.0 engine-image`
 # then set `repository`/`tag` of a model (or of cacheserverSpec) to it. The chart runs `vllm serve ...` in
 # the engine container and `lmcache_server HOST PORT` in the cache server; both are checked on PATH below.
-# No image is built in this repository's tests (no container runtime there): tests/helm/test_engine_image.py
-# checks the pins against the chart and the pinned wheels' console scripts against the commands it renders.
+# This image is not built in this repository's tests (its base cannot be pulled there; the test bed builds
+# engine-cpu.Dockerfile instead): tests/helm/test_engine_image.py checks the pins against the chart and the
+# pinned wheels' console scripts against the commands it renders.
 
 ARG VLLM_VERSION=0.32.0
 ARG LMCACHE_VERSION=0.5.6

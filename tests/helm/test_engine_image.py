@@ -1,7 +1,8 @@
 """The engine image recipe (engine-image/engine.Dockerfile) keeps its promises: vLLM and LMCache pinned to the
 versions the chart's defaults name, a non-root user, and the commands the chart renders (`vllm` for the engines,
-`lmcache_server` for the cache server) present on PATH. No container runtime runs here, so the Dockerfile is
-checked as text, the pins are resolved to the pinned distributions available here (LMCache's wheel in
+`lmcache_server` for the cache server) present on PATH. Its base (vLLM's CUDA image) cannot be pulled here,
+so the Dockerfile is checked as text (the CPU engine image, engine-cpu.Dockerfile, is built and run by
+tests/images/), the pins are resolved to the pinned distributions available here (LMCache's wheel in
 .cache/wheels, vLLM 0.32's metadata in the engine environment: the CPU build of the same release), and the
 rendered commands are looked up among those distributions' console scripts."""
 

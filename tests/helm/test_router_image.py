@@ -1,7 +1,7 @@
 """The router image recipe (engine-image/router.Dockerfile) keeps its promises: multi-stage, installs the
 project without extras (router dependencies only, no vLLM or torch), runs as a non-root user, and its
-entrypoint is the router, so that the chart passes only arguments. No container runtime runs here, so the
-Dockerfile is checked as text; the dependency claim is checked against pyproject.toml."""
+entrypoint is the router, so that the chart passes only arguments. Checked here as text against
+pyproject.toml; tests/images/ runs the image `make install` builds from it, as the chart runs it."""
 
 from __future__ import annotations
 
