@@ -51,6 +51,7 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- $vc := $m.vllmConfig | default dict -}}
 {{- $size := include "vllm-stack.engine.sizing" $ctx | fromYaml -}}
 {{- if and (hasKey $m "replicaCount") (eq (include "vllm-stack.model.kedaEnabled" $ctx) "true") }}{{ $n = append $n (printf "%s.replicaCount: not rendered: the keda block is on, so KEDA owns the replica count (between minReplicaCount and maxReplicaCount), as in production-stack" $p) }}{{ end -}}
+{{- if and $m.keda (not (hasKey $m.keda "enabled")) }}{{ $n = append $n (printf "%s.keda: off: the block has no enabled: true, so no ScaledObject is rendered and replicaCount stays, as in production-stack (give keda.enabled: true to autoscale; KEDA's CRDs must be installed)" $p) }}{{ end -}}
 {{- if eq (include "vllm-stack.model.kedaEnabled" $ctx) "true" -}}
 {{- $given := $m.keda.triggers | default $v.keda.triggers -}}
 {{- if kindIs "map" $given }}{{ $given = list $given }}{{ end -}}
@@ -61,6 +62,7 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- $n = append $n (printf "%s.%s.%s: not rendered: %s is a selector label (production-stack's), whose value stays %s: the Deployment's selector cannot change" $p $block $k $k (get $sel $k)) -}}
 {{- end }}{{ end }}{{ end -}}
 {{- with $size.memoryRaised }}{{ $n = append $n (printf "%s.requestMemory: %s" $p .) }}{{ end -}}
+{{- with $size.memoryUnlimited }}{{ $n = append $n (printf "%s.limitMemory: %s" $p .) }}{{ end -}}
 {{- with $size.cpuRaised }}{{ $n = append $n (printf "%s.requestCPU: %s; a CPU quota below them throttles the engine every 100 ms CFS period" $p .) }}{{ end -}}
 {{- $g := include "vllm-stack.str" ($m.requestGPU | default 0) -}}
 {{- if ne $g (include "vllm-stack.engine.gpus" $ctx) -}}
@@ -72,13 +74,17 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- if semverCompare (printf "<%s" $oldest) $gated.version }}{{ $n = append $n (printf "%s.%s: vLLM %s is older than the oldest release the chart's flag table reads (%s, files/vllm-flags.yaml): the flags %s parses are rendered, taken to be older, and those that came later are left out" $p (ternary "vllmVersion" "tag" (eq $gated.source "vllmVersion")) $gated.version $oldest $oldest) }}{{ end -}}
 {{- range $gated.notes }}{{ $n = append $n (printf "%s.%s: %s" $p (ternary "vllmVersion" "tag" (eq $gated.source "vllmVersion")) .) }}{{ end -}}
 {{- if and (include "vllm-stack.model.asksV0" $ctx) (not (include "vllm-stack.model.v0" $ctx)) }}{{ $n = append $n (printf "%s.vllmConfig.%s: ignored: vLLM %s has only the V1 engine (V0 was removed in 0.11.0), which runs; production-stack would set VLLM_USE_V1=0, which that vLLM refuses at start" $p (ternary "v0" "v1" (hasKey $vc "v0")) $gated.version) }}{{ end -}}
-{{- if and $m.vllmConfig (not (hasKey $vc "enablePrefixCaching")) }}{{ $n = append $n (printf "%s.vllmConfig.enablePrefixCaching: not given, so vLLM's default (on); production-stack renders --no-enable-prefix-caching here" $p) }}{{ end -}}
+{{- /* V0 engines leave prefix caching off by default, as production-stack's --no-enable-prefix-caching: nothing differs. */ -}}
+{{- if and $m.vllmConfig (not (hasKey $vc "enablePrefixCaching")) (not (include "vllm-stack.model.runsV0" $ctx)) }}{{ $n = append $n (printf "%s.vllmConfig.enablePrefixCaching: not given, so vLLM's default (on); production-stack renders --no-enable-prefix-caching here" $p) }}{{ end -}}
 {{- if and (hasKey $vc "v1") (not (has (toString $vc.v1) (list "0" "false"))) (not (include "vllm-stack.model.v1" $ctx)) }}{{ $n = append $n (printf "%s.vllmConfig.v1: nothing to set: vLLM %s runs the V1 engine by default" $p $gated.version) }}{{ end -}}
 {{- if and $vc.maxLoras (not (or $vc.enableLoRA $m.enableLoRA)) }}{{ $n = append $n (printf "%s.vllmConfig.maxLoras: --enable-lora added (vLLM ignores --max-loras without it; production-stack passes --max_loras alone)" $p) }}{{ end -}}
 {{- if and $m.enableLoRA $m.pvcStorage }}{{ $n = append $n (printf "%s.enableLoRA: --enable-lora; production-stack would also add its LoRA sidecar here (enableLoRA with pvcStorage), which is not shipped: register adapters in loraAdapters (the router loads them) or use vllmConfig.loraModules" $p) }}{{ end -}}
-{{- with ($m.lmcacheConfig | default dict).cudaVisibleDevices }}{{ $n = append $n (printf "%s.lmcacheConfig.cudaVisibleDevices: not set as CUDA_VISIBLE_DEVICES (%q): each pod gets its own GPUs from the device plugin (requestGPU), numbered from 0 inside the pod, so a node-wide index such as \"1\" would hide a one-GPU pod's only GPU%s" $p (toString .) (ternary "; this model requests none: give it requestGPU: 1" "" (eq (include "vllm-stack.engine.gpus" $ctx) "0"))) }}{{ end -}}
+{{- with ($m.lmcacheConfig | default dict).cudaVisibleDevices }}{{ if ne (include "vllm-stack.engine.gpuCount" $ctx) "0" }}{{ $n = append $n (printf "%s.lmcacheConfig.cudaVisibleDevices: not set as CUDA_VISIBLE_DEVICES (%q): the pod gets its own GPUs from the device plugin (requestGPU), numbered from 0 inside the pod, so a node-wide index such as \"1\" would hide a one-GPU pod's only GPU" $p (toString .)) }}{{ end }}{{ end -}}
+{{- if and $m.pvcStorage $m.pvcExistingClaimName }}{{ $n = append $n (printf "%s.pvcStorage: not used: pvcExistingClaimName (%s) is the claim the model cache is on, so no claim of this size is created" $p $m.pvcExistingClaimName) }}{{ end -}}
+{{- $sleep := false }}{{ range ($vc.extraArgs | default list) }}{{ if eq (regexReplaceAll "=.*$" (include "vllm-stack.str" . | replace "_" "-") "") "--enable-sleep-mode" }}{{ $sleep = true }}{{ end }}{{ end -}}
+{{- if and $r.enableRouter $sleep }}{{ $n = append $n (printf "%s.vllmConfig.extraArgs: --enable-sleep-mode: the vllm-stack router serves no /sleep, /wake_up or /is_sleeping (production-stack's router forwards them to an engine), so clients cannot put these engines to sleep through it; call the engine's own endpoints (they need VLLM_SERVER_DEV_MODE=1)" $p) }}{{ end -}}
 {{- with $m.pvcMatchLabels }}{{ $n = append $n (printf "%s.pvcMatchLabels: the model's PVC selects a pre-provisioned PersistentVolume labelled %s" $p (toJson .)) }}{{ end -}}
-{{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) }}{{ $n = append $n (printf "%s.chatTemplate: --chat-template %s as given; the file must be in the image or a volume you mount (extraVolumes); production-stack would look for it under /templates on a PVC named vllm-templates-pvc" $p $m.chatTemplate) }}{{ end -}}
+{{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) (hasPrefix "/" $m.chatTemplate) (not (hasPrefix "/templates/" $m.chatTemplate)) }}{{ $n = append $n (printf "%s.chatTemplate: --chat-template %s as given; the file must be in the image or a volume you mount (extraVolumes); production-stack would look for it under /templates on a PVC named vllm-templates-pvc" $p $m.chatTemplate) }}{{ end -}}
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" $ctx) "true" -}}
 {{- $lc := $m.lmcacheConfig -}}
 {{- if eq (include "vllm-stack.model.chartController" $ctx) "true" -}}
@@ -91,6 +97,7 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- $paths := list }}{{ range $keys }}{{ $paths = append $paths (printf "%s.lmcacheConfig.%s" $p .) }}{{ end -}}
 {{- $n = append $n (printf "%s: these point the engine at an LMCache controller on production-stack's router, which hosts one for kvaware routing only; with routingLogic %s this chart deploys no controller, so it stays off (routingLogic kvaware or lmcacheControllerSpec.enabled deploys one the engines report to; or give controllerPullUrl and controllerReplyUrl of your own lmcache_controller)" (join ", " $paths) (toString $r.routingLogic)) -}}
 {{- end -}}
+{{- with (include "vllm-stack.model.lmcacheBefore05" $ctx) }}{{ if (include "vllm-stack.model.pd" $ctx) }}{{ $n = append $n (printf "%s.tag: %s runs %s, older than LMCache 0.5, whose names the chart renders: it reads disaggregated prefill as LMCACHE_ENABLE_NIXL and LMCACHE_NIXL_* (production-stack's enableNixl and nixl* keys), so it ignores LMCACHE_ENABLE_PD, LMCACHE_PD_*, LMCACHE_TRANSFER_CHANNEL and LMCACHE_NIXL_BACKENDS and runs without disaggregated prefill; use an LMCache 0.5 image (lmcache/vllm-openai:%s, the chart's pin)" $p (include "vllm-stack.model.image" $ctx) . (include "vllm-stack.defaultLMCacheTag" $)) }}{{ end }}{{ end -}}
 {{- if eq (include "vllm-stack.model.nixlPD" $ctx) "true" -}}
 {{- $pd := include "vllm-stack.model.pd" $ctx | fromYaml -}}
 {{- $moved := list (printf "pd.role %s" $pd.role) -}}

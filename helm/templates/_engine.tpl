@@ -178,8 +178,13 @@ secretKeyRef:
 {{- with $remote }}
 - name: LMCACHE_REMOTE_URL
   value: {{ . | quote }}
+{{- /* An empty serde (production-stack's default cacheserverSpec.serde: "") is an unset one: LMCache 0.5.6
+     keeps LMCACHE_REMOTE_SERDE="" as the serde and its remote backend fails at start ("Invalid type: "), so
+     the variable is left out and LMCache's default (naive) applies, as production-stack's chart does. */}}
+{{- with ($lc.remoteSerde | default $root.Values.cacheserverSpec.serde) }}
 - name: LMCACHE_REMOTE_SERDE
-  value: {{ $lc.remoteSerde | default $root.Values.cacheserverSpec.serde | quote }}
+  value: {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- /* The LMCache controller: the chart's (lmcache-controller.yaml, deployed for routingLogic kvaware or
      lmcacheControllerSpec.enabled), or one of your own (controllerPullUrl / controllerReplyUrl). production-stack
@@ -312,6 +317,13 @@ secretKeyRef:
 {{- if eq (include "vllm-stack.model.lmcacheEnabled" .) "true" }}
 {{ include "vllm-stack.engine.lmcacheEnv" . }}
 {{- end }}
+{{- /* production-stack's CUDA_VISIBLE_DEVICES (its PD files pin the prefill engine to GPU 0 and the decode
+     engine to GPU 1): kept where the model requests no GPU, whose pod sees the node's GPUs and needs it not to
+     share GPU 0 with the other; a pod given GPUs by the device plugin sees only those, numbered from 0. */}}
+{{- with ($m.lmcacheConfig | default dict).cudaVisibleDevices }}{{ if and (eq (include "vllm-stack.model.lmcacheEnabled" $) "true") (eq (include "vllm-stack.engine.gpuCount" $) "0") }}
+- name: CUDA_VISIBLE_DEVICES
+  value: {{ include "vllm-stack.str" . | quote }}
+{{- end }}{{ end }}
 {{- if eq (include "vllm-stack.model.v0" .) "true" }}
 - name: VLLM_USE_V1
   value: "0"
@@ -346,12 +358,45 @@ secretKeyRef:
 {{- end -}}
 
 {{/* The --chat-template path: production-stack's file name in chatTemplateConfigMap (mounted at
-     /templates), or an absolute path to a file in the image or a volume. */}}
+     /templates), a file name or a /templates/ path on production-stack's claim vllm-templates-pvc (mounted at
+     /templates, vllm-stack.engine.chatTemplateClaim), or any other absolute path (a file in the image or a volume). */}}
 {{- define "vllm-stack.engine.chatTemplatePath" -}}
 {{- $m := .model -}}
 {{- if $m.chatTemplateConfigMap -}}
 {{- printf "/templates/%s" (base ($m.chatTemplate | default "chat-template.jinja")) -}}
 {{- else if and $m.chatTemplate (hasPrefix "/" $m.chatTemplate) -}}
 {{- $m.chatTemplate -}}
+{{- else if $m.chatTemplate -}}
+{{- printf "/templates/%s" $m.chatTemplate -}}
+{{- end -}}
+{{- end -}}
+
+{{/* production-stack's claim for chat templates, vllm-templates-pvc, mounted at /templates when the template
+     is read from there (chatTemplate without chatTemplateConfigMap: a file name, or a path under /templates/)
+     and the model's extraVolumeMounts do not mount /templates themselves. */}}
+{{- define "vllm-stack.engine.chatTemplateClaim" -}}
+{{- $m := .model -}}
+{{- if and $m.chatTemplate (not $m.chatTemplateConfigMap) (or (not (hasPrefix "/" $m.chatTemplate)) (hasPrefix "/templates/" $m.chatTemplate)) -}}
+{{- $own := false -}}
+{{- range $m.extraVolumeMounts }}{{ if eq (trimSuffix "/" (toString .mountPath)) "/templates" }}{{ $own = true }}{{ end }}{{ end -}}
+{{- if not $own }}vllm-templates-pvc{{ end -}}
+{{- end -}}
+{{- end -}}
+
+
+{{/* The LMCache of the model's image when it is older than 0.5, whose settings the chart renders, as text
+     ("an LMCache build of 2025-05-27"), else nothing. lmcache/vllm-openai tags are LMCache releases (v0.5.6) or
+     build dates (2025-05-27-v1); LMCache was at 0.3.x until November 2025 (0.3.9), so a build dated before
+     2025-11-01 predates 0.5. Other images: unknown, taken to be 0.5. */}}
+{{- define "vllm-stack.model.lmcacheBefore05" -}}
+{{- $image := include "vllm-stack.model.image" . -}}
+{{- $repo := regexReplaceAll ":[^:/]*$" $image "" -}}
+{{- $tag := trimPrefix (printf "%s:" $repo) $image -}}
+{{- if hasSuffix "lmcache/vllm-openai" $repo -}}
+{{- $release := regexFind "^v?[0-9]+\\.[0-9]+\\.[0-9]+" $tag | trimPrefix "v" -}}
+{{- $date := regexFind "^20[0-9][0-9]-[01][0-9]-[0-3][0-9]" $tag -}}
+{{- if and $release (semverCompare "<0.5.0-0" $release) }}LMCache {{ $release }}
+{{- else if and $date (lt $date "2025-11-01") }}an LMCache build of {{ $date }}
+{{- end -}}
 {{- end -}}
 {{- end -}}

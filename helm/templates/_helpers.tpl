@@ -159,7 +159,8 @@ Decisions shared by several templates.
 
 {{/* "true" when the model gets a ScaledObject: it has a keda block that is not `enabled: false`. */}}
 {{- define "vllm-stack.model.kedaEnabled" -}}
-{{- if and .model.keda (ne (toString .model.keda.enabled) "false") -}}true{{- end -}}
+{{- /* production-stack's meaning: a keda block is off unless enabled: true (a ScaledObject needs KEDA's CRDs). */ -}}
+{{- if and .model.keda (eq (toString .model.keda.enabled) "true") -}}true{{- end -}}
 {{- end -}}
 
 {{/* The model name clients use and vLLM reports in `model_name`. */}}

@@ -63,12 +63,39 @@ from it (README "Engine memory and CPU"). Call with (dict "root" $ "model" $mode
 {{- end -}}
 {{- end -}}
 
+{{/* The values vllmConfig.extraArgs gives the flags named in .flags (the last one wins; `--flag value`,
+     `--flag=value` and vLLM's underscore spelling), as YAML: flag -> value. */}}
+{{- define "vllm-stack.model.extraArgValues" -}}
+{{- $words := list -}}
+{{- range (.model.vllmConfig | default dict).extraArgs }}{{ $words = append $words (include "vllm-stack.str" .) }}{{ end -}}
+{{- $out := dict -}}
+{{- range $i, $w := $words -}}
+{{- $name := regexReplaceAll "=.*$" $w "" | replace "_" "-" -}}
+{{- if has $name $.flags -}}
+{{- if contains "=" $w }}{{ $_ := set $out $name (regexReplaceAll "^[^=]*=" $w "") }}
+{{- else if lt (add1 $i) (len $words) }}{{ $_ := set $out $name (index $words (add1 $i)) }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/* "true" when the engine runs vLLM's V0 engine: production-stack's v0 where the release has it, or a
+     release before 0.8.0 (V0 by default) unless vllmConfig.v1 asks for V1. */}}
+{{- define "vllm-stack.model.runsV0" -}}
+{{- if or (include "vllm-stack.model.v0" .) (and (semverCompare "<0.8.0" (include "vllm-stack.model.vllmRelease" . | fromYaml).version) (not (include "vllm-stack.model.v1" .))) }}true{{ end -}}
+{{- end -}}
+
 {{/*
 The sizing of one engine as YAML: what it holds at start and the requests/limits rendered.
   bufferMi     LMCache's pinned CPU buffer: LMCache 0.5.6 allocates max_local_cpu_size GiB (default 5)
                whenever the connector runs, whether or not local_cpu is on, in every GPU worker (TP x PP);
                plus a PD buffer on the CPU
   shm          the memory-backed /dev/shm size (tmpfs pages count against the container's memory)
+  vllmMi       what vLLM's own flags in vllmConfig.extraArgs pin in host memory: --cpu-offload-gb (weights,
+               per GPU worker), V0's --swap-space (per GPU worker, default 4 GiB; V1 allocates none) and
+               --kv-offloading-size (the KV offload buffer, all ranks together)
+  unknownWhy   set when a flag pins host memory the chart cannot size (an OffloadingConnector in
+               --kv-transfer-config: its CPU blocks depend on the model): no memory limit is rendered
   footprintMi  servingEngineSpec.engineMemoryFootprint: the vLLM processes themselves
   needMi       their sum: the smallest memory limit that does not OOM-kill the engine
   busyCores    processes that each keep a core busy: API server + engine core, plus one worker per
@@ -98,6 +125,26 @@ The sizing of one engine as YAML: what it holds at start and the requests/limits
 {{- $bufferWhat = append $bufferWhat (printf "%s PD buffer on the CPU (lmcacheConfig.pd.bufferSize)" (include "vllm-stack.quantityMi" $pdMi)) -}}
 {{- end }}{{ end -}}
 {{- end -}}
+{{- /* vLLM's own host memory, from the flags the engine runs with (vllmConfig.extraArgs). */ -}}
+{{- $flags := include "vllm-stack.model.extraArgValues" (dict "model" $m "flags" (list "--cpu-offload-gb" "--swap-space" "--kv-offloading-size" "--kv-transfer-config")) | fromYaml -}}
+{{- $perWorker := ternary (printf " per GPU worker x %d workers" $parallel) " per GPU worker" (gt $parallel 1) -}}
+{{- with (get $flags "--cpu-offload-gb") }}{{ if gt (float64 .) 0.0 -}}
+{{- $mi := mul (ceil (mulf (float64 .) 1024) | int64) $parallel -}}
+{{- $bufferMi = add $bufferMi $mi -}}
+{{- $bufferWhat = append $bufferWhat (printf "%s vLLM CPU weight offload (--cpu-offload-gb %s%s)" (include "vllm-stack.quantityMi" $mi) . $perWorker) -}}
+{{- end }}{{ end -}}
+{{- if include "vllm-stack.model.runsV0" . -}}
+{{- $swap := get $flags "--swap-space" | default "4" -}}
+{{- $mi := mul (ceil (mulf (float64 $swap) 1024) | int64) $parallel -}}
+{{- if $mi }}{{ $bufferMi = add $bufferMi $mi }}{{ $bufferWhat = append $bufferWhat (printf "%s vLLM V0 swap space (--swap-space %s%s%s)" (include "vllm-stack.quantityMi" $mi) $swap (ternary ", vLLM's default" "" (not (hasKey $flags "--swap-space"))) $perWorker) }}{{ end -}}
+{{- end -}}
+{{- with (get $flags "--kv-offloading-size") }}{{ if gt (float64 .) 0.0 -}}
+{{- $mi := ceil (mulf (float64 .) 1024) | int64 -}}
+{{- $bufferMi = add $bufferMi $mi -}}
+{{- $bufferWhat = append $bufferWhat (printf "%s vLLM KV offload buffer (--kv-offloading-size %s)" (include "vllm-stack.quantityMi" $mi) .) -}}
+{{- end }}{{ end -}}
+{{- $unknownWhy := "" -}}
+{{- with (get $flags "--kv-transfer-config") }}{{ if contains "OffloadingConnector" . }}{{ $unknownWhy = "--kv-transfer-config's OffloadingConnector keeps KV blocks in host memory, as many as its kv_connector_extra_config asks for, whose size the chart cannot know (it depends on the model)" }}{{ end }}{{ end -}}
 {{- $shm := $m.shmSize | default (ternary "20Gi" "2Gi" (gt $parallel 1)) -}}
 {{- $shmMi := include "vllm-stack.mebibytes" $shm | int64 -}}
 {{- $footMi := include "vllm-stack.mebibytes" $spec.engineMemoryFootprint | int64 -}}
@@ -132,9 +179,14 @@ memoryError: {{ printf "limitMemory %s is below what the engine holds: %s; raise
 {{- else }}
 {{- $mem := ternary (include "vllm-stack.str" ($m.requestMemory | default "16Gi")) (include "vllm-stack.quantityMi" $needMi) (ge $reqMi $needMi) }}
 memoryRequest: {{ $mem | quote }}
+{{- if $unknownWhy }}
+{{- /* What the engine pins is not known here: a limit would be a guess that OOM-kills it at start. */}}
+memoryUnlimited: {{ printf "no memory limit rendered (request %s%s): %s; give limitMemory once you know it" $mem (ternary (printf ", raised from %s: %s" (include "vllm-stack.str" ($m.requestMemory | default "16Gi")) $why) "" (lt $reqMi $needMi)) $unknownWhy | quote }}
+{{- else }}
 memoryLimit: {{ $mem | quote }}
 {{- if lt $reqMi $needMi }}
 memoryRaised: {{ printf "requestMemory %s raised to %s (request and limit): %s" (include "vllm-stack.str" ($m.requestMemory | default "16Gi")) $mem $why | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- $reqM := include "vllm-stack.millicores" ($m.requestCPU | default 4) | int64 }}

@@ -67,6 +67,7 @@ def values(prometheus: str) -> dict:
                     "replicaCount": 1,
                     "vllmConfig": {"extraArgs": ["--max-num-seqs", "2"]},
                     "keda": {
+                        "enabled": True,
                         "minReplicaCount": 1,
                         "maxReplicaCount": 2,
                         **FAST_KEDA,
@@ -83,6 +84,7 @@ def values(prometheus: str) -> dict:
                     "modelURL": COLD_MODEL,
                     "replicaCount": 0,
                     "keda": {
+                        "enabled": True,
                         "minReplicaCount": 0,
                         "maxReplicaCount": 1,
                         **FAST_KEDA,

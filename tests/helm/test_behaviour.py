@@ -589,6 +589,7 @@ def test_user_promql_is_kept_as_written(tmp_path):
                         "name": "x",
                         "modelURL": "org/x",
                         "keda": {
+                            "enabled": True,
                             "triggers": [
                                 {
                                     "type": "prometheus",

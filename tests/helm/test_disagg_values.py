@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helm.chart import (
     HELMS,
@@ -117,8 +118,16 @@ def test_decode_pool_is_an_lmcache_receiver_on_the_files_port(name):
 
 
 @pytest.mark.parametrize("name", PS_FILES)
-def test_no_pod_gets_production_stacks_cuda_visible_devices(name):
-    for d in pools(render([ps_path(name)])):
+def test_pods_given_gpus_get_no_node_wide_cuda_visible_devices(name, tmp_path):
+    """With requestGPU the device plugin gives each pod its own GPUs, numbered from 0: production-stack's "1"
+    would hide the only one. As the files are (no GPU requested) the pinning is kept
+    (tests/helm/test_production_stack_start.py)."""
+    values = yaml.safe_load(ps_path(name).read_text())
+    for m in values["servingEngineSpec"]["modelSpec"]:
+        m["requestGPU"] = 1
+    path = tmp_path / "gpus.yaml"
+    path.write_text(yaml.safe_dump(values))
+    for d in pools(render([path])):
         assert "CUDA_VISIBLE_DEVICES" not in env_of(container(d))
 
 
@@ -151,7 +160,7 @@ def test_the_notes_say_what_became_of_the_pre_05_keys():
     assert "told its receiver per request" in lines[(f"{pre}.nixlPeerHost", f"{pre}.nixlPeerPort")]
     assert "no such setting" in lines[(f"{dec}.nixlEnableGc",)]
     assert "implied by the model's role (decode" in lines[(f"{dec}.enablePD",)]
-    assert "would hide a one-GPU pod's only GPU" in lines[(f"{dec}.cudaVisibleDevices",)]
+    assert (f"{dec}.cudaVisibleDevices",) not in lines  # no GPU requested: kept as production-stack renders it
     assert "--disaggregation" in lines[("routerSpec.enablePD",)]
 
 
@@ -183,7 +192,7 @@ def test_network_policy_opens_the_notify_port_to_engines_only(tmp_path):
 def test_each_pool_keeps_its_own_autoscaling(tmp_path):
     values = load(PS_FILES[0])
     for m, top in zip(values["servingEngineSpec"]["modelSpec"], (4, 8), strict=True):
-        m["keda"] = {"minReplicaCount": 1, "maxReplicaCount": top}
+        m["keda"] = {"enabled": True, "minReplicaCount": 1, "maxReplicaCount": top}
     objs = render([values_file(tmp_path, values)])
     prefill, decode = pools(objs)
     scaled = {

@@ -89,13 +89,13 @@ def test_production_stacks_default_file_with_its_disabled_tp2_model_renders():
     ],
 )
 def test_keda_min_above_max_is_refused(tmp_path, keda, replicas, words):
-    model = {"keda": keda} | ({"replicaCount": replicas} if replicas is not None else {})
+    model = {"keda": {"enabled": True, **keda}} | ({"replicaCount": replicas} if replicas is not None else {})
     err = _refused(tmp_path, _model(**model))
     assert words in err and "give a maxReplicaCount of at least" in err
 
 
 def test_keda_min_up_to_max_renders(tmp_path):
-    objs = _renders(tmp_path, _model(keda={"minReplicaCount": 2, "maxReplicaCount": 2}))
+    objs = _renders(tmp_path, _model(keda={"enabled": True, "minReplicaCount": 2, "maxReplicaCount": 2}))
     so = one(objs, "ScaledObject", engine_name("m", "ScaledObject"))["spec"]
     assert so["minReplicaCount"] == so["maxReplicaCount"] == 2
     # off: not checked (no ScaledObject)

@@ -13,6 +13,7 @@ import types
 import zipfile
 
 import pytest
+import yaml
 
 from tests.helm.chart import EXAMPLES, RELEASE, ROOT, container, engine_name, one, render
 from tests.shared_data import PS_VALUES, require
@@ -133,3 +134,68 @@ def test_kvaware_engines_report_to_the_charts_controller(lmcache_config, monkeyp
         f"{RELEASE}-lmcache-controller:9001",
     )
     assert (cfg.lmcache_worker_ports, cfg.lmcache_worker_heartbeat_time, cfg.chunk_size) == ([8001], 30, 256)
+
+
+def _create_serde(config):
+    """LMCache 0.5.6's own CreateSerde (lmcache/v1/storage_backend/naive_serde/__init__.py, from the wheel),
+    which its RemoteBackend calls with config.remote_serde at construction. The serializer classes it picks
+    from import torch, so they are stand-ins here: what is checked is the type the config hands it."""
+    with zipfile.ZipFile(WHEELS[-1]) as wheel:
+        backend = wheel.read("lmcache/v1/storage_backend/remote_backend.py").decode()
+        source = wheel.read("lmcache/v1/storage_backend/naive_serde/__init__.py").decode()
+    assert "CreateSerde(\n            config.remote_serde, metadata, config\n        )" in backend
+    names = {
+        "lmcache.v1.metadata": ["LMCacheMetadata"],
+        "lmcache.v1.storage_backend.naive_serde.cachegen_decoder": ["CacheGenDeserializer"],
+        "lmcache.v1.storage_backend.naive_serde.cachegen_encoder": ["CacheGenSerializer"],
+        "lmcache.v1.storage_backend.naive_serde.kivi_serde": ["KIVIDeserializer", "KIVISerializer"],
+        "lmcache.v1.storage_backend.naive_serde.naive_serde": ["NaiveDeserializer", "NaiveSerializer"],
+        "lmcache.v1.storage_backend.naive_serde.serde": ["Deserializer", "Serializer"],
+    }
+    stubs = {}
+    for module, classes in names.items():
+        stubs[module] = types.ModuleType(module)
+        for cls in classes:
+            setattr(stubs[module], cls, type(cls, (), {"__init__": lambda self, *a: None}))
+    saved = {k: sys.modules.get(k) for k in stubs}
+    sys.modules.update(stubs)
+    try:
+        namespace: dict = {"__name__": "lmcache.v1.storage_backend.naive_serde"}
+        exec(compile(source, "naive_serde/__init__.py", "exec"), namespace)
+        assert config.remote_serde is not None  # RemoteBackend's own assertion
+        return namespace["CreateSerde"](config.remote_serde, None, config)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def test_an_empty_serde_is_lmcaches_default(lmcache_config, monkeypatch, tmp_path):
+    """production-stack's default cacheserverSpec.serde is "": its chart then renders no LMCACHE_REMOTE_SERDE.
+    Rendered as "", LMCache 0.5.6 keeps it and its remote backend raises ValueError("Invalid type: ") at start."""
+    values = {
+        "servingEngineSpec": {
+            "modelSpec": [
+                {
+                    "name": "m",
+                    "modelURL": "facebook/opt-125m",
+                    "requestGPU": 1,
+                    "lmcacheConfig": {"enabled": True},
+                }
+            ]
+        },
+        "cacheserverSpec": {"enabled": True, "serde": ""},
+    }
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    cfg = load(lmcache_config, path, "m", monkeypatch)
+    serializer, _ = _create_serde(cfg)  # the old render: ValueError("Invalid type: ")
+    assert (cfg.remote_url, cfg.remote_serde) == (f"lm://{RELEASE}-cache-server-service:80", "naive")
+    assert type(serializer).__name__ == "NaiveSerializer"
+    # an explicit serde still reaches LMCache
+    values["cacheserverSpec"]["serde"] = "cachegen"
+    path = tmp_path / "cachegen.yaml"  # render() caches by file name
+    path.write_text(yaml.safe_dump(values))
+    assert load(lmcache_config, path, "m", monkeypatch).remote_serde == "cachegen"

@@ -251,7 +251,7 @@ def test_keda_wakes_a_model_on_requests_waiting_in_the_router(tmp_path) -> None:
         {
             "name": "m",
             "modelURL": "org/m",
-            "keda": {"minReplicaCount": 0, "activation": {"enabled": True}},
+            "keda": {"enabled": True, "minReplicaCount": 0, "activation": {"enabled": True}},
         }
     )
     so = one(render([values_file(tmp_path, values)]), "ScaledObject", engine_name("m", "ScaledObject"))[

@@ -27,7 +27,6 @@ REFUSED = {
     "routerSpec.k8sServiceDiscoveryType",  # service-name
     "routerSpec.rootPath",
     "routerSpec.route.main.kind",  # GRPCRoute for an HTTP API
-    "servingEngineSpec.modelSpec.[].chatTemplate",  # a bare name without chatTemplateConfigMap (a PVC of its own)
     "servingEngineSpec.modelSpec.[].lmcacheConfig.controllerPort",  # without enableController
     "servingEngineSpec.modelSpec.[].lmcacheConfig.controllerReplyPort",
     "servingEngineSpec.modelSpec.[].lmcacheConfig.enableController",  # without a controller address

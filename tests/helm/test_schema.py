@@ -68,7 +68,6 @@ def test_types_enums_and_ranges(tmp_path, values, where):
 @pytest.mark.parametrize(
     "values, message",
     [
-        (model(chatTemplate="x"), "chatTemplate is not implemented"),
         (
             model(lmcacheConfig={"enabled": True, "nixlRole": "sender"}),
             "LMCache 0.5 silently ignores; use lmcacheConfig.pd.role",

@@ -168,7 +168,12 @@ def chart_keda_queries(model: str, namespace: str) -> dict[str, str]:
                 {
                     "name": "m",
                     "modelURL": model,
-                    "keda": {"minReplicaCount": 0, "maxReplicaCount": 1, "activation": {"enabled": True}},
+                    "keda": {
+                        "enabled": True,
+                        "minReplicaCount": 0,
+                        "maxReplicaCount": 1,
+                        "activation": {"enabled": True},
+                    },
                 }
             ]
         }

@@ -611,7 +611,7 @@ class Planner:
         ):
             self._say(
                 pod.name,
-                f"--chat-template {template}",
+                f"--chat-template {_flag(pod.container.get('args', []), '--chat-template') or template}",
                 "the tiny Llama's own chat template",
                 "the file is in the cluster's image or volume, not here",
             )
