@@ -99,7 +99,15 @@ def _cmd_cluster_up(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from vllm_stack_dev.up.check import check
 
-    return check(args.values, args.set, strict=args.strict, release=args.release, namespace=args.namespace)
+    return check(
+        args.values,
+        args.set,
+        strict=args.strict,
+        fail_on=args.fail_on,
+        verbose=args.verbose,
+        release=args.release,
+        namespace=args.namespace,
+    )
 
 
 def _cmd_router(argv: Sequence[str]) -> int:
@@ -176,15 +184,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser(
         "check",
-        help="print every deviation the chart would make from a values file (what NOTES lists)",
+        help="print every deviation the chart would make from a values file, ranked error/breaks/differs/info",
         description="Renders the chart as helm install --dry-run=client does (no cluster) and prints each key it"
         " honours differently, substitutes or ignores: what NOTES.txt lists, which helm template (Argo CD, Flux)"
-        " never shows. --strict renders with strict=true: any deviation fails, with the chart's message.",
+        " never shows, and what the render changes that no key asked for; each line ranked error, breaks (will not"
+        " start or not work as meant), differs (not as production-stack's chart) or info. --fail-on picks the"
+        " level that exits 1 (default breaks); --strict renders with strict=true: any deviation fails.",
     )
     _values_flags(check)
     check.add_argument(
         "--strict", action="store_true", help="exit 1 on any deviation (the chart's strict: true)"
     )
+    check.add_argument(
+        "--fail-on",
+        choices=["breaks", "differs", "info"],
+        default="breaks",
+        help="exit 1 on a finding of this severity or above (error > breaks > differs > info; default breaks)",
+    )
+    check.add_argument("-v", "--verbose", action="store_true", help="print each finding in full")
     check.add_argument("--release", default="vllm-stack", help="release name the chart is rendered for")
     check.add_argument("--namespace", default="default", help="namespace the chart is rendered for")
     check.set_defaults(func=_cmd_check)
