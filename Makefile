@@ -74,7 +74,7 @@ test-engine: install
 
 # The container images run as the chart runs them, the CPU engine image included (built on first use).
 test-images: install
-	@$(BIN)/pytest -m "engine_image or not engine_image" tests/images $(PYTEST_ARGS)
+	@$(BIN)/pytest -m "image_builds or not image_builds" tests/images $(PYTEST_ARGS)
 
 # Every chart example and six production-stack values files, each brought up with `vllm-stack up`.
 test-stacks: install

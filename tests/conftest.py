@@ -280,13 +280,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
 
 
 # Markers whose tests run only when `-m` names them.
-OPT_IN_MARKERS = ("stacks", "engine_image")
+OPT_IN_MARKERS = ("stacks", "image_builds")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`stacks` tests (every example stack brought up, `make test-stacks`) run only when asked for
     with ``-m stacks``: they take a quarter of an hour, on top of `make test`'s own stacks. The same for
-    `engine_image` (`make test-images`): its first run builds the CPU engine image (~7 GB)."""
+    `image_builds` (`make test-images`): they build images (the CPU engine image, ~7 GB; a router rebuild)."""
     markexpr = config.getoption("markexpr") or ""
     skipped = [marker for marker in OPT_IN_MARKERS if marker not in markexpr]
     kept = [item for item in items if not any(item.get_closest_marker(m) for m in skipped)]

@@ -279,10 +279,20 @@ class DockerImage:
     def build_args(self, base: str) -> dict[str, str]:
         return {self.base_arg: base, "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH}
 
-    def input_key(self, base_id: str) -> str:
-        """A hash of everything the build reads: Dockerfile, ignore file, context files, args, base."""
+    def snapshot(self, folder: Path) -> Path:
+        """Copy the context files the ignore file lets through into `folder`, which the build then reads:
+        what is hashed is what is built, whoever edits the working tree meanwhile."""
+        context = repo_root() / self.context
+        for path in context_files(context, self.ignore_file()):
+            target = folder / path.relative_to(context)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+        return folder
+
+    def input_key(self, base_id: str, context: Path) -> str:
+        """A hash of everything the build reads: Dockerfile, ignore file, context files (of a snapshot),
+        args, base."""
         root = repo_root()
-        context = root / self.context
         digest = hashlib.sha256()
         header = {
             "dockerfile": (root / self.dockerfile).read_text(),
@@ -301,8 +311,8 @@ class DockerImage:
     def key_reference(self, key: str) -> str:
         return f"localhost/{IMAGE_NAMESPACE}/{self.name}:{key[:16]}"
 
-    def build(self, base: str, *, no_cache: bool = False, tags: tuple[str, ...] = ()) -> str:
-        """Build (podman's layer cache helps unless no_cache); returns the image ID."""
+    def build(self, base: str, context: Path, *, no_cache: bool = False, tags: tuple[str, ...] = ()) -> str:
+        """Build from a snapshot (podman's layer cache helps unless no_cache); returns the image ID."""
         root = repo_root()
         command = [
             *podman(),
@@ -320,7 +330,7 @@ class DockerImage:
             command += ["--tag", tag]
         with tempfile.TemporaryDirectory() as tmp:
             iidfile = Path(tmp) / "iid"
-            _run([*command, "--iidfile", str(iidfile), str(root / self.context)])
+            _run([*command, "--iidfile", str(iidfile), str(context)])
             return iidfile.read_text().strip().removeprefix("sha256:")
 
 
@@ -350,14 +360,24 @@ ROUTER = DockerImage(name="router", dockerfile="engine-image/router.Dockerfile")
 IMAGES = (ROUTER,)
 
 
-def build_image(image: DockerImage) -> str:
-    """Build `image` unless an image of its input key exists; the chart's name points at it either way."""
+def _work_dir() -> Path:
+    work = cache_home() / "tmp"
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def build_image(image: DockerImage, context: Path | None = None) -> str:
+    """Build `image` unless an image of its input key exists; the chart's name points at it either way.
+
+    context: a snapshot (DockerImage.snapshot) to build from; default: one taken now."""
+    if context is None:
+        with tempfile.TemporaryDirectory(dir=_work_dir()) as tmp:
+            return build_image(image, image.snapshot(Path(tmp)))
     base = base_reference()
     base_id = image_id(base)
     if base_id is None:
         raise ImageError(f"base image {base} missing: build it first (build_base)")
-    key = image.input_key(base_id)
-    keyed = image.key_reference(key)
+    keyed = image.key_reference(image.input_key(base_id, context))
     wanted = image.reference()
     found = image_id(keyed)
     if found:
@@ -366,7 +386,7 @@ def build_image(image: DockerImage) -> str:
         _keep_recent_keys(image.name, keyed)
         return "up to date"
     start = time.monotonic()
-    image.build(base, tags=(keyed, wanted))
+    image.build(base, context, tags=(keyed, wanted))
     _keep_recent_keys(image.name, keyed)
     size = image_info(wanted)["Size"]
     return f"built {wanted} ({time.monotonic() - start:.0f} s, {size / 1e6:.0f} MB)"
@@ -441,9 +461,7 @@ def build_engine_image() -> str:
         build_base()
         base = base_reference()
         base_id = image_id(base)
-        work = cache_home() / "tmp"
-        work.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=work) as tmp:
+        with tempfile.TemporaryDirectory(dir=_work_dir()) as tmp:
             context = Path(tmp)
             _engine_context(context)
             dockerfile = repo_root() / ENGINE_CPU_DOCKERFILE
@@ -624,15 +642,27 @@ def install_images() -> str:
 
 
 def reproducible(image: DockerImage = ROUTER) -> dict:
-    """Build `image` again without podman's layer cache and compare its layer digests with the cached one."""
-    base = base_reference()
-    first = image_info(image.reference())["RootFS"]["Layers"]
-    start = time.monotonic()
-    again = image.build(base, no_cache=True)
-    seconds = time.monotonic() - start
-    second = image_info(again)["RootFS"]["Layers"]
-    _run([*podman(), "rmi", again])
-    return {"first": first, "second": second, "same": first == second, "rebuild_s": round(seconds)}
+    """Build `image` again without podman's layer cache and compare it with the build of the same inputs.
+
+    The caller holds images_lock. Returns both builds' layer digests and IDs and the rebuild's seconds.
+    """
+    with tempfile.TemporaryDirectory(dir=_work_dir()) as tmp:
+        context = image.snapshot(Path(tmp))
+        build_image(image, context)  # the cached build of these inputs
+        first = image_info(image.reference())
+        start = time.monotonic()
+        again = image.build(base_reference(), context, no_cache=True)
+        seconds = time.monotonic() - start
+    second = image_info(again)
+    if second["Id"] != first["Id"]:
+        _run([*podman(), "rmi", again])
+    return {
+        "first": first["RootFS"]["Layers"],
+        "second": second["RootFS"]["Layers"],
+        "same": first["RootFS"]["Layers"] == second["RootFS"]["Layers"],
+        "same_id": first["Id"] == second["Id"],
+        "rebuild_s": round(seconds),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

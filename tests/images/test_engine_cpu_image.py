@@ -3,7 +3,7 @@ the chart runs its engines and its cache server: `vllm serve` of the tiny model 
 arguments, environment and mounts (as the image's user, which the chart's engine pods keep) answers a chat
 completion; `lmcache_server` starts as the chart's cache-server user on a read-only root file system.
 
-Only with `-m engine_image` (`make test-images`): the first run builds the image (minutes, ~5 GB) from the
+Only with `-m image_builds` (`make test-images`): the first run builds the image (minutes, ~7 GB) from the
 engine environment's wheels. Adapted from the render, as `vllm-stack up` adapts it: the model (the tiny
 Llama, mounted read-only, with `--load-format dummy`), loopback host and free ports (also the KV-event
 ports), `--dtype float32` on CPUs with AMX, a 256 MiB KV cache.
@@ -35,7 +35,7 @@ from tests.helm.chart import (
 )
 from tests.images.pod import is_running, require_podman, running, set_flag
 
-pytestmark = [pytest.mark.engine_image, pytest.mark.helm]
+pytestmark = [pytest.mark.image_builds, pytest.mark.helm]
 
 IMAGE = engine_cpu_reference()
 REPOSITORY, TAG = IMAGE.rsplit(":", 1)

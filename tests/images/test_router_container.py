@@ -29,8 +29,10 @@ from vllm_stack_dev.images import (
     IMAGE_NAMESPACE,
     ROUTER,
     image_info,
+    images_lock,
     podman,
     registry_dir,
+    reproducible,
     run_limits,
     serve_registry,
 )
@@ -240,3 +242,15 @@ def test_local_registry_serves_the_image_under_its_chart_name():
             )
             with urllib.request.urlopen(head, timeout=10) as response:
                 assert int(response.headers["Content-Length"]) == layer["size"]
+
+
+@pytest.mark.image_builds
+def test_router_image_built_again_has_the_same_layers():
+    """Without podman's layer cache, from the same inputs: the same layer digests (file times fixed by
+    `--timestamp`, bytecode by SOURCE_DATE_EPOCH). It holds while PyPI serves the same versions between
+    the two builds (pip in the build resolves the newest pyproject.toml allows)."""
+    require_image(IMAGE)
+    with images_lock():
+        result = reproducible(ROUTER)
+    print(result)
+    assert result["same"], result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +18,8 @@ def _snapshot(paths: list[Path]) -> dict[str, int]:
 
 
 def _router_inputs() -> str:
-    return ROUTER.input_key(image_id(base_reference()) or "")
+    with tempfile.TemporaryDirectory() as tmp:
+        return ROUTER.input_key(image_id(base_reference()) or "", ROUTER.snapshot(Path(tmp)))
 
 
 def test_second_install_is_fast_and_changes_nothing() -> None:
