@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +68,10 @@ HELM_PACKAGES = {
 NODE_TOOLS = ["@bitnami/readme-generator-for-helm@2.7.2"]
 CHECKOV_REQUIREMENTS = ["checkov==3.2.497"]
 LMCACHE_WHEELS = ["lmcache==0.5.6", "sortedcontainers==2.4.0"]
+
+
+# The steps that install Debian packages (prometheus, images) run concurrently: one apt-get at a time.
+APT_LOCK = threading.Lock()
 
 
 class StepError(RuntimeError):
@@ -252,8 +257,9 @@ def install_prometheus() -> str:
     if os.geteuid() != 0:
         raise StepError("prometheus/promtool missing: run `sudo apt-get install -y prometheus`")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    _run(["apt-get", "update", "-qq"], env=env)
-    _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"], env=env)
+    with APT_LOCK:
+        _run(["apt-get", "update", "-qq"], env=env)
+        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"], env=env)
     return "installed from Debian"
 
 

@@ -147,9 +147,12 @@ def ensure_tools() -> str:
         return ""
     if os.geteuid() != 0:
         raise ImageError(f"{', '.join(missing)} missing: run `sudo apt-get install -y {' '.join(missing)}`")
+    from vllm_stack_dev.devsetup import APT_LOCK  # the prometheus step may run apt-get meanwhile
+
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    _run(["apt-get", "update", "-qq"], env=env)
-    _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
+    with APT_LOCK:
+        _run(["apt-get", "update", "-qq"], env=env)
+        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
     return f"installed {', '.join(missing)} from Debian; "
 
 
