@@ -53,6 +53,7 @@ from vllm_stack.scheduling.plugins import builtin_registry
 from vllm_stack.scheduling.profiles import scheduling_config
 from vllm_stack.scheduling.registry import PluginRegistry, PluginState
 from vllm_stack.server.asgi_bridge import AsgiCall
+from vllm_stack.server.body_stream import STREAM_HOLD
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.telemetry.scraper import EngineScraper
 from vllm_stack.tracing import TRACE_HEADERS
@@ -257,7 +258,9 @@ class Router:
         # what the server's body budget reads (server.budget.BudgetLimits): attributes, no call per body
         self.buffered_body_limit = config.max_buffered_body_bytes
         share = int(config.max_buffered_body_bytes * config.max_body_share_per_key)
-        self.key_body_limit = max(share, config.max_body_bytes)  # at least one largest body per key
+        # at least one largest body per key (a key may always send one), and one upload's stream when the
+        # Batch API takes uploads
+        self.key_body_limit = max(share, config.max_body_bytes, STREAM_HOLD if config.batch_api else 0)
         self.session_header = config.session_key.lower().encode("latin-1")
 
     @property

@@ -18,10 +18,11 @@ from tests.batch.helpers import create_batch, file_lines, input_lines, jsonl, up
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import _awaiting, bounded, running_router, stubs, wait_for
 from vllm_stack.app import build_router
+from vllm_stack.batch import files, validation
 from vllm_stack.batch import runner as runner_module
-from vllm_stack.batch import validation
 from vllm_stack.batch.store import BatchStore
 from vllm_stack.json_depth import MAX_JSON_DEPTH
+from vllm_stack.server import body_stream
 
 MODEL = "stub-model"
 KEYS = {"VLLM_STACK_API_KEYS": "key-a,key-b"}
@@ -283,7 +284,9 @@ async def test_the_runner_stops_when_woken_as_it_is_cancelled(tmp_path: Path) ->
     """The suite's hang: a runner woken (a line ended, a batch created) just as it was stopped never
     stopped, since Python 3.11's ``asyncio.wait_for`` returns normally when what it waits for completes
     in the same turn as its task's cancellation, and the loop went on with its one cancellation lost."""
-    router = build_router({"static_backends": "http://127.0.0.1:9", "batch_api": True, "batch_dir": str(tmp_path / "batch")})
+    router = build_router(
+        {"static_backends": "http://127.0.0.1:9", "batch_api": True, "batch_dir": str(tmp_path / "batch")}
+    )
     runner = router.batch
     assert runner is not None
     await runner.start()
@@ -297,3 +300,10 @@ async def test_the_runner_stops_when_woken_as_it_is_cancelled(tmp_path: Path) ->
     runner.wake()
     await bounded(runner.stop(), 10, "the runner to stop after a wake-up")
     assert work.done()
+
+
+def test_an_uploads_form_fits_in_what_its_stream_holds_from_the_budget() -> None:
+    """An upload's memory beside its window is the piece being written and its form (known fields and one
+    part's headers, each bounded): all of it is taken from the server's body budget with the stream."""
+    assert files.FORM_BYTES <= body_stream.HANDLER_BYTES
+    assert body_stream.STREAM_HOLD <= 2 * 1024 * 1024  # "a few MiB" at most, whatever the form holds

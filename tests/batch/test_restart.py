@@ -78,4 +78,7 @@ async def test_a_router_killed_mid_batch_resumes_it_each_line_once(tmp_path: Pat
     assert set(sent) == {f"line {n}" for n in range(LINES)}
     resent = [line for line, count in sent.items() if count > 1]
     assert all(count <= 2 for count in sent.values()), sent  # re-sent once at most
-    assert len(resent) == in_flight  # what was in flight at the kill, and nothing else
+    # what was in flight at the kill, and nothing else: the lines the engines had seen then, and those the
+    # router had sent a moment before that reached them after it (it sends a line as its body is read, one
+    # after another), at most its concurrency
+    assert in_flight <= len(resent) <= CONCURRENCY, (in_flight, resent)

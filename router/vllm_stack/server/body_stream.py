@@ -21,6 +21,10 @@ from vllm_stack.errors import RouterError
 
 WINDOW = 1024 * 1024  # bytes read from the socket but not yet taken by the handler, at most (about)
 READ_CHUNK = 256 * 1024  # read() joins waiting pieces up to about this many bytes
+HANDLER_BYTES = 64 * 1024  # what a handler may keep of its own beside the piece it reads (a form's fields)
+#: What a streamed body holds from the server's buffer budget for its whole request: the window, the
+#: piece its handler has taken and works on, and the handler's own bytes.
+STREAM_HOLD = WINDOW + READ_CHUNK + HANDLER_BYTES
 
 
 class ReadingTransport(Protocol):

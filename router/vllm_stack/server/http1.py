@@ -51,7 +51,7 @@ import httptools
 
 from vllm_stack.errors import RouterError, render_error
 from vllm_stack.request_id import new_request_id, valid_request_id
-from vllm_stack.server.body_stream import WINDOW, BodyStream
+from vllm_stack.server.body_stream import STREAM_HOLD, BodyStream
 from vllm_stack.server.budget import BodyBudget
 
 log = logging.getLogger(__name__)
@@ -484,9 +484,10 @@ class HttpConnection(asyncio.Protocol):
 
     def _open_stream(self, limit: int) -> None:
         """Start answering the request now and hand its body over as it arrives (see
-        :mod:`.body_stream`); the stream's window is held from the buffer budget until the answer ends.
+        :mod:`.body_stream`); what the stream holds (``STREAM_HOLD``: its window, the piece being handled
+        and the handler's own bytes) is taken from the buffer budget until the answer ends.
         Only on an idle connection: behind a pipelined request the body is buffered as any other."""
-        self._reserve(WINDOW)
+        self._reserve(STREAM_HOLD)
         self._reserved = 0  # the request holds it now (see _start and finish)
         parser = self.parser
         request = HttpRequest(
@@ -610,7 +611,7 @@ class HttpConnection(asyncio.Protocol):
             return
         self.busy = True
         self.idle_since = 0.0
-        self._current = len(request.body) if request.stream is None else WINDOW
+        self._current = len(request.body) if request.stream is None else STREAM_HOLD
         self._current_holder = request.holder
         self.answering_head = request.method == "HEAD"
         if self.restricted:  # past the connection limit: a probe is answered, then the connection closed
