@@ -20,6 +20,11 @@ Steps (each can be selected by name on the command line):
 - control-plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and KEDA's
               operator and metrics adapter built from their Go modules into `.tools/go/`
               (vllm_stack_dev.gotools), for the `cluster` tests and `vllm-stack cluster up`.
+
+Opt-in steps (run only when named, e.g. `python -m vllm_stack_dev.devsetup node`; `make test-node`):
+- node:       the node tier's kubelet and kube-proxy (built by the control plane's own `go build` when
+              both are missing) and CoreDNS from their Go modules, containerd from Debian when missing,
+              and the pause image (vllm_stack_dev.cluster.node), for the `node` tests.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack_dev.gotools import install_test_tools
+from vllm_stack_dev.gotools import install_node_tier_tools, install_test_tools
 from vllm_stack_dev.images import install_images
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
@@ -305,11 +310,31 @@ def download_lmcache_wheels() -> str:
     return _stamped(target, LMCACHE_WHEELS, download)
 
 
+def install_node() -> str:
+    """The node tier (opt in): containerd from Debian when missing, the Go tools, the pause image."""
+    done = []
+    if not shutil.which("containerd"):
+        if os.geteuid() != 0:
+            raise StepError("containerd missing: run `sudo apt-get install -y containerd`")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        _run(["apt-get", "update", "-qq"], env=env)
+        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "containerd"], env=env)
+        done.append("containerd from Debian")
+    built = install_node_tier_tools()
+    if built != "up to date":
+        done.append(built)
+    from vllm_stack_dev.cluster.node import pause_archive
+
+    pause_archive()
+    return "; ".join(done) if done else "up to date"
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
     description: str
     run: Callable[[], str]
+    default: bool = True  # run by `make install`; the others only when named
 
 
 STEPS = [
@@ -324,6 +349,12 @@ STEPS = [
         "control-plane",
         "Control plane, KEDA, OTel collector, Go (.tools/go)",
         install_test_tools,
+    ),
+    Step(
+        "node",
+        "Node tier: kubelet, kube-proxy, CoreDNS, containerd, pause image",
+        install_node,
+        default=False,
     ),
 ]
 
@@ -366,9 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_stack_dev.devsetup", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("steps", nargs="*", choices=[[]] + [s.name for s in STEPS], help="default: all")
+    parser.add_argument(
+        "steps", nargs="*", choices=[[]] + [s.name for s in STEPS], help="default: all but the opt-in ones"
+    )
     args = parser.parse_args(argv)
-    selected = [step for step in STEPS if not args.steps or step.name in args.steps]
+    selected = [step for step in STEPS if step.name in args.steps or (not args.steps and step.default)]
     return run_steps(selected)
 
 

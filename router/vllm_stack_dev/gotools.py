@@ -72,6 +72,9 @@ class GoTool:
     version_args_of: the same for the binaries whose arguments differ (kubectl's `version --client`).
     toolchain: GOTOOLCHAIN for the build; "local" (the machine's Go), or `go1.27.3` for a tool whose go.mod
     needs a newer Go than the machine has.
+    build_group: tools of one group (and the same module, version and flags) that install_tools finds
+    missing together are built by one `go build`; empty: built alone. Not in the recipe: the binaries are
+    the same either way.
     """
 
     name: str
@@ -87,6 +90,7 @@ class GoTool:
     toolchain: str = "local"
     cgo: bool = False
     extra_env: tuple[tuple[str, str], ...] = ()
+    build_group: str = ""
 
     @property
     def folder(self) -> Path:
@@ -203,6 +207,7 @@ KUBERNETES = GoTool(
     version_args_of=(("kubectl", ("version", "--client")),),
     # As `make release` builds them: stripped, paths trimmed.
     ldflags=("-s", "-w", *_kube_version_ldflags()),
+    build_group="k8s.io/kubernetes",
 )
 # The `etcd` main lives in the server module from 3.6 on (`server/main.go`); the newest 3.6 served.
 # Kubernetes 1.37 is tested against etcd 3.6; Debian's etcd-server is 3.4.
@@ -296,6 +301,33 @@ REGISTRY = GoTool(
     binaries=(("registry", "github.com/distribution/distribution/v3/cmd/registry"),),
     ldflags=("-s", "-w", "-X github.com/distribution/distribution/v3/version.version={version}"),
 )
+
+
+# The node tier (a real kubelet, opt in: `python -m vllm_stack_dev.devsetup node`, `make test-node`): the
+# kubelet and kube-proxy of the same k8s.io/kubernetes release as the control plane. A tool of its own, so
+# that the default install's stamp and binaries are unchanged; when both it and KUBERNETES are missing,
+# install_tools builds the six binaries with one `go build` (their build_group, see _build_key): the
+# packages they share (client-go, apimachinery, the API types...) are compiled once, the rest side by side.
+KUBERNETES_NODE = GoTool(
+    name="kubernetes-node",
+    module=KUBERNETES.module,
+    version=KUBERNETES.version,
+    binaries=tuple((name, f"k8s.io/kubernetes/cmd/{name}") for name in ("kubelet", "kube-proxy")),
+    staging_version=KUBERNETES.staging_version,
+    ldflags=KUBERNETES.ldflags,
+    build_group=KUBERNETES.build_group,
+)
+# Cluster DNS for the node tier. v1.15.0 is the newest the proxy serves; its go.mod (`go 1.26.0`) has no
+# replace directives. `coredns -version` prints `CoreDNS-1.15.0`.
+COREDNS = GoTool(
+    name="coredns",
+    module="github.com/coredns/coredns",
+    version="v1.15.0",
+    binaries=(("coredns", "github.com/coredns/coredns"),),
+    ldflags=("-s", "-w"),
+    version_args=("-version",),
+)
+NODE_TOOLS = (KUBERNETES_NODE, COREDNS)
 
 
 def _tail(text: str) -> str:
@@ -421,14 +453,34 @@ def _build_collector(tool: CollectorTool) -> None:
     _check_version(tool, name)
 
 
+def _build_key(tool: GoTool) -> tuple[object, ...] | None:
+    """Tools with the same key are built by one `go build` (same module, version and everything that
+    changes how a package compiles or links); None for a tool built on its own (no build_group, or the
+    collector, which its own builder compiles)."""
+    if isinstance(tool, CollectorTool) or not tool.build_group:
+        return None
+    return (tool.build_group, tool.module, tool.version, tool.staging_version, tool.ldflags, tool.toolchain,
+            tool.cgo, tool.extra_env)  # fmt: skip
+
+
 def build_tool(tool: GoTool) -> None:
     """Build `tool` into its folder and write its stamp last (removed first, so a crash leaves none)."""
-    stamp = tool.folder / STAMP_NAME
-    stamp.unlink(missing_ok=True)
     if isinstance(tool, CollectorTool):
+        stamp = tool.folder / STAMP_NAME
+        stamp.unlink(missing_ok=True)
         _build_collector(tool)
         stamp.write_text(tool.recipe())
         return
+    build_tools_together([tool])
+
+
+def build_tools_together(tools: list[GoTool]) -> None:
+    """Build the binaries of ``tools`` (one _build_key) with one `go build` in the first tool's wrapper
+    module, then move each into its own tool's folder and write each stamp last."""
+    tool = tools[0]
+    assert all(_build_key(other) == _build_key(tool) for other in tools)
+    for each in tools:
+        (each.folder / STAMP_NAME).unlink(missing_ok=True)
     tool.wrapper_dir.mkdir(parents=True, exist_ok=True)
     download = json.loads(
         _go(["mod", "download", "-json", f"{tool.module}@{tool.version}"], tool, tool.wrapper_dir)
@@ -440,23 +492,21 @@ def build_tool(tool: GoTool) -> None:
     if not go_mod.exists() or go_mod.read_text() != content:
         go_mod.write_text(content)
     ldflags = " ".join(_fill(flag, tool, published) for flag in tool.ldflags)
-    if tool.bin_dir.exists():
-        shutil.rmtree(tool.bin_dir)
-    tool.bin_dir.mkdir(parents=True)
-    packages = [package for _, package in tool.binaries]
-    _go(
-        ["build", "-trimpath", "-ldflags", ldflags, "-o", str(tool.bin_dir) + "/", *packages],
-        tool,
-        tool.wrapper_dir,
-    )
-    for name, package in tool.binaries:
-        built = tool.bin_dir / _default_binary_name(package)
-        if built.name != name:
-            built.rename(tool.binary(name))
-    _copy_assets(tool, Path(download["Dir"]))
-    for name, _ in tool.binaries:
-        _check_version(tool, name)
-    stamp.write_text(tool.recipe())
+    for each in tools:
+        if each.bin_dir.exists():
+            shutil.rmtree(each.bin_dir)
+        each.bin_dir.mkdir(parents=True)
+    out = tool.bin_dir
+    packages = [package for each in tools for _, package in each.binaries]
+    _go(["build", "-trimpath", "-ldflags", ldflags, "-o", str(out) + "/", *packages], tool, tool.wrapper_dir)
+    for each in tools:
+        for name, package in each.binaries:
+            (out / _default_binary_name(package)).rename(each.binary(name))
+        _copy_assets(each, Path(download["Dir"]))
+        for name, _ in each.binaries:
+            _check_version(each, name)
+    for each in tools:
+        (each.folder / STAMP_NAME).write_text(each.recipe())
 
 
 def is_installed(tool: GoTool) -> bool:
@@ -489,20 +539,42 @@ def install_tools(tools: Iterable[GoTool], lock_name: str = ".build-lock") -> st
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for tool in missing:
-            if is_installed(tool):
-                continue
+        for group in _groups([tool for tool in missing if not is_installed(tool)]):
+            names = " + ".join(f"{tool.name} {tool.version}" for tool in group)
             start = time.monotonic()
             try:
-                build_tool(tool)
+                if len(group) == 1:
+                    build_tool(group[0])
+                else:
+                    build_tools_together(group)
             except GoBuildError as error:
-                failed.append(f"{tool.name} {tool.version}: {error}")
+                failed.append(f"{names}: {error}")
                 continue
-            built.append(f"{tool.name} {tool.version} ({time.monotonic() - start:.0f} s)")
+            built.append(f"{names} ({time.monotonic() - start:.0f} s)")
     if failed:
         done = f" (built: {', '.join(built)})" if built else ""
         raise GoBuildError(f"{len(failed)} tool(s) failed to build{done}:\n" + "\n".join(failed))
     return "built " + ", ".join(built) if built else "up to date"
+
+
+def _groups(tools: list[GoTool]) -> list[list[GoTool]]:
+    """``tools`` in order, those of one _build_key together (at the first one's place)."""
+    groups: dict[object, list[GoTool]] = {}
+    for index, tool in enumerate(tools):
+        key = _build_key(tool)
+        groups.setdefault(key if key is not None else ("alone", index), []).append(tool)
+    return list(groups.values())
+
+
+def install_node_tier_tools() -> str:
+    """The node tier's tools with the control plane's (`python -m vllm_stack_dev.devsetup node`): on a
+    cold cache the kubelet and kube-proxy are compiled by the control plane's own `go build`."""
+    return install_tools((*CONTROL_PLANE, *NODE_TOOLS))
+
+
+def node_binaries() -> dict[str, Path]:
+    """kubelet, kube-proxy and coredns (they exist once install_node_tier_tools() returned)."""
+    return {name: tool.binary(name) for tool in NODE_TOOLS for name, _ in tool.binaries}
 
 
 def install_control_plane() -> str:

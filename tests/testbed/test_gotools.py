@@ -102,3 +102,26 @@ def test_a_tool_that_fails_to_build_does_not_stop_the_others(
     assert tried == ["broken", "fine"]
     assert "broken v1.37.2: go build failed: no such module" in str(failure.value)
     assert "built: fine v1.37.2" in str(failure.value)
+
+
+def test_tools_of_one_build_group_missing_together_are_built_by_one_go_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node tier's kubelet and kube-proxy join the control plane's `go build` when both are missing;
+    tools without a group (or of another module) are built alone, in the order given."""
+    monkeypatch.setattr(gotools, "tools_dir", lambda: tmp_path)
+    builds: list[list[str]] = []
+    monkeypatch.setattr(gotools, "build_tool", lambda tool: builds.append([tool.name]))
+    monkeypatch.setattr(gotools, "build_tools_together", lambda tools: builds.append([t.name for t in tools]))
+    gotools.install_tools((gotools.ETCD, gotools.KUBERNETES, gotools.KWOK, *gotools.NODE_TOOLS))
+    assert builds == [["etcd"], ["kubernetes", "kubernetes-node"], ["kwok"], ["coredns"]]
+    builds.clear()
+    gotools.install_tools([_tool(name="a"), _tool(name="b")])  # same module, no group: one build each
+    assert builds == [["a"], ["b"]]
+
+
+def test_the_default_install_builds_no_node_tool() -> None:
+    default = {tool.name for tool in gotools.TEST_TOOLS}
+    assert not default & {tool.name for tool in gotools.NODE_TOOLS}
+    assert gotools.KUBERNETES_NODE.recipe() != gotools.KUBERNETES.recipe()
+    assert "build_group" not in gotools.KUBERNETES.recipe()  # the default stamp is unchanged

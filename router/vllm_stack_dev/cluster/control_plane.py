@@ -40,6 +40,9 @@ from vllm_stack_dev.waiting import wait_until
 
 LOOPBACK = "127.0.0.1"
 SERVICE_CIDR = "10.96.0.0/16"
+#: The `kubernetes` Service's ClusterIP, in the API server's certificate: a Pod's in-cluster client on a
+#: real node (vllm_stack_dev.cluster.node) connects to it and checks the name.
+KUBERNETES_SERVICE_IP = "10.96.0.1"
 #: Pod IPs: loopback addresses, so that a test can start a real engine at a Pod's IP and port.
 POD_CIDR = "127.16.0.0/12"
 NODE_LABEL = "vllm-stack.dev/kwok-node"
@@ -145,7 +148,7 @@ class Cluster:
         """Start every component in order and set the cluster up; ClusterError (and all stopped) if not."""
         self.logs.mkdir(parents=True, exist_ok=True)
         try:
-            self.pki = make_pki(self.workdir / "pki", (LOOPBACK,))
+            self.pki = make_pki(self.workdir / "pki", (LOOPBACK, KUBERNETES_SERVICE_IP))
             self._write_kubeconfigs()
             self._start_etcd()
             say(f"etcd on {LOOPBACK}:{self.etcd_port}")

@@ -186,3 +186,22 @@ def make_tls_bundle(folder: Path, names: tuple[str, ...], ips: tuple[str, ...]) 
     assert ca.cert.name == "ca.crt" and leaf.cert.name == "tls.crt" and leaf.key.name == "tls.key"
     ca.key.unlink()  # nothing else is signed with it
     return folder
+
+
+def issue_signed_by(
+    ca: Credential,
+    folder: Path,
+    file_name: str,
+    common_name: str,
+    organization: str | None = None,
+    *,
+    server_ips: tuple[str, ...] = (),
+) -> Credential:
+    """A key pair signed by the CA whose files ``ca`` names, after the cluster has started: a node's
+    kubelet (`system:node:<name>` in `system:nodes`, and its serving certificate) or kube-proxy."""
+    ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    name = _name(common_name, organization)
+    return _issue(folder, file_name, name, ca_key, ca_cert, server_ips=server_ips)
