@@ -1,0 +1,35 @@
+"""The `node` tier (opt in: `make test-node`): one real node, a kubelet and containerd with runc and CNI in
+namespaces of their own (vllm_stack_dev.cluster.node), joined to a control plane of its own. Every test
+module here sets `pytestmark = pytest.mark.node`.
+
+The control plane keeps one kwok node, tainted so that nothing is scheduled there: every Pod of these tests
+runs on the real node. The node and the control plane are stopped at the end of the package, also when a
+test fails or the session is interrupted (the node's processes also die with this process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from vllm_stack_dev.cluster.control_plane import Cluster, ClusterOptions, running_cluster
+from vllm_stack_dev.cluster.node import RealNode
+from vllm_stack_dev.gotools import control_plane_binaries, node_binaries
+
+KWOK_TAINT = "vllm-stack.dev/kwok=true:NoSchedule"
+
+
+@pytest.fixture(scope="package")
+def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
+    wanted = {**control_plane_binaries(), **node_binaries()}
+    missing = [name for name, path in wanted.items() if name != "coredns" and not path.is_file()]
+    if missing:
+        pytest.fail(f"binaries missing ({', '.join(missing)}): run `make install-node`", pytrace=False)
+    options = ClusterOptions(workdir=tmp_path_factory.mktemp("node-cluster"), nodes=1, crds_dir=None)
+    with running_cluster(options) as cluster:
+        cluster.kubectl("taint", "node", "kwok-node-0", KWOK_TAINT)
+        node = RealNode(cluster, tmp_path_factory.mktemp("node-0"))
+        with node:
+            node.start()
+            node.start_kube_proxy()
+            yield cluster, node

@@ -1,0 +1,164 @@
+"""The chart's router on a real node: pulled through the local registry mirror, started by containerd and runc,
+Running and Ready by the kubelet's own startup, liveness and readiness probes, with the chart's security
+contexts enforced by the runtime, and finding its engine Pod with in-cluster configuration (the Service
+account token the kubelet projects, the `kubernetes` Service through kube-proxy) under the chart's Role.
+
+The engine is a stub (a few lines of Python in the router image, answering `/v1/models`, `/health` and
+`/metrics` as vLLM does) labelled as the chart labels its engines: the router's readiness needs one
+healthy engine, and the CPU engine image is not part of this first node test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from vllm_stack_dev.cluster.control_plane import Cluster
+from vllm_stack_dev.cluster.node import RealNode
+from vllm_stack_dev.cluster.releases import Helm, pod_ready, wait_workloads_ready
+from vllm_stack_dev.images import ROUTER
+from vllm_stack_dev.paths import repo_root
+
+pytestmark = pytest.mark.node
+
+RELEASE = "rt"
+NAMESPACE = "node-router"
+CHART = repo_root() / "helm"
+VALUES = CHART / "examples" / "no-models.yaml"
+
+STUB_ENGINE = """
+import http.server, json
+MODEL = {"id": "stub-model", "object": "model", "owned_by": "vllm", "root": "stub-model", "parent": None,
+         "max_model_len": 2048}
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/v1/models":
+            body, kind = json.dumps({"object": "list", "data": [MODEL]}).encode(), "application/json"
+        elif self.path in ("/health", "/metrics"):
+            body, kind = b"", "text/plain"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), Handler).serve_forever()
+"""
+
+
+def stub_engine_objects(image: str) -> list[dict[str, object]]:
+    labels = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "serving-engine",
+              "app.kubernetes.io/name": "stub-engine"}  # fmt: skip
+    probe = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "stub-engine", "namespace": NAMESPACE},
+            "data": {"engine.py": STUB_ENGINE},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "stub-engine", "namespace": NAMESPACE},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "automountServiceAccountToken": False,
+                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001},
+                        "containers": [
+                            {
+                                "name": "engine",
+                                "image": image,
+                                "imagePullPolicy": "IfNotPresent",
+                                "command": ["python3", "/stub/engine.py"],
+                                "ports": [{"name": "http", "containerPort": 8000}],
+                                "readinessProbe": probe,
+                                "resources": {
+                                    "requests": {"cpu": "50m", "memory": "64Mi"},
+                                    "limits": {"memory": "128Mi"},
+                                },
+                                "securityContext": {
+                                    "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]},
+                                    "readOnlyRootFilesystem": True,
+                                },
+                                "volumeMounts": [{"name": "stub", "mountPath": "/stub"}],
+                            }
+                        ],  # fmt: skip
+                        "volumes": [{"name": "stub", "configMap": {"name": "stub-engine"}}],
+                    },
+                },
+            },
+        },
+    ]
+
+
+def _router_pod(cluster: Cluster) -> dict:
+    pods = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=router")["items"]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]  # type: ignore[union-attr]
+    return pods[0]  # type: ignore[index]
+
+
+def _ctr(node: RealNode, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    command = node.in_node(["ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io", *args])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    if check and result.returncode != 0:
+        raise AssertionError(f"ctr {' '.join(args)} failed: {result.stderr}")
+    return result
+
+
+def _get_from_node(node: RealNode, url: str) -> dict:
+    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there)."""
+    code = f"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    return json.loads(node.run_in_node([sys.executable, "-c", code], timeout=30))
+
+
+def test_router_runs_on_a_real_node(node_cluster: tuple[Cluster, RealNode], tmp_path: Path) -> None:
+    cluster, node = node_cluster
+    image = ROUTER.reference()  # ghcr.io/vllm-stack/router:<appVersion>, as the chart renders it
+    cluster.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
+    cluster.apply(stub_engine_objects(image))
+    Helm(cluster, 4).install(RELEASE, CHART, NAMESPACE, VALUES)
+    wait_workloads_ready(cluster, NAMESPACE, timeout=300)
+
+    pod = _router_pod(cluster)
+    assert pod["spec"]["nodeName"] == node.name
+    assert pod_ready(pod)
+    status = pod["status"]["containerStatuses"][0]
+    assert status["ready"] and status["restartCount"] == 0, status
+    assert status["imageID"].startswith("ghcr.io/vllm-stack/router@sha256:"), status["imageID"]
+    assert pod["status"]["podIP"].startswith("10.244."), pod["status"]
+
+    # The chart's security contexts, as the runtime applied them (the container's OCI spec and process)
+    container_id = status["containerID"].removeprefix("containerd://")
+    spec = json.loads(_ctr(node, "containers", "info", container_id).stdout)["Spec"]
+    assert spec["process"]["user"]["uid"] == 10001 and spec["process"]["user"]["gid"] == 10001
+    assert spec["root"].get("readonly") is True
+    assert not spec["process"]["capabilities"].get("effective"), spec["process"]["capabilities"]
+    assert spec["process"].get("noNewPrivileges") is True
+    write = _ctr(node, "tasks", "exec", "--exec-id", "probe-write", container_id,
+                 "sh", "-c", "id -u; touch /written", check=False)  # fmt: skip
+    assert write.returncode != 0 and "Read-only file system" in write.stderr + write.stdout, write
+    assert write.stdout.split()[0] == "10001"
+
+    # Discovery with in-cluster configuration: the projected token, the `kubernetes` Service via kube-proxy
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert any("projected" in v and name.startswith("kube-api-access-") for name, v in volumes.items())
+    engines = _get_from_node(node, f"http://{pod['status']['podIP']}:8000/engines")
+    stub = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=stub-engine")["items"][0]  # type: ignore[index]
+    text = json.dumps(engines)
+    assert stub["status"]["podIP"] in text, yaml.safe_dump(engines)
+    ready = _get_from_node(node, f"http://{pod['status']['podIP']}:8000/ready")
+    assert ready["ready"] and ready["discovery_running"] and ready["healthy_engines"] == 1, ready
