@@ -5,7 +5,9 @@ capabilities dropped, no privilege escalation.
 What a kubelet does that this does not: probes, resource limits (podman would need cgroup settings of its
 own here), projected ServiceAccount tokens, Pod networking (the container shares the host's loopback).
 Volumes: `emptyDir` becomes a tmpfs of its `sizeLimit` (mode 0777, as an emptyDir), `configMap` a
-read-only bind mount of the rendered ConfigMap's files; any other kind fails the test rather than being
+read-only bind mount of the rendered ConfigMap's files, `persistentVolumeClaim` a bind mount of the host
+folder the test gives for that claim (read-only where the volume or the mount says so); `secretKeyRef`
+environment variables take the values the test gives. Any other kind fails the test rather than being
 skipped silently.
 """
 
@@ -65,10 +67,13 @@ def podman_run_args(
     config_maps: dict[str, dict],
     workdir: Path,
     fields: dict[str, str] | None = None,
+    claims: dict[str, Path] | None = None,
+    secrets: dict[str, dict[str, str]] | None = None,
 ) -> list[str]:
     """`podman run` options for one container of a Pod spec (the image and args come after them).
 
-    fields: the values of `fieldRef` environment variables (`status.podIP`: the test's loopback)."""
+    fields: the values of `fieldRef` environment variables (`status.podIP`: the test's loopback).
+    claims: claim name -> the host folder that backs it. secrets: Secret name -> its data (plain text)."""
     pod_sc = pod_spec.get("securityContext") or {}
     sc = container.get("securityContext") or {}
     user = sc.get("runAsUser", pod_sc.get("runAsUser"))
@@ -87,10 +92,13 @@ def podman_run_args(
         args += ["--security-opt", "no-new-privileges"]
     for env in container.get("env", []):
         field = ((env.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        secret = (env.get("valueFrom") or {}).get("secretKeyRef") or {}
         if "value" in env:
             args += ["--env", f"{env['name']}={env['value']}"]
         elif field in (fields or {}):
             args += ["--env", f"{env['name']}={(fields or {})[field]}"]
+        elif secret.get("key") in (secrets or {}).get(secret.get("name"), {}):
+            args += ["--env", f"{env['name']}={(secrets or {})[secret['name']][secret['key']]}"]
         else:
             pytest.fail(f"env {env['name']} comes from {env.get('valueFrom')}: not supported here")
     volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
@@ -109,6 +117,10 @@ def podman_run_args(
                 (folder / key).write_text(text)
                 (folder / key).chmod(0o644)
             args += ["--volume", f"{folder}:{target}:ro"]
+        elif (claim := volume.get("persistentVolumeClaim") or {}).get("claimName") in (claims or {}):
+            folder = (claims or {})[claim["claimName"]]
+            read_only = mount.get("readOnly") or claim.get("readOnly")
+            args += ["--volume", f"{folder}:{target}" + (":ro" if read_only else "")]
         else:
             pytest.fail(f"volume {mount['name']} ({sorted(volume)}) is not supported by tests/images/pod.py")
     return args
@@ -132,14 +144,17 @@ async def running(
     command: list[str] | None = None,
     extra: tuple[str, ...] = (),
     fields: dict[str, str] | None = None,
+    claims: dict[str, Path] | None = None,
+    secrets: dict[str, dict[str, str]] | None = None,
 ) -> AsyncIterator[str]:
     """The container started detached with `args` (the rendered ones, as the test adapted them; with
     `command`, the rendered command, as the test adapted it, replaces the image's entrypoint, as
     Kubernetes' `command` does); yields its ID; removed (by ID) on exit, its log printed first so that a
-    failing test shows it. `extra`: more `podman run` options (a test's own volume)."""
+    failing test shows it. `extra`: more `podman run` options (a test's own volume); `fields`, `claims`,
+    `secrets`: as for podman_run_args."""
     if container.get("command") and command is None:
         pytest.fail("the chart sets a command: pass it (adapted) as `command`")
-    options = podman_run_args(pod_spec, container, config_maps, workdir, fields)
+    options = podman_run_args(pod_spec, container, config_maps, workdir, fields, claims, secrets)
     if command:
         options += ["--entrypoint", json.dumps(command)]
     started = await _podman("run", "--detach", *options, *extra, container["image"], *args)
@@ -159,3 +174,15 @@ async def exec_in(cid: str, *command: str) -> subprocess.CompletedProcess[str]:
 async def is_running(cid: str) -> bool:
     state = await _podman("inspect", "--format", "{{.State.Running}}", cid, check=False)
     return state.stdout.strip() == "true"
+
+
+async def log_of(cid: str) -> str:
+    """The container's output so far (stdout and stderr)."""
+    logs = await _podman("logs", cid, check=False)
+    return logs.stdout + logs.stderr
+
+
+async def exit_code(cid: str) -> int:
+    """The exit status of a container that has stopped."""
+    state = await _podman("inspect", "--format", "{{.State.ExitCode}}", cid)
+    return int(state.stdout.strip())
