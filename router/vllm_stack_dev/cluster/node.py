@@ -28,12 +28,16 @@ of their own in each hierarchy, made at start and removed at stop.
 
 Stopping: the kubelet and containerd by their PIDs (SIGTERM), then the holder's PID: the kernel ends every
 process left in its PID namespace (containers, shims, the registry), and the mount and network namespaces
-go with their last process. The holder also dies with the process that started it (PR_SET_PDEATHSIG,
-then `unshare --kill-child`), so an interrupted test leaves no process behind.
+go with their last process. The holder also dies with the process that started it (PR_SET_PDEATHSIG
+SIGKILL, then `unshare --kill-child`), and every node process but the host-side relay (which has its own
+PR_SET_PDEATHSIG) is in its PID namespace, so a killed test leaves no process behind; only its empty
+cgroup folders, which the next start removes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -62,6 +66,7 @@ REGISTRY_PORT_IN_NODE = 5000
 PAUSE_IMAGE = "localhost/vllm-stack/pause:" + KUBERNETES.version
 START_TIMEOUT = 120.0
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PR_SET_PDEATHSIG = 1
 
 
 class NodeError(ClusterError):
@@ -142,6 +147,29 @@ def make_cgroup_root(name: str) -> list[Path]:
     return made
 
 
+CGROUP_PREFIX = "vllm-stack-node-"
+
+
+def cgroup_root_name() -> str:
+    """`vllm-stack-node-<this process's PID>-<random>`: a subtree whose creator has died is stale."""
+    return f"{CGROUP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_cgroup_roots() -> None:
+    """The empty subtrees a killed test process left (its namespaces, and so its processes, died with it;
+    the folders stay): removed bottom-up, only where the PID in the name no longer runs."""
+    for hierarchy in _hierarchies():
+        for folder in hierarchy.glob(CGROUP_PREFIX + "*"):
+            pid = folder.name.removeprefix(CGROUP_PREFIX).partition("-")[0]
+            if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                continue
+            for cgroup in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    cgroup.rmdir()
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
 def remove_cgroup_root(folders: list[Path], timeout: float = 20.0) -> list[str]:
     """Remove each subtree, deepest first; a process still in one is killed by its PID. The folders that
     could not be removed are returned (named in the test's failure)."""
@@ -169,6 +197,15 @@ def remove_cgroup_root(folders: list[Path], timeout: float = 20.0) -> list[str]:
     return left
 
 
+def _killed_with_parent() -> None:
+    """In the holder before exec: SIGKILL when the process that started it dies. Not SIGTERM (what
+    spawn_logged asks): `unshare --fork` ignores SIGTERM while it waits for its child; killed, its
+    `--kill-child` kills the namespace's init, and the kernel every process of the PID namespace."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        os._exit(121)
+
+
 # ---- the node ------------------------------------------------------------------------------------------
 
 
@@ -192,7 +229,7 @@ class RealNode:
         self.pod_cidr = str(list(ipaddress.ip_network(POD_CIDR).subnets(new_prefix=24))[index])
         self.logs = workdir / "logs"
         self.binaries = node_binaries()
-        self.cgroup_name = f"vllm-stack-node-{uuid.uuid4().hex[:8]}"
+        self.cgroup_name = cgroup_root_name()
         self.cgroups: list[Path] = []
         self.holder: _Process | None = None
         self.init_pid = 0
@@ -216,6 +253,7 @@ class RealNode:
         self.logs.mkdir(parents=True, exist_ok=True)
         try:
             archive = pause_archive()
+            remove_stale_cgroup_roots()
             self.cgroups = make_cgroup_root(self.cgroup_name)
             self._start_holder(archive.parent / "pause")
             say(f"namespaces held by PID {self.init_pid}")
@@ -300,7 +338,12 @@ class RealNode:
         command = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", "--net",
                    "--propagation", "private", "--", "sh", "-c", setup]  # fmt: skip
         log = self.logs / "holder.log"
-        self.holder = _Process("holder", spawn_logged(command, log, env=None, cwd=self.workdir), log)
+        with log.open("wb") as out:
+            out.write(("$ " + " ".join(command) + "\n").encode())
+            out.flush()
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       cwd=self.workdir, start_new_session=True, preexec_fn=_killed_with_parent)  # fmt: skip
+        self.holder = _Process("holder", process, log)
         self._wait(self.holder, ready.exists, "the node's namespaces", timeout=30)
         children = Path(f"/proc/{self.holder.process.pid}/task/{self.holder.process.pid}/children")
         self.init_pid = int(children.read_text().split()[0])
