@@ -334,7 +334,6 @@ class Step:
     name: str
     description: str
     run: Callable[[], str]
-    default: bool = True  # run by `make install`; the others only when named
 
 
 STEPS = [
@@ -350,12 +349,10 @@ STEPS = [
         "Control plane, KEDA, OTel collector, Go (.tools/go)",
         install_test_tools,
     ),
-    Step(
-        "node",
-        "Node tier: kubelet, kube-proxy, CoreDNS, containerd, pause image",
-        install_node,
-        default=False,
-    ),
+]
+# Run only when named (`python -m vllm_stack_dev.devsetup node`, `make install-node`).
+OPT_IN_STEPS = [
+    Step("node", "Node tier: kubelet, kube-proxy, CoreDNS, containerd, pause image", install_node),
 ]
 
 
@@ -397,11 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_stack_dev.devsetup", description=__doc__.splitlines()[0]
     )
+    every = STEPS + OPT_IN_STEPS
     parser.add_argument(
-        "steps", nargs="*", choices=[[]] + [s.name for s in STEPS], help="default: all but the opt-in ones"
+        "steps", nargs="*", choices=[[]] + [s.name for s in every], help="default: all but the opt-in ones"
     )
     args = parser.parse_args(argv)
-    selected = [step for step in STEPS if step.name in args.steps or (not args.steps and step.default)]
+    selected = [step for step in every if step.name in args.steps] if args.steps else STEPS
     return run_steps(selected)
 
 
