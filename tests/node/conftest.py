@@ -22,7 +22,7 @@ KWOK_TAINT = "vllm-stack.dev/kwok=true:NoSchedule"
 @pytest.fixture(scope="package")
 def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, RealNode]]:
     wanted = {**control_plane_binaries(), **node_binaries()}
-    missing = [name for name, path in wanted.items() if name != "coredns" and not path.is_file()]
+    missing = [name for name, path in wanted.items() if not path.is_file()]
     if missing:
         pytest.fail(f"binaries missing ({', '.join(missing)}): run `make install-node`", pytrace=False)
     options = ClusterOptions(workdir=tmp_path_factory.mktemp("node-cluster"), nodes=1, crds_dir=None)
@@ -32,4 +32,5 @@ def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clu
         with node:
             node.start()
             node.start_kube_proxy()
+            node.start_dns()
             yield cluster, node

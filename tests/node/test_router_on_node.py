@@ -5,7 +5,8 @@ account token the kubelet projects, the `kubernetes` Service through kube-proxy)
 
 The engine is a stub (a few lines of Python in the router image, answering `/v1/models`, `/health` and
 `/metrics` as vLLM does) labelled as the chart labels its engines: the router's readiness needs one
-healthy engine, and the CPU engine image is not part of this first node test.
+healthy engine, and the CPU engine image is not part of this first node test. A client Pod then reaches
+the router through its Service, by the name CoreDNS resolves and by the ClusterIP kube-proxy forwards.
 """
 
 from __future__ import annotations
@@ -105,6 +106,48 @@ def stub_engine_objects(image: str) -> list[dict[str, object]]:
     ]
 
 
+CLIENT = """
+import json, socket, urllib.request
+name = "rt-router-service.node-router.svc.cluster.local"
+result = {"resolved": socket.gethostbyname(name)}
+for key, url in (("by_name", "http://rt-router-service.node-router.svc/v1/models"),
+                 ("by_ip", "http://" + result["resolved"] + "/health")):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        result[key] = [response.status, json.loads(response.read())]
+with open("/dev/termination-log", "w") as out:
+    json.dump(result, out)
+"""
+
+
+def client_pod(image: str) -> dict[str, object]:
+    """A Pod in the cluster network that resolves the router Service's name (CoreDNS) and asks it by
+    name and by ClusterIP (kube-proxy); its findings come back as its termination message."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "client", "namespace": NAMESPACE},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+            "containers": [
+                {
+                    "name": "client",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python3", "-c", CLIENT],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                        "readOnlyRootFilesystem": True,
+                    },
+                }
+            ],  # fmt: skip
+        },
+    }
+
+
 def _router_pod(cluster: Cluster) -> dict:
     pods = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=router")["items"]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]  # type: ignore[union-attr]
@@ -162,3 +205,16 @@ def test_router_runs_on_a_real_node(node_cluster: tuple[Cluster, RealNode], tmp_
     assert stub["status"]["podIP"] in text, yaml.safe_dump(engines)
     ready = _get_from_node(node, f"http://{pod['status']['podIP']}:8000/ready")
     assert ready["ready"] and ready["discovery_running"] and ready["healthy_engines"] == 1, ready
+
+    # A client Pod: the router Service by its DNS name (CoreDNS) and by its ClusterIP (kube-proxy)
+    cluster.apply([client_pod(image)])
+    cluster.kubectl("wait", "pod/client", "-n", NAMESPACE, "--for=jsonpath={.status.phase}=Succeeded",
+                    "--timeout=90s", check=False)  # fmt: skip
+    client = cluster.get("pod", "client", "-n", NAMESPACE)
+    terminated = client["status"]["containerStatuses"][0]["state"].get("terminated", {})  # type: ignore[index]
+    assert client["status"]["phase"] == "Succeeded", terminated or client["status"]  # type: ignore[index]
+    found = json.loads(terminated["message"])
+    service = cluster.get("service", "rt-router-service", "-n", NAMESPACE)
+    assert found["resolved"] == service["spec"]["clusterIP"], found  # type: ignore[index]
+    assert found["by_name"][0] == 200 and found["by_name"][1]["data"][0]["id"] == "stub-model", found
+    assert found["by_ip"] == [200, {"status": "ok"}], found

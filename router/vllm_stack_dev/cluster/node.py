@@ -8,7 +8,7 @@ its PID 1 is Kubernetes' pause program, which reaps orphans such as containerd's
 - tmpfs over /run, /var/log and /var/lib/cni (containerd's state and shim sockets, the Pods' network
   namespaces, the kubelet's container log links, CNI's cache): nothing written there reaches the host;
   every other path is the workdir's (containerd's root, the kubelet's root, CNI configuration and IPAM);
-- a bridge without ports carrying the node's IP (this kernel has no dummy driver) and the CNI bridge
+- a bridge without ports carrying the node's IP (this kernel has no dummy driver) and CNI's `ptp` plugin
   (Debian's containernetworking-plugins) with the node's Pod CIDR: private addresses that exist only in
   this namespace (no route leaves it: it has no other interface);
 - the local registry (`registry serve`, read-only over the images step's storage) on the namespace's
@@ -20,7 +20,9 @@ its PID 1 is Kubernetes' pause program, which reaps orphans such as containerd's
   its own API takes client certificates and webhook-checked tokens;
 - kube-proxy (iptables mode, the namespace's own tables), when start_kube_proxy() is called, with the
   `kubernetes` Service's endpoint set to the node's relay, so that Pods' in-cluster clients reach the API
-  server at 10.96.0.1:443 (which the API server's certificate names).
+  server at 10.96.0.1:443 (which the API server's certificate names);
+- CoreDNS, when start_dns() is called, behind the `kube-system/kube-dns` Service (10.96.0.10, the
+  kubelet's `clusterDNS`): the cluster domain from the API server, nothing upstream.
 containerd's CRI runs with `restrict_oom_score_adj`: root here lacks CAP_SYS_RESOURCE, so a sandbox's
 OOM score of -998 failed runc's start ("can't get final child's PID from pipe").
 The node's cgroups (kubelet `cgroupRoot`, cgroupfs driver, cgroup v1 as this machine has) are one subtree
@@ -59,6 +61,8 @@ from vllm_stack_dev.gotools import KUBERNETES, REGISTRY, node_binaries
 from vllm_stack_dev.paths import tools_dir
 from vllm_stack_dev.testbed.engines import spawn_logged, stop_group
 
+CLUSTER_DNS_IP = "10.96.0.10"  # the kube-dns Service's ClusterIP (kubelet `clusterDNS`)
+CLUSTER_DOMAIN = "cluster.local"
 NODE_CIDR = "10.88.0.0/24"  # the nodes' own addresses (a portless bridge in the node's namespace)
 POD_CIDR = "10.244.0.0/16"  # node i gets 10.244.i.0/24
 API_PORT_IN_NODE = 6443  # the relay to the API server, on the node namespace's loopback
@@ -402,11 +406,11 @@ class RealNode:
             "name": "vllm-stack-node",
             "plugins": [
                 {
-                    "type": "bridge",
-                    "bridge": "cni0",
-                    "isGateway": True,
+                    # Point to point: every Pod's traffic, to another Pod too, is routed through the
+                    # node's namespace, so kube-proxy's NAT sees both directions of a ClusterIP
+                    # connection (no br_netfilter needed, as a bridge would).
+                    "type": "ptp",
                     "ipMasq": False,
-                    "hairpinMode": True,
                     "ipam": {
                         "type": "host-local",
                         "ranges": [[{"subnet": self.pod_cidr}]],
@@ -476,7 +480,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             self.workdir / "kubelet.kubeconfig", f"https://{LOOPBACK}:{API_PORT_IN_NODE}", ca.cert, client
         )
         resolv = self.workdir / "resolv.conf"
-        resolv.write_text("nameserver 127.0.0.1\n")  # no DNS yet; nothing routes out of the namespace
+        resolv.write_text("nameserver 127.0.0.1\n")  # upstream of CoreDNS: none (nothing routes out)
         config = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
@@ -500,7 +504,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "enforceNodeAllocatable": ["pods"],
             "podLogsDir": str(self.workdir / "pod-logs"),
             "resolvConf": str(resolv),
-            "clusterDomain": "cluster.local",
+            "clusterDNS": [CLUSTER_DNS_IP],
+            "clusterDomain": CLUSTER_DOMAIN,
             "maxPods": 30,
             "registerNode": True,
             "serializeImagePulls": False,
@@ -592,6 +597,67 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             return "default/kubernetes:https" in result.stdout and self.ip in result.stdout
 
         self._wait(proxy, programmed, "kube-proxy's rules for the kubernetes Service", 60)
+
+    def start_dns(self) -> None:
+        """CoreDNS in the node's namespace, serving the cluster domain from the API server (its
+        `kubernetes` plugin, as a ServiceAccount-less client with a certificate and a ClusterRole of its
+        own), and the `kube-system/kube-dns` Service (10.96.0.10, the kubelet's `clusterDNS`) leading to it
+        through kube-proxy. Names outside the cluster domain get SERVFAIL: there is no upstream."""
+        assert self.cluster.pki is not None
+        user = "vllm-stack:coredns"
+        client = issue_signed_by(self.cluster.pki.ca, self.workdir / "pki", "coredns", user)
+        kubeconfig = write_certificate_kubeconfig(
+            self.workdir / "coredns.kubeconfig",
+            f"https://{LOOPBACK}:{API_PORT_IN_NODE}",
+            self.cluster.pki.ca.cert,
+            client,
+        )
+        ready_port = 8181
+        corefile = self.workdir / "Corefile"
+        corefile.write_text(
+            f""".:53 {{
+    errors
+    ready {LOOPBACK}:{ready_port}
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig} vllm-stack-test
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }}
+    cache 5
+}}
+"""
+        )
+        rbac = "rbac.authorization.k8s.io"
+        dns_ports = [{"name": "dns", "port": 53, "protocol": "UDP"},
+                     {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]  # fmt: skip
+        self.cluster.apply([
+            {"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": "vllm-stack:coredns"},
+             "rules": [{"apiGroups": [""], "resources": ["services", "pods", "namespaces"],
+                        "verbs": ["list", "watch"]},
+                       {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                        "verbs": ["list", "watch"]}]},
+            {"apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "vllm-stack:coredns"},
+             "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": "vllm-stack:coredns"},
+             "subjects": [{"apiGroup": rbac, "kind": "User", "name": user}]},
+            {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+             "spec": {"clusterIP": CLUSTER_DNS_IP, "ports": [{**port, "targetPort": 53} for port in dns_ports]}},
+            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+             "metadata": {"name": f"kube-dns-{self.name}", "namespace": "kube-system",
+                          "labels": {"kubernetes.io/service-name": "kube-dns",
+                                     "endpointslice.kubernetes.io/managed-by": "testbed.vllm-stack.dev"}},
+             "addressType": "IPv4",
+             "endpoints": [{"addresses": [self.ip], "conditions": {"ready": True}}],
+             "ports": dns_ports},
+        ])  # fmt: skip
+        coredns = self._spawn("coredns", [str(self.binaries["coredns"]), "-conf", str(corefile)])
+        probe = self.in_node(["bash", "-c", f"exec 3<>/dev/tcp/{LOOPBACK}/{ready_port} && "
+                              "printf 'GET /ready HTTP/1.0\\r\\n\\r\\n' >&3 && grep -q ' 200 ' <&3"])  # fmt: skip
+        self._wait(coredns, lambda: subprocess.run(probe, capture_output=True).returncode == 0,
+                   "CoreDNS ready (its kubernetes plugin synced)", 60)  # fmt: skip
+        rules = self.in_node(["iptables-save", "-t", "nat"])
+        self._wait(coredns, lambda: "kube-system/kube-dns:dns" in subprocess.run(rules, capture_output=True,
+                   text=True).stdout, "kube-proxy's rules for kube-dns", 60)  # fmt: skip
 
     def _wait_ready(self) -> None:
         kubelet = self.processes[-1]
