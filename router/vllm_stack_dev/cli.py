@@ -93,7 +93,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def _cmd_cluster_up(args: argparse.Namespace) -> int:
     from vllm_stack_dev.cluster.cli import cluster_up
 
-    return cluster_up(args.dir, args.nodes)
+    return cluster_up(args.dir, args.nodes, args.real_nodes)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         " and prints how to use it. Ctrl-C stops everything.",
     )
     cluster_up.add_argument("--nodes", type=int, default=3, help="kwok nodes")
+    cluster_up.add_argument(
+        "--real-nodes", type=int, default=0, choices=(0, 1),
+        help="real nodes (a kubelet and containerd in namespaces of their own, kube-proxy, CoreDNS;"
+        " make install-node builds them); kwok nodes are then tainted NoSchedule",
+    )  # fmt: skip
     cluster_up.add_argument("--dir", type=Path, help="state, logs and kubeconfig (default: a new temp dir)")
     cluster_up.set_defaults(func=_cmd_cluster_up)
     return parser

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import tempfile
@@ -9,11 +10,23 @@ import threading
 from pathlib import Path
 
 from vllm_stack_dev.cluster.control_plane import ClusterError, ClusterOptions, running_cluster
-from vllm_stack_dev.gotools import control_plane_binaries
+from vllm_stack_dev.cluster.node import RealNode
+from vllm_stack_dev.gotools import control_plane_binaries, node_binaries
 from vllm_stack_dev.paths import helm_binary
 
 
-def _usage(kubeconfig: Path, kubectl: Path) -> str:
+def _usage(kubeconfig: Path, kubectl: Path, node: RealNode | None = None) -> str:
+    if node is None:
+        where = [
+            "Pods run on kwok nodes: scheduled and reported Running and Ready, but no container runs"
+            " (no kubelet or container runtime here); Services get no endpoints (loopback Pod IPs)."
+        ]
+    else:
+        where = [
+            f"Pods run on the real node {node.name} (kubelet, containerd, runc; kwok nodes are tainted"
+            " NoSchedule); its Pod and Service addresses exist only in its network namespace:",
+            f"  nsenter --target {node.init_pid} --net curl http://POD_IP:PORT/",
+        ]
     return "\n".join(
         [
             f"kubeconfig: {kubeconfig}",
@@ -21,15 +34,15 @@ def _usage(kubeconfig: Path, kubectl: Path) -> str:
             f"  export KUBECONFIG={kubeconfig}",
             f"  {kubectl} get nodes",
             f"  {helm_binary(4)} install vllm-stack ./helm -f helm/examples/local-default.yaml",
-            "Pods run on kwok nodes: scheduled and reported Running and Ready, but no container runs"
-            " (no kubelet or container runtime here); Services get no endpoints (loopback Pod IPs).",
+            *where,
             "Ctrl-C stops the cluster.",
         ]
     )
 
 
-def cluster_up(folder: Path | None, nodes: int) -> int:
-    """Start the cluster, print its kubeconfig and usage, wait for SIGINT/SIGTERM, stop it."""
+def cluster_up(folder: Path | None, nodes: int, real_nodes: int = 0) -> int:
+    """Start the cluster (and ``real_nodes`` real nodes, 0 or 1: vllm_stack_dev.cluster.node), print its
+    kubeconfig and usage, wait for SIGINT/SIGTERM, stop it."""
     missing = sorted(name for name, path in control_plane_binaries().items() if not path.is_file())
     if missing:
         print(
@@ -37,15 +50,39 @@ def cluster_up(folder: Path | None, nodes: int) -> int:
             file=sys.stderr,
         )
         return 1
+    if real_nodes not in (0, 1):
+        print("error: --real-nodes is 0 or 1 for now (issue 47: two nodes need a network between them)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    missing = sorted(name for name, path in node_binaries().items() if real_nodes and not path.is_file())
+    if missing:
+        print(
+            f"error: node binaries missing ({', '.join(missing)}): run `make install-node`", file=sys.stderr
+        )
+        return 1
     workdir = folder or Path(tempfile.mkdtemp(prefix="vllm-stack-cluster-"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        with running_cluster(ClusterOptions(workdir=workdir, nodes=nodes), say=print) as cluster:
-            print(_usage(cluster.kubeconfig, cluster.binaries["kubectl"]), flush=True)
+        with contextlib.ExitStack() as running:
+            cluster = running.enter_context(
+                running_cluster(ClusterOptions(workdir=workdir, nodes=nodes), say=print)
+            )
+            node = None
+            if real_nodes:
+                for index in range(nodes):
+                    cluster.kubectl(
+                        "taint", "node", f"kwok-node-{index}", "vllm-stack.dev/kwok=true:NoSchedule"
+                    )
+                node = running.enter_context(RealNode(cluster, workdir / "node-0"))
+                node.start(say=print)
+                node.start_kube_proxy()
+                node.start_dns()
+                print("kube-proxy and CoreDNS started", flush=True)
+            print(_usage(cluster.kubeconfig, cluster.binaries["kubectl"], node), flush=True)
             while not stop.wait(1.0):
-                broken = cluster.exited()
+                broken = cluster.exited() or (node.exited() if node else None)
                 if broken:
                     print(f"error: {broken}", file=sys.stderr)
                     return 1

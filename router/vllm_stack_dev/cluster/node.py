@@ -46,6 +46,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -238,7 +239,10 @@ class RealNode:
         self.holder: _Process | None = None
         self.init_pid = 0
         self.processes: list[_Process] = []
-        self.api_socket = workdir / "api.sock"
+        # Unix socket paths are limited to 107 bytes: the relay's socket lives in a short folder of its own,
+        # the kubelet's root (whose pods-api socket is deep in it) at /run/kubelet in the node's namespace.
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="vllm-stack-node-"))
+        self.api_socket = self.socket_dir / "api.sock"
 
     def __enter__(self) -> RealNode:
         return self
@@ -281,6 +285,7 @@ class RealNode:
         if self.holder is not None:
             stop_group(self.holder.process, timeout=10)
             self.holder = None
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
         left = remove_cgroup_root(self.cgroups) if self.cgroups else []
         self.cgroups = []
         self.cluster.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false", check=False)
@@ -329,7 +334,9 @@ class RealNode:
                 "mount -t tmpfs -o mode=755 tmpfs /run",
                 "mount -t tmpfs -o mode=755 tmpfs /var/log",
                 "mount -t tmpfs -o mode=755 tmpfs /var/lib/cni",
-                "mkdir -p /run/netns",
+                "mkdir -p /run/netns /run/kubelet",
+                f"mkdir -p {self.workdir / 'kubelet'}",
+                f"mount --bind {self.workdir / 'kubelet'} /run/kubelet",
                 "ip link set lo up",
                 "ip link add node0 type bridge",  # no dummy driver here; a bridge without ports
                 f"ip addr add {self.ip}/{self.prefix} dev node0",
@@ -540,7 +547,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 str(self.binaries["kubelet"]),
                 f"--config={config}",
                 f"--kubeconfig={kubeconfig}",
-                f"--root-dir={self.workdir / 'kubelet'}",
+                "--root-dir=/run/kubelet",  # the workdir's `kubelet` folder, bind-mounted (socket paths)
                 f"--hostname-override={self.name}",
                 f"--node-ip={self.ip}",
                 "--node-labels=vllm-stack.dev/real-node=true",
