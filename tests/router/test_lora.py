@@ -15,6 +15,7 @@ from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 from vllm_stack.config import ConfigError
 from vllm_stack.engines.adapters import AdapterCatalog
+from vllm_stack.json_depth import MAX_JSON_DEPTH
 
 BASE = "stub-model"
 
@@ -255,10 +256,12 @@ async def test_waiters_of_a_load_on_an_engine_that_leaves_get_a_clear_error() ->
 
 
 async def test_weighted_name_rewrite_keeps_the_rest_of_the_body_as_sent() -> None:
-    """Deep nesting and integers past 64 bits: re-encoding the whole body would refuse them (a 500)."""
+    """Nesting at the router's depth limit and integers past 64 bits: re-encoding the whole body would
+    change or refuse them (orjson writes 64-bit integers only)."""
     a = StubEngine("a", ["v1"])
     weighted = {"chat": [{"model": "v1", "weight": 1}]}
-    rest = b'"x":' + b"[" * 300 + b"]" * 300 + b',"n":123456789012345678901234567890,"f":1.50'
+    deepest = MAX_JSON_DEPTH - 1  # the body's own object is the first level
+    rest = b'"x":' + b"[" * deepest + b"]" * deepest + b',"n":123456789012345678901234567890,"f":1.50'
     async with stubs(a) as urls, running_router(urls, weighted_models=weighted) as (url, _), http(url) as h:
         r = await h.post(
             "/v1/completions",
