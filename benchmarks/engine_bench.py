@@ -221,3 +221,21 @@ def write_report(
     path.with_suffix(".md").write_text(render(report))
     print()
     print_table(report)
+
+
+async def create_batch(client: httpx.AsyncClient, content: bytes) -> str:
+    """Upload ``content`` (a JSONL input file) and create a chat-completions batch of it: the batch's id."""
+    uploaded = await client.post(
+        "/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")}, data={"purpose": "batch"}
+    )
+    uploaded.raise_for_status()
+    created = await client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    )
+    created.raise_for_status()
+    return created.json()["id"]

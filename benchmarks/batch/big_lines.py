@@ -97,20 +97,7 @@ async def sample_rss(pid: int, stop: asyncio.Event, samples: list[int]) -> None:
 async def run_batch(url: str, content: bytes) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         started = time.perf_counter()
-        uploaded = await client.post(
-            "/v1/files", files={"file": ("in.jsonl", content, "application/jsonl")}, data={"purpose": "batch"}
-        )
-        uploaded.raise_for_status()
-        created = await client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": uploaded.json()["id"],
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
-        created.raise_for_status()
-        batch_id = created.json()["id"]
+        batch_id = await engine_bench.create_batch(client, content)
         while True:
             batch = (await client.get(f"/v1/batches/{batch_id}")).json()
             if batch["status"] in ("completed", "failed", "cancelled", "expired"):

@@ -254,22 +254,7 @@ async def run_one(
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         batch_id = None
         if with_batch:
-            up = await client.post(
-                "/v1/files",
-                files={"file": ("in.jsonl", content, "application/jsonl")},
-                data={"purpose": "batch"},
-            )
-            up.raise_for_status()
-            created = await client.post(
-                "/v1/batches",
-                json={
-                    "input_file_id": up.json()["id"],
-                    "endpoint": "/v1/chat/completions",
-                    "completion_window": "24h",
-                },
-            )
-            created.raise_for_status()
-            batch_id = created.json()["id"]
+            batch_id = await engine_bench.create_batch(client, content)
             started = time.monotonic()
             await wait_batch(
                 client,

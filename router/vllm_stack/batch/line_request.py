@@ -32,6 +32,13 @@ MAX_ANSWER_BYTES = 64 * 1024 * 1024  # an engine's answer to one line, at most (
 ANSWER_END = 2048  # the answer's last bytes the completion hooks read (usage)
 
 
+def send_failed() -> bytes:
+    """The error line of a batch line that a fault of the router's kept from being sent (not retried)."""
+    return error_body(
+        500, "The router could not send this request; it was not retried.", code="line_send_failed"
+    )
+
+
 class LineListener(Protocol):
     """The runner that sent the line."""
 
@@ -135,10 +142,7 @@ class BatchLineRequest(DirectedRequest):
             )
         except Exception:  # a fault of the router's: this line fails, nothing else does
             log.exception("batch line %s: sending it failed", ctx.request_id.decode("latin-1"))
-            status, body = (
-                500,
-                error_body(500, "The router could not send this request.", code="line_send_failed"),
-            )
+            status, body = 500, send_failed()
         self._answered(status, body)
 
     def _answered(self, status: int, body: bytes) -> None:

@@ -32,7 +32,7 @@ import orjson
 from vllm_stack.api.proxied import model_served, resolve
 from vllm_stack.api.state import RouterState
 from vllm_stack.batch.files import FileDirectory
-from vllm_stack.batch.line_request import BatchLineRequest
+from vllm_stack.batch.line_request import BatchLineRequest, send_failed
 from vllm_stack.batch.objects import (
     CANCELLED,
     CANCELLING,
@@ -68,7 +68,6 @@ MISSING_INPUT = (
     "The input file's contents are missing from the router's batch directory (with router replicas, the "
     "batch directory must be one volume every replica mounts: ReadWriteMany)."
 )
-LINE_SEND_FAILED = "The router could not send this request; it was not retried."
 
 
 class _Line(msgspec.Struct):
@@ -305,8 +304,7 @@ class BatchRunner:
             if request is not None:  # started, not ended: its engine's booking goes back
                 request.abandon()
             if not line.settled:
-                body = error_body(500, LINE_SEND_FAILED, code="line_send_failed")
-                self._record(line, request_id.decode(), 500, body)
+                self._record(line, request_id.decode(), 500, send_failed())
         finally:
             self._preparing.discard(key)
             self.metrics.batch_lines_in_flight.set(len(self.in_flight))
