@@ -6,6 +6,7 @@ after its lease ran out."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -32,6 +33,14 @@ MODEL = "stub-model"
 LINES = 80
 CONCURRENCY = 3
 LEASE = 2.0
+
+
+def in_flight(metrics: str) -> float:
+    """The replica's batch lines started and not yet answered (its gauge)."""
+    for line in metrics.splitlines():
+        if line.startswith("vllm_stack_router_batch_lines_in_flight "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def lines_done(metrics: str) -> float:
@@ -66,10 +75,19 @@ async def test_two_replicas_share_a_batch_and_one_dies(tmp_path: Path, postgres_
                 assert lines_done((await b.get("/metrics")).text) > 0
                 for engine in engines:  # what is sent from now on stays in flight until the kill
                     engine.behaviour.delay_s = 4
-                answered = sum(e.completed for e in engines)
-                await wait_for(
-                    lambda: sum(sends_per_line(engines).values()) > answered, what="lines in flight"
-                )
+                # The doomed replica has a line on an engine, and every line either replica started has
+                # reached one (a replica sends its lines one after another, as their bodies are read): what
+                # is in flight at the kill is then exactly what the engines hold.
+                deadline = time.monotonic() + 30
+                while True:
+                    started = [in_flight((await r.get("/metrics")).text) for r in (a, b)]
+                    held = sum(sends_per_line(engines).values()) - sum(e.completed for e in engines)
+                    if started[0] >= 1 and held == sum(started) and held > 0:
+                        break
+                    assert time.monotonic() < deadline, (
+                        f"the doomed replica's lines on engines: {started}, {held}"
+                    )
+                    await asyncio.sleep(0.02)
                 doomed.kill()
                 killed_at = time.monotonic()
                 for engine in engines:
