@@ -1,41 +1,23 @@
-"""The router's view of one engine: where it is, what it serves, whether it is usable, how loaded."""
+"""The router's view of one engine: where it is, what it serves, whether it is usable, how loaded.
+
+Its scraped load figures (:class:`~vllm_stack.engines.load.EngineTelemetry`) and the rules that read them
+live in :mod:`vllm_stack.engines.load`, the module below this one.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_stack.config import ENGINE_ROLES
 from vllm_stack.engines import load
 from vllm_stack.engines.circuit import CircuitBreaker
+from vllm_stack.engines.load import EngineTelemetry
 
 #: An engine's part in disaggregated serving: ``both`` serves whole requests (the default); a
 #: ``prefill`` engine only computes prompts' KV for ``decode`` engines, which generate from it.
 #: Defined once, with the settings that name them (config is the layer below).
 ROLES = ENGINE_ROLES
 ROLE_BOTH, ROLE_PREFILL, ROLE_DECODE = ROLES
-
-
-@dataclass(slots=True)
-class EngineTelemetry:
-    """Load figures scraped from the engine's ``/metrics`` (summed over ``model_name``)."""
-
-    running: float
-    waiting: float
-    kv_cache_usage: float | None
-    prefix_cache_queries: float | None
-    prefix_cache_hits: float | None
-    scraped_at: float  # time.monotonic()
-    block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
-    num_blocks: int | None = None  # KV capacity in blocks (vllm:cache_config_info num_gpu_blocks)
-    # vllm:lora_requests_info (its latest series): adapter slots, and the adapters with requests
-    # running or waiting there (None: the engine does not serve LoRA, or published no such series)
-    max_loras: int | None = None
-    running_adapters: frozenset[str] | None = None
-    waiting_adapters: frozenset[str] | None = None
-    # The router's own in-flight count there when the figures arrived: what it sent or finished
-    # since moves the queue estimate between scrapes (vllm_stack.engines.load.queue_estimate).
-    in_flight: int = 0
 
 
 class Engine:

@@ -45,16 +45,48 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from vllm_stack.engines.engine import Engine, EngineTelemetry
+
+@dataclass(slots=True)
+class EngineTelemetry:
+    """Load figures scraped from the engine's ``/metrics`` (summed over ``model_name``)."""
+
+    running: float
+    waiting: float
+    kv_cache_usage: float | None
+    prefix_cache_queries: float | None
+    prefix_cache_hits: float | None
+    scraped_at: float  # time.monotonic()
+    block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
+    num_blocks: int | None = None  # KV capacity in blocks (vllm:cache_config_info num_gpu_blocks)
+    # vllm:lora_requests_info (its latest series): adapter slots, and the adapters with requests
+    # running or waiting there (None: the engine does not serve LoRA, or published no such series)
+    max_loras: int | None = None
+    running_adapters: frozenset[str] | None = None
+    waiting_adapters: frozenset[str] | None = None
+    # The router's own in-flight count there when the figures arrived: what it sent or finished
+    # since moves the queue estimate between scrapes (:func:`queue_estimate`).
+    in_flight: int = 0
+
+
+class LoadedEngine(Protocol):
+    """What these rules read of an engine (:class:`vllm_stack.engines.engine.Engine`, which imports this
+    module: named here by what is read, so the import runs one way)."""
+
+    telemetry: EngineTelemetry | None
+    stale_after: float  # seconds after which its scraped figures are unknown
+    in_flight: int  # the router's own count of requests sent there and not finished
+    running_slots: int | None  # requests it runs at once, once seen queuing
+
+
+E = TypeVar("E", bound=LoadedEngine)  # the rules that keep engines give back what they were given
 
 #: Weight of the newest sample in the completion tracker's moving averages.
 EWMA_ALPHA = 0.2
 
 
-def fresh_telemetry(engine: Engine, now: float | None = None) -> EngineTelemetry | None:
+def fresh_telemetry(engine: LoadedEngine, now: float | None = None) -> EngineTelemetry | None:
     """The engine's scraped figures, or None when missing or older than its ``stale_after``."""
     t = engine.telemetry
     if t is None:
@@ -72,18 +104,18 @@ def age(telemetry: EngineTelemetry) -> float:
 _IN_FLIGHT = attrgetter("in_flight")
 
 
-def in_flight(engines: Sequence[Engine]) -> list[int]:
+def in_flight(engines: Sequence[LoadedEngine]) -> list[int]:
     """The router's own in-flight count per engine (read in C: this runs for every request)."""
     return list(map(_IN_FLIGHT, engines))
 
 
-def engine_loads(engines: Sequence[Engine]) -> list[float]:
+def engine_loads(engines: Sequence[LoadedEngine]) -> list[float]:
     """In-flight requests plus ``vllm:num_requests_waiting`` (the queue term under the stale rule)."""
     return _scraped_or_in_flight(engines, lambda t, e: e.in_flight + t.waiting)
 
 
 def _scraped_or_in_flight(
-    engines: Sequence[Engine], term: Callable[[EngineTelemetry, Engine], float]
+    engines: Sequence[LoadedEngine], term: Callable[[EngineTelemetry, LoadedEngine], float]
 ) -> list[float]:
     """``term`` of every engine, under the stale rule: when any engine's figures are unknown, the
     router's own in-flight counts for all of them (the only term they all have)."""
@@ -104,20 +136,20 @@ def bounded_capacity(counts: Sequence[float], epsilon: float) -> int:
     return math.ceil((1.0 + epsilon) * (sum(counts) + 1) / len(counts))
 
 
-def queue_length(engine: Engine, now: float | None = None) -> float | None:
+def queue_length(engine: LoadedEngine, now: float | None = None) -> float | None:
     """The engine's own waiting queue, or None when unknown (stale or never scraped)."""
     t = fresh_telemetry(engine, now)
     return None if t is None else t.waiting
 
 
-def queue_estimate(engine: Engine, now: float | None = None) -> float | None:
+def queue_estimate(engine: LoadedEngine, now: float | None = None) -> float | None:
     """The engine's waiting queue now (the module docstring's estimate); None when unknown (stale or
     never scraped)."""
     t = fresh_telemetry(engine, now)
     return None if t is None else _estimate(t, engine)
 
 
-def _unclamped_estimate(t: EngineTelemetry, engine: Engine) -> float | None:
+def _unclamped_estimate(t: EngineTelemetry, engine: LoadedEngine) -> float | None:
     """The queue estimate before it is clamped at 0; None for an engine that was not queuing at the
     scrape and whose slot count is not known (the estimate is then 0 until the next scrape)."""
     if t.waiting > 0.0:
@@ -127,12 +159,12 @@ def _unclamped_estimate(t: EngineTelemetry, engine: Engine) -> float | None:
     return None
 
 
-def _estimate(t: EngineTelemetry, engine: Engine) -> float:
+def _estimate(t: EngineTelemetry, engine: LoadedEngine) -> float:
     estimate = _unclamped_estimate(t, engine)
     return estimate if estimate is not None and estimate > 0.0 else 0.0
 
 
-def queue_estimates(engines: Sequence[Engine]) -> list[float]:
+def queue_estimates(engines: Sequence[LoadedEngine]) -> list[float]:
     """:func:`queue_estimate` of every engine, under the stale rule."""
     return _scraped_or_in_flight(engines, _estimate)
 
@@ -149,28 +181,26 @@ class SaturationLimits:
     reserve_slots: int = 0
 
 
-def saturated(engine: Engine, limits: SaturationLimits, now: float | None = None) -> bool:
+def saturated(engine: LoadedEngine, limits: SaturationLimits, now: float | None = None) -> bool:
     """The saturation rule (module docstring): estimated queue >= ``max_waiting`` or KV usage >=
     ``max_kv_cache_usage``; never for an engine whose figures are unknown."""
     return not unsaturated((engine,), limits, now)
 
 
-def unsaturated(
-    engines: Sequence[Engine], limits: SaturationLimits, now: float | None = None
-) -> Sequence[Engine]:
+def unsaturated(engines: Sequence[E], limits: SaturationLimits, now: float | None = None) -> Sequence[E]:
     """The engines the rule does not call saturated (``engines`` itself when that is all of them)."""
     return _unsaturated(limits, None, engines, now)
 
 
-def saturation_rule(limits: SaturationLimits) -> Callable[[object, Sequence[Engine]], Sequence[Engine]]:
+def saturation_rule(limits: SaturationLimits) -> Callable[[object, Sequence[E]], Sequence[E]]:
     """The rule as a scheduling filter's ``filter(ctx, engines)``: a partial of the rule itself, so
     filtering makes no Python call besides the rule's."""
     return partial(_unsaturated, limits)
 
 
 def _unsaturated(
-    limits: SaturationLimits, _ctx: object, engines: Sequence[Engine], now: float | None = None
-) -> Sequence[Engine]:
+    limits: SaturationLimits, _ctx: object, engines: Sequence[E], now: float | None = None
+) -> Sequence[E]:
     """The rule itself, written out in one loop: this runs for every standard request.
 
     Figures that show no queue and KV usage below the limit, for an engine whose slot count is not
@@ -179,7 +209,7 @@ def _unsaturated(
     max_waiting = limits.max_waiting
     max_kv = limits.max_kv_cache_usage
     reserve = limits.reserve_slots
-    kept: list[Engine] | None = None
+    kept: list[E] | None = None
     for i, e in enumerate(engines):
         t = e.telemetry
         full = False
@@ -213,7 +243,9 @@ def _unsaturated(
 PROBE_STEP = 2
 
 
-def background_room(engine: Engine, reserve: int, max_kv_cache_usage: float, now: float | None = None) -> int:
+def background_room(
+    engine: LoadedEngine, reserve: int, max_kv_cache_usage: float, now: float | None = None
+) -> int:
     """How many more background requests (batch lines) the engine takes now: the running slots it has free
     beyond ``reserve``, kept for interactive requests. vLLM does not preempt a running request for a more
     urgent one while slots (not KV blocks) run short, so a batch line holding the last slot makes the next

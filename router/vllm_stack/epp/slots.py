@@ -15,10 +15,17 @@ many streams are open.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from vllm_stack.epp.stream import Exchange
+
+class Stream(Protocol):
+    """A stream as its slot sees it (:class:`~.stream.Exchange`, named here by what is used, so the
+    import runs one way: the stream knows its slots, not the other way round)."""
+
+    def evict(self) -> bool:
+        """Give way to a new stream; False when it cannot (its request is no longer arriving)."""
+        ...
+
 
 #: Seconds a stream waiting for its request must have been silent before a new stream may take its place.
 EVICTABLE_AFTER = 1.0
@@ -31,10 +38,10 @@ class StreamSlots:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.open: set[Exchange] = set()
+        self.open: set[Stream] = set()
         # streams waiting for their request's next message -> when they last sent one (time.monotonic),
         # longest silent first
-        self.waiting: dict[Exchange, float] = {}
+        self.waiting: dict[Stream, float] = {}
 
     def admit(self, now: float) -> bool:
         """Whether a new stream may open: under the cap, or in place of the longest silent waiting one
@@ -50,21 +57,21 @@ class StreamSlots:
         self.remove(exchange)
         return True
 
-    def add(self, exchange: Exchange, now: float) -> None:
+    def add(self, exchange: Stream, now: float) -> None:
         self.open.add(exchange)
         self.waiting[exchange] = now
 
-    def heard(self, exchange: Exchange, now: float) -> None:
+    def heard(self, exchange: Stream, now: float) -> None:
         """A stream waiting for its request sent a part of it: the most recently heard now."""
         waiting = self.waiting
         if exchange in waiting:
             del waiting[exchange]
             waiting[exchange] = now
 
-    def settled(self, exchange: Exchange) -> None:
+    def settled(self, exchange: Stream) -> None:
         """The stream's request is whole (being picked, or answered at once): no longer evictable."""
         self.waiting.pop(exchange, None)
 
-    def remove(self, exchange: Exchange) -> None:
+    def remove(self, exchange: Stream) -> None:
         self.open.discard(exchange)
         self.waiting.pop(exchange, None)

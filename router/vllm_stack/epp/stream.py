@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_stack.api.head import unauthorized
 from vllm_stack.api.proxied import MULTIPART_PATHS, resolve
@@ -31,11 +31,34 @@ from vllm_stack.request_id import new_request_id, valid_request_id
 if TYPE_CHECKING:
     from vllm_stack.api.state import RouterState
     from vllm_stack.engines.engine import Engine
-    from vllm_stack.epp.server import PickerService
+    from vllm_stack.epp.inference_objects import Objectives
+    from vllm_stack.epp.limits import PickerLimits
+    from vllm_stack.epp.slots import StreamSlots
+    from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
 Responses = list[wire.ProcessingResponse]
+
+
+class StreamService(Protocol):
+    """What a stream reads of the gRPC service that opened it (:class:`~.server.PickerService`, which
+    imports this module: named here by what is read, so the import runs one way)."""
+
+    router: RouterState
+    metrics: RouterMetrics
+    objectives: Objectives
+    limits: PickerLimits
+    slots: StreamSlots
+    fallbacks: int  # endpoints listed after the picked one
+
+    def reserve(self, size: int) -> bool:
+        """Take ``size`` bytes of the bodies' budget; False when it is spent."""
+        ...
+
+    def release(self, size: int) -> None:
+        """Give back ``size`` bytes of the bodies' budget."""
+        ...
 
 
 def _lines(block: bytes) -> Iterable[tuple[str, str]]:
@@ -71,7 +94,7 @@ class Exchange:
         "expired",
     )
 
-    def __init__(self, service: PickerService, task: asyncio.Task[Any]) -> None:
+    def __init__(self, service: StreamService, task: asyncio.Task[Any]) -> None:
         self.service = service
         self.router: RouterState = service.router
         self.headers: list[tuple[str, str]] = []
