@@ -11,6 +11,8 @@ not exercised here; the router's gateway mode does the connecting and falling ba
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -99,25 +101,42 @@ async def exchange(
             if body
             else []
         )
-        for index, piece in enumerate(pieces):
-            last = index == len(pieces) - 1
-            await call.write(message(request_body=wire.pb.HttpBody(body=piece, end_of_stream=last)))
-        # the answers to the request: a headers answer and the body back (eos), or an immediate answer
-        while True:
-            answer = await call.read()
-            if answer is grpc.aio.EOF:
-                return recorded
-            recorded.answers.append(answer)
-            kind = answer.WhichOneof("response")
-            if kind == "immediate_response":
-                return recorded
-            if kind == "request_headers" and not body:
-                break
-            if (
-                kind == "request_body"
-                and answer.request_body.response.body_mutation.streamed_response.end_of_stream
-            ):
-                break
+
+        async def send_body() -> None:
+            for index, piece in enumerate(pieces):
+                last = index == len(pieces) - 1
+                await call.write(message(request_body=wire.pb.HttpBody(body=piece, end_of_stream=last)))
+
+        # The body goes out while the answers are read, as a gateway relays it: the picker may answer
+        # before the body's end (413 past the limit) and end the stream, and a write after that fails
+        # and takes down the call, so the answer must already be read by then.
+        writer = asyncio.ensure_future(send_body())
+        whole = False  # the picker answered the whole request (it was all sent)
+        try:
+            while True:
+                answer = await call.read()
+                if answer is grpc.aio.EOF:
+                    return recorded
+                recorded.answers.append(answer)
+                kind = answer.WhichOneof("response")
+                if kind == "immediate_response":
+                    return recorded
+                if kind == "request_headers" and not body:
+                    break
+                if (
+                    kind == "request_body"
+                    and answer.request_body.response.body_mutation.streamed_response.end_of_stream
+                ):
+                    break
+            whole = True
+        finally:
+            if not whole:  # the stream ended first: what was left of the body is not sent
+                writer.cancel()
+                with contextlib.suppress(
+                    asyncio.CancelledError, grpc.aio.AioRpcError, asyncio.InvalidStateError
+                ):
+                    await writer
+        await writer
         if response is not None:
             # The answer is relayed as it comes: its headers, then every body chunk, without waiting for
             # the picker between them (full duplex). A picker may pass each chunk back at once (a
