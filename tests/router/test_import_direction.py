@@ -1,7 +1,10 @@
 """Imports run one way: api -> director -> scheduling / relay -> engines -> config (and the small
 shared modules below them), the server knows nothing of routing, and development tooling stays out
-of the router's runtime import graph. Checked on the source (every import, those under
-``TYPE_CHECKING`` included, so not even the type hints make a circle) and on a running interpreter.
+of the router's runtime import graph. Inside a part, too, no modules import each other in a circle:
+where a lower module needs to call back into the one that uses it, it names what it needs as a
+protocol of its own (as ``relay.leg.LegRequest`` does). Checked on the source (every import, those
+under ``TYPE_CHECKING`` and inside functions included, so not even the type hints make a circle) and on
+a running interpreter.
 """
 
 from __future__ import annotations
@@ -90,6 +93,82 @@ def test_imports_run_one_way() -> None:
                     f"{me} ({my_part}, layer {LAYERS[my_part]}) imports {target} (layer {LAYERS[part]})"
                 )
     assert not wrong, "imports against the direction:\n" + "\n".join(wrong)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports (a submodule named in
+    ``from package import name`` counts as that submodule)."""
+    modules = {_own_module(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    named = f"{node.module}.{alias.name}"
+                    if named in modules:
+                        targets.add(named)
+                    elif node.module in modules:
+                        targets.add(node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name in modules}
+        graph[module] = targets - {module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    part.append(member)
+                    if member == node:
+                        break
+                if len(part) > 1:
+                    found.append(sorted(part))
+    return found
+
+
+def test_no_circles_inside_a_part() -> None:
+    circles = _circles(_module_graph())
+    assert not circles, "modules that import each other in a circle:\n" + "\n".join(
+        " <-> ".join(circle) for circle in circles
+    )
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    """The check itself: a circle of three and one of two are found, a chain is not."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}, "g": {"d"}}
+    assert _circles(graph) == [["a", "b", "c"], ["e", "f"]]
 
 
 def test_the_router_runtime_loads_no_development_tooling() -> None:

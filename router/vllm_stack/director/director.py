@@ -20,7 +20,7 @@ from vllm_stack.errors import RouterError, no_healthy_engine
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.config import Hooks, SchedulingSetup
-from vllm_stack.scheduling.framework import Reason, Scheduler
+from vllm_stack.scheduling.framework import Reason, RequestContext, Scheduler, SchedulingResult
 
 if TYPE_CHECKING:
     from vllm_stack.director.endpoint_picker import EndpointPickerClient
@@ -119,6 +119,14 @@ class Director:
         self.scheduler = setup.scheduler
         self.hooks = setup.hooks
         self.settings = settings
+
+    def schedule(self, ctx: RequestContext) -> SchedulingResult:
+        """Scheduling for one request: the profile its priority runs (``critical`` above 0, else
+        ``standard``) over its pool's candidates. Every scheduling of a request's engine (a first try, a
+        retry, the queue's try, the lmcache decode pick before a prefill) comes here."""
+        scheduler = self.scheduler
+        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
+        return schedule(ctx, self.registry.candidates(ctx.pool or ctx.model))
 
     @staticmethod
     def error_for(reason: str, model: str, message: str = "") -> RouterError:

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from vllm_stack.director import disagg
@@ -37,9 +37,25 @@ from vllm_stack.scheduling.framework import DEFERRED_CLAIMS
 from vllm_stack.scheduling.profiles import PREFILL_PROFILE
 
 if TYPE_CHECKING:
-    from vllm_stack.director.request import ProxiedRequest
+    from vllm_stack.director.director import Director
+    from vllm_stack.scheduling.framework import RequestContext
+    from vllm_stack.server.http1 import HttpRequest
 
 log = logging.getLogger(__name__)
+
+
+class DisaggregatedRequest(Protocol):
+    """What the prefill stage reads of its request (:class:`~.request.ProxiedRequest`, which imports
+    this module: named here by what is read, so the import runs one way)."""
+
+    director: Director
+    ctx: RequestContext
+    request: HttpRequest  # the client's request line (method, target) for the prefill leg's
+    tail: bytes  # headers, framing and body as sent upstream; the vllm hand-over rewrites its body
+
+    def resume_after_prefill(self, engine: Engine | None) -> None:
+        """The stage is over: decode on ``engine`` (lmcache: where the KV was sent), or schedule."""
+        ...
 
 
 class PrefillStage:
@@ -60,7 +76,7 @@ class PrefillStage:
 
     def __init__(
         self,
-        owner: ProxiedRequest,
+        owner: DisaggregatedRequest,
         settings: disagg.DisaggSettings,
         request: dict[str, Any],
         engine: Engine,
@@ -79,7 +95,7 @@ class PrefillStage:
         self.timer: asyncio.TimerHandle | None = None  # lmcache: the wait for the notification
 
     @classmethod
-    def begin(cls, owner: ProxiedRequest) -> PrefillStage | None:
+    def begin(cls, owner: DisaggregatedRequest) -> PrefillStage | None:
         """The stage, its prefill leg sent; None when the request is served without one."""
         director = owner.director
         ctx = owner.ctx
@@ -125,9 +141,7 @@ class PrefillStage:
             if director.pd_notifications is None:
                 metrics.disagg(label, "no_notifications")
                 return None
-            scheduler = director.scheduler
-            schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
-            decode = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model)).engine
+            decode = director.schedule(ctx).engine
             ctx.prefill_tokens = 0
             if decode is None:  # none has room: the request waits for one as any request does
                 metrics.disagg(label, "no_decode_engine")

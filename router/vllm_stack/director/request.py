@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from vllm_stack.director.disagg import DISAGG_PATHS
+from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.director.stages import DirectedRequest, route_header
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
@@ -50,7 +51,7 @@ _ASKING, _LOCAL = "asking", "local"  # gateway mode: the picker is being asked /
 class ProxiedRequest(DirectedRequest):
     """The state of one proxied request; the client connection's handler while it runs."""
 
-    __slots__ = ("conn", "request", "tail", "leg", "answer_end", "pick")
+    __slots__ = ("conn", "request", "tail", "leg", "answer_end", "pick", "disagg_pending", "pd")
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class ProxiedRequest(DirectedRequest):
         self.pick: Any = None  # gateway mode: _ASKING, _LOCAL, or the endpoint picker's PickAnswer
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
         self.disagg_pending = director.settings.disagg is not None and ctx.path in DISAGG_PATHS
+        self.pd: PrefillStage | None = None  # while its prefill stage runs
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         tracer = director.tracer
@@ -85,8 +87,23 @@ class ProxiedRequest(DirectedRequest):
             ctx.keep_answer_end = True  # the usage (token counts) of the answer, for the server span
         self._begin()
 
+    def _attempt(self) -> None:
+        """An attempt of the relayed kind: in gateway mode the endpoint picker decides it; the first one
+        of a request with a prefill stage runs that stage; otherwise (and after them) the director's."""
+        if self.attempts_left > 0:
+            if self.director.endpoint_picker is not None and self._ask_picker():
+                return
+            if self.disagg_pending:
+                self.disagg_pending = False
+                self.pd = PrefillStage.begin(self)
+                if self.pd is not None:
+                    return
+        DirectedRequest._attempt(self)
+
     # ---- gateway mode (.endpoint_picker) --------------------------------------------------------------
     def _ask_picker(self) -> bool:
+        """True when the endpoint picker decides this attempt (it was asked, or its fallback was
+        taken), False to schedule here."""
         pick = self.pick
         if pick is _LOCAL:
             return False

@@ -21,7 +21,6 @@ import logging
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.engines.booking import RELEASED, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
@@ -60,8 +59,6 @@ class DirectedRequest:
         "waiting",
         "queue_seq",
         "queued_at",
-        "disagg_pending",
-        "pd",
         "route",
     )
 
@@ -77,8 +74,6 @@ class DirectedRequest:
         self.waiting: asyncio.Future[Any] | None = None  # the awaitable a stage hook returned
         self.queue_seq = 0  # its entry in the model's queue while it waits there (director.queue)
         self.queued_at = 0.0
-        self.disagg_pending = False  # the prefill stage runs before the first scheduling (ProxiedRequest)
-        self.pd: PrefillStage | None = None  # while its prefill stage runs
         self.route: bytes | None = None  # the x-vllm-stack-route value (debug_headers on)
 
     # ---- what a subclass provides ------------------------------------------------------------------------
@@ -89,11 +84,6 @@ class DirectedRequest:
     def _fail(self, error: RouterError) -> None:
         """Answer with an error of the router's own (only while nothing was forwarded)."""
         raise NotImplementedError
-
-    def _ask_picker(self) -> bool:
-        """Gateway mode (the director has an endpoint picker): True when the picker decides this
-        attempt (it was asked, or its fallback was taken), False to schedule here."""
-        return False
 
     def _run_completion_hooks(self, duration: float, answer_end: bytes | None) -> None:
         """The response-complete hooks (prefill release, usage, request tracker), once per request; the
@@ -253,17 +243,12 @@ class DirectedRequest:
 
     def _attempt(self) -> None:
         """Schedule (again, after a failure), then pre-request hooks, then a leg; or wait in the
-        model's queue when every engine is saturated or none is ready yet."""
+        model's queue when every engine is saturated or none is ready yet. (A kind may decide an
+        attempt elsewhere first and call this for the rest: the relayed kind's endpoint picker and
+        prefill stage.)"""
         if self.attempts_left <= 0:
             self._fail(self.last_error or RouterError(502, "No engine answered.", code="upstream_error"))
             return
-        if self.director.endpoint_picker is not None and self._ask_picker():
-            return
-        if self.disagg_pending:
-            self.disagg_pending = False
-            self.pd = PrefillStage.begin(self)
-            if self.pd is not None:
-                return
         director = self.director
         ctx = self.ctx
         queue = director.queue
@@ -272,12 +257,10 @@ class DirectedRequest:
             self._wait_or_fail(Reason.ALL_SATURATED)
             return
         ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
-        scheduler = director.scheduler
-        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
         trace = ctx.trace
         if trace is not None:
             trace.schedule_begin()
-        result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        result = director.schedule(ctx)
         ctx.profile = result.profile
         ctx.reason = result.reason
         engine = result.engine
@@ -324,9 +307,7 @@ class DirectedRequest:
         director = self.director
         ctx = self.ctx
         ctx.prefill_tokens = 0
-        scheduler = director.scheduler
-        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
-        result = schedule(ctx, director.registry.candidates(ctx.pool or ctx.model))
+        result = director.schedule(ctx)
         ctx.profile = result.profile
         ctx.reason = result.reason
         if result.engine is not None:
