@@ -22,6 +22,7 @@ Breaker accounting lives here, not in the relay (a leg only reports how its exch
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -40,18 +41,26 @@ from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
+    from vllm_stack.director.endpoint_picker import PickAnswer
 
 __all__ = ["ProxiedRequest", "route_header"]
 
 log = logging.getLogger(__name__)
 
-_ASKING, _LOCAL = "asking", "local"  # gateway mode: the picker is being asked / failed (fail-open)
+
+class Pick(enum.Enum):
+    """Gateway mode: where the request stands with the endpoint picker (:meth:`ProxiedRequest._ask_picker`)."""
+
+    UNASKED = "unasked"  # the next attempt asks it (or, after its refusal, nothing is asked again)
+    ASKING = "asking"  # its answer is awaited
+    PICKED = "picked"  # it named engines (``ProxiedRequest.picked``): a retry takes its fallbacks
+    LOCAL = "local"  # it failed and fails open: every attempt is scheduled here
 
 
 class ProxiedRequest(DirectedRequest):
     """The state of one proxied request; the client connection's handler while it runs."""
 
-    __slots__ = ("conn", "request", "tail", "leg", "answer_end", "pick", "disagg_pending", "pd")
+    __slots__ = ("conn", "request", "tail", "leg", "answer_end", "pick", "picked", "disagg_pending", "pd")
 
     def __init__(
         self,
@@ -67,7 +76,8 @@ class ProxiedRequest(DirectedRequest):
         self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
         self.leg: Leg | None = None
         self.answer_end: bytes | None = None
-        self.pick: Any = None  # gateway mode: _ASKING, _LOCAL, or the endpoint picker's PickAnswer
+        self.pick = Pick.UNASKED  # gateway mode only
+        self.picked: PickAnswer | None = None  # the endpoint picker's answer, told the request's end
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
         self.disagg_pending = director.settings.disagg is not None and ctx.path in DISAGG_PATHS
         self.pd: PrefillStage | None = None  # while its prefill stage runs
@@ -105,13 +115,13 @@ class ProxiedRequest(DirectedRequest):
         """True when the endpoint picker decides this attempt (it was asked, or its fallback was
         taken), False to schedule here."""
         pick = self.pick
-        if pick is _LOCAL:
+        if pick is Pick.LOCAL:
             return False
         picker = self.director.endpoint_picker
         assert picker is not None
         ctx = self.ctx
-        if pick is None:  # the first attempt: ask
-            self.pick = _ASKING
+        if pick is Pick.UNASKED:  # the first attempt: ask
+            self.pick = Pick.ASKING
             ctx.keep_answer_end = True  # the usage, for the picker's view of the answer's end
             request = self.request
             authority = next((v for k, v in request.headers if k == b"host"), b"")
@@ -132,7 +142,8 @@ class ProxiedRequest(DirectedRequest):
             future.add_done_callback(self._picked)
             return True
         # a retry: the picker's fallbacks, in its order
-        if pick is not _ASKING and self._start_listed(pick.endpoints):
+        picked = self.picked
+        if pick is Pick.PICKED and picked is not None and self._start_listed(picked.endpoints):
             return True
         self._fail(self.last_error or RouterError(502, "No engine answered.", code="upstream_error"))
         return True
@@ -150,16 +161,17 @@ class ProxiedRequest(DirectedRequest):
         answer = future.result()  # (ask never raises)
         ctx = self.ctx
         if answer.kind == IMMEDIATE:
-            self.pick = None
+            self.pick = Pick.UNASKED
             self._fail(_picker_refusal(answer.status, answer.body, answer.headers))
             return
         if answer.kind == PICKED:
-            self.pick = answer
+            self.pick, self.picked = Pick.PICKED, answer
             if answer.body and answer.body != ctx.body:
                 self._rebody(answer.body)
             ctx.profile, ctx.reason = "endpoint-picker", "picked"
             if self._start_listed(answer.endpoints):
                 return
+            self.picked = None
             picker.abandon(answer)
             outcome = "unknown_endpoint"
             log.warning(
@@ -169,10 +181,10 @@ class ProxiedRequest(DirectedRequest):
             outcome = answer.outcome
         picker.failed(outcome)
         if picker.fail_open:
-            self.pick = _LOCAL
+            self.pick = Pick.LOCAL
             self._attempt()
         else:
-            self.pick = None
+            self.pick = Pick.UNASKED
             self._fail(
                 RouterError(
                     503,
@@ -413,8 +425,8 @@ class ProxiedRequest(DirectedRequest):
         trace = ctx.trace
         if trace is not None:
             trace.end(self.status, self.answer_end)
-        pick = self.pick
-        if pick is not None and pick.__class__ is not str:  # gateway mode: the picker sees the end
+        pick = self.picked
+        if pick is not None:  # gateway mode: the picker sees the end
             picker = director.endpoint_picker
             assert picker is not None
             if self.status.isdigit():
