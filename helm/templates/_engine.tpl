@@ -293,6 +293,12 @@ secretKeyRef:
   value: {{ include "vllm-stack.str" $root.Values.servingEngineSpec.pythonHashSeed | quote }}
 - name: HF_HOME
   value: {{ ternary "/data/shared-pvc-storage" $root.Values.servingEngineSpec.modelCacheMountPath (and $root.Values.sharedPvcStorage $root.Values.sharedPvcStorage.enabled) | quote }}
+{{- if include "vllm-stack.engine.scratchTmp" . }}
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: XDG_CONFIG_HOME
+  value: /tmp/.config
+{{- end }}
 {{- /* production-stack's: the pod IP, for scripts and settings of the user's that name $(POD_IP) */}}
 - name: POD_IP
   valueFrom:
@@ -399,4 +405,15 @@ secretKeyRef:
 {{- else if and $date (lt $date "2025-11-01") }}an LMCache build of {{ $date }}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* "true" when the engine container's root file system is read-only and the model's own mounts leave /tmp
+     to the chart: vLLM, torch and Python's tempfile need a writable /tmp, and vLLM its cache and config roots
+     (XDG_CACHE_HOME, XDG_CONFIG_HOME), which then live in an emptyDir there. */}}
+{{- define "vllm-stack.engine.scratchTmp" -}}
+{{- $m := .model -}}
+{{- $sc := .root.Values.servingEngineSpec.containerSecurityContext | default dict -}}
+{{- $own := false -}}
+{{- range $m.extraVolumeMounts }}{{ if eq (trimSuffix "/" (toString .mountPath)) "/tmp" }}{{ $own = true }}{{ end }}{{ end -}}
+{{- if and $sc.readOnlyRootFilesystem (not $own) }}true{{ end -}}
 {{- end -}}

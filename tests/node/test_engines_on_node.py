@@ -1,0 +1,286 @@
+"""The chart with its CPU engines on a real node: `helm/examples/real-node/cpu-node.yaml` (two vLLM CPU engines of the tiny
+model, prefix-aware routing with the engines' KV events) installed with Helm 4, every container started by
+containerd and runc from the images the local registry serves as `ghcr.io/vllm-stack`.
+
+What is checked here, each by what the kubelet and the runtime did (not by what the chart renders):
+- every Pod Running and Ready by the kubelet's own probes; the containers non-root, on read-only root file
+  systems, with no capabilities (their OCI specs);
+- the router finds both engines with in-cluster configuration (the ServiceAccount token the kubelet
+  projects) and subscribes to their KV events across Pods: a long prompt's blocks reach its index;
+- a client Pod gets plain and streamed chat completions through the router Service by its DNS name (CoreDNS)
+  and its ClusterIP (kube-proxy);
+- the model-cache claim (a `local` PersistentVolume holding the model) mounted and written by the engine's
+  non-root user through `fsGroup`; the HF token Secret's key in the engine's environment;
+- `helm test` passes.
+
+The engine image (~7 GB) comes from `make install` (its engine-image step; built and pushed here when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from vllm_stack_dev.cluster.control_plane import Cluster
+from vllm_stack_dev.cluster.node import RealNode
+from vllm_stack_dev.cluster.releases import Helm, pod_ready, wait_workloads_ready
+from vllm_stack_dev.images import ROUTER, build_engine_image, engine_cpu_reference, push_local
+from vllm_stack_dev.paths import repo_root
+
+from tests.node.containers import (
+    assert_hardened,
+    client_pod,
+    container_id,
+    exec_in,
+    finished_pod,
+    oci_spec,
+    pod_log,
+)
+
+pytestmark = pytest.mark.node
+
+RELEASE = "cpu"
+NAMESPACE = "node-engines"
+CHART = repo_root() / "helm"
+VALUES = CHART / "examples" / "real-node" / "cpu-node.yaml"
+HF_TOKEN = "hf_node_tier_secret_value"
+ENGINES_READY_S = 600.0  # the engine image's first pull (3.5 GB, 7 GB unpacked) and two engine starts
+ENGINE_UID = ROUTER_UID = 10001
+SERVICE = f"{RELEASE}-router-service"
+MODEL = "tiny-llama"
+
+
+def _values() -> dict:
+    return yaml.safe_load(VALUES.read_text())
+
+
+def prerequisites(model_dir: Path, volume: Path, node: RealNode) -> list[dict[str, object]]:
+    """What cpu-node.yaml expects in the namespace: the model's volume, the router's tokenizer, the HF token."""
+    target = volume / "models" / MODEL
+    shutil.copytree(model_dir, target)
+    tokenizer = {name: (model_dir / name).read_text() for name in ("tokenizer.json", "tokenizer_config.json")}
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {
+                "name": f"{NAMESPACE}-tiny-model",
+                "labels": {"vllm-stack.dev/volume": "tiny-model"},
+            },
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                # `local`, not hostPath: the kubelet applies the Pod's fsGroup to a local volume's files
+                "local": {"path": str(volume)},
+                "nodeAffinity": {
+                    "required": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node.name]}
+                                ]
+                            }
+                        ]
+                    }
+                },  # fmt: skip
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{MODEL}-tokenizer", "namespace": NAMESPACE},
+            "data": tokenizer,
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "hf-token", "namespace": NAMESPACE},
+            "stringData": {"token": HF_TOKEN},
+        },
+    ]
+
+
+@pytest.fixture(scope="module")
+def release(
+    node_cluster: tuple[Cluster, RealNode], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Cluster, RealNode, float]]:
+    """The release, every workload ready; yields the seconds the install took to be ready."""
+    cluster, node = node_cluster
+    print(build_engine_image(), push_local((engine_cpu_reference(),)))
+    volume = tmp_path_factory.mktemp("tiny-model-volume")
+    cluster.apply(prerequisites(tiny_model_dir, volume, node))
+    start = time.monotonic()
+    Helm(cluster, 4).install(RELEASE, CHART, NAMESPACE, VALUES)
+    wait_workloads_ready(cluster, NAMESPACE, timeout=ENGINES_READY_S)
+    yield cluster, node, time.monotonic() - start
+
+
+def pods(cluster: Cluster, component: str) -> list[dict]:
+    found = cluster.get("pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/component={component}")["items"]
+    return [p for p in found if p["metadata"].get("deletionTimestamp") is None]  # type: ignore[union-attr]
+
+
+def get_from_node(node: RealNode, url: str) -> dict:
+    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there)."""
+    code = f"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    return json.loads(node.run_in_node([sys.executable, "-c", code], timeout=30))
+
+
+def test_every_pod_ready_by_the_kubelets_probes_and_hardened(
+    release: tuple[Cluster, RealNode, float],
+) -> None:
+    cluster, node, seconds = release
+    print(f"install to ready: {seconds:.0f} s")
+    engines, routers = pods(cluster, "serving-engine"), pods(cluster, "router")
+    assert len(engines) == _values()["servingEngineSpec"]["modelSpec"][0]["replicaCount"] == 2
+    assert len(routers) == 1
+    for pod in engines + routers:
+        name = pod["metadata"]["name"]
+        assert pod["spec"]["nodeName"] == node.name, name
+        assert pod_ready(pod), (name, pod["status"])
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["ready"] and status["restartCount"] == 0, status
+        assert status["imageID"].startswith("ghcr.io/vllm-stack/"), status["imageID"]
+        spec = oci_spec(node, container_id(pod, status["name"]))
+        assert_hardened(spec, ENGINE_UID if pod in engines else ROUTER_UID)
+    for pod in engines:  # the probes the kubelet ran are the chart's, on the engine's /health
+        (container,) = pod["spec"]["containers"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"]["path"] == "/health", (probe, container[probe])
+
+
+def test_router_finds_the_engines_in_cluster_and_follows_their_kv_events(
+    release: tuple[Cluster, RealNode, float],
+) -> None:
+    cluster, node, _ = release
+    (router,) = pods(cluster, "router")
+    volumes = {v["name"]: v for v in router["spec"]["volumes"]}
+    assert any("projected" in v and name.startswith("kube-api-access-") for name, v in volumes.items())
+    base = f"http://{router['status']['podIP']}:8000"
+    engine_ips = {p["status"]["podIP"] for p in pods(cluster, "serving-engine")}
+    listed = get_from_node(node, f"{base}/engines")
+    assert listed["discovery"]["source"] == "k8s" and listed["discovery"]["healthy"], listed["discovery"]
+    urls = {e["url"] for e in listed["engines"] if e["healthy"]}
+    assert urls == {f"http://{ip}:8000" for ip in engine_ips}, urls
+
+    # A prompt of several KV blocks (128 tokens each on CPUs): the engine that served it publishes
+    # BlockStored events over ZMQ from its Pod, and the router's index learns the blocks from them.
+    prompt = " ".join(f"word{i}" for i in range(400))
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 2})
+    code = (
+        "import urllib.request,sys; r=urllib.request.Request(sys.argv[1], data=sys.argv[2].encode(),"
+        " headers={'Content-Type': 'application/json'}); sys.stdout.write(urllib.request.urlopen(r, timeout=60).read().decode())"
+    )
+    answer = json.loads(node.run_in_node([sys.executable, "-c", code, f"{base}/v1/chat/completions", body]))
+    assert answer["usage"]["prompt_tokens"] > 256, answer["usage"]
+    deadline = time.monotonic() + 30
+    while True:
+        state = get_from_node(node, f"{base}/engines")["scheduling"]["state"]
+        streams = state["kv_event_streams"]
+        picker = state["prefix-cache-picker"]
+        if picker["index"] == "kv_events" and picker["indexed_blocks"] >= 2:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"no KV-event batch reached the router's index within 30 s: {streams}, {picker}"
+            )
+        time.sleep(0.5)
+    assert sum(s["batches"] for pod_streams in streams.values() for s in pod_streams) >= 1, streams
+    endpoints = {s["endpoint"] for pod_streams in streams.values() for s in pod_streams}
+    assert endpoints == {f"tcp://{ip}:5557" for ip in engine_ips}, endpoints
+
+
+CLIENT = """
+import json, socket, sys, urllib.request
+name, model = sys.argv[1], sys.argv[2]
+result = {"resolved": socket.gethostbyname(name)}
+def chat(base, stream):
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
+    request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        text = response.read().decode()
+    if stream:
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        return [response.status, len(events) - 1, events[-1]]
+    return [response.status, json.loads(text)["usage"]["completion_tokens"], json.loads(text)["model"]]
+for key, base in (("by_name", "http://" + name), ("by_ip", "http://" + result["resolved"])):
+    result[key] = {"plain": chat(base, False), "stream": chat(base, True)}
+with open("/dev/termination-log", "w") as out:
+    json.dump(result, out)
+"""
+
+
+def test_chat_completions_through_the_service_by_dns_name_and_cluster_ip(
+    release: tuple[Cluster, RealNode, float],
+) -> None:
+    cluster, _, _ = release
+    command = ["python3", "-c", CLIENT, f"{SERVICE}.{NAMESPACE}.svc.cluster.local", MODEL]
+    cluster.apply([client_pod("chat-client", NAMESPACE, ROUTER.reference(), command)])
+    pod = finished_pod(cluster, "chat-client", NAMESPACE, timeout=120)
+    terminated = pod["status"]["containerStatuses"][0]["state"].get("terminated", {})
+    assert pod["status"]["phase"] == "Succeeded", terminated or pod["status"]
+    found = json.loads(terminated["message"])
+    service = cluster.get("service", SERVICE, "-n", NAMESPACE)
+    assert found["resolved"] == service["spec"]["clusterIP"], found  # type: ignore[index]
+    for way in ("by_name", "by_ip"):
+        assert found[way]["plain"][:1] == [200] and found[way]["plain"][1] > 0, found
+        assert found[way]["plain"][2] == MODEL, found
+        status, chunks, last = found[way]["stream"]
+        assert status == 200 and chunks >= 2 and last == "[DONE]", found
+
+
+def test_model_claim_written_by_the_engine_user_and_hf_token_from_the_secret(
+    release: tuple[Cluster, RealNode, float],
+) -> None:
+    cluster, node, _ = release
+    claim = f"{RELEASE}-{MODEL}-storage-claim"
+    bound = cluster.get("pvc", claim, "-n", NAMESPACE)
+    assert bound["status"]["phase"] == "Bound", bound["status"]  # type: ignore[index]
+    volume = Path(cluster.get("pv", bound["spec"]["volumeName"])["spec"]["local"]["path"])  # type: ignore[index]
+    for pod in pods(cluster, "serving-engine"):
+        name = pod["metadata"]["name"]
+        mounts = {m["mountPath"]: m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        claims = {
+            v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["spec"]["volumes"]
+        }
+        assert claims[mounts["/data"]] == claim, (mounts, claims)
+        cid = container_id(pod, "vllm")
+        marker = f"written-by-{name}"
+        done = exec_in(
+            node,
+            cid,
+            f"write-{name[-5:]}",
+            f"id -u; touch /data/{marker}; printenv HF_TOKEN; printenv HF_HOME",
+        )
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        uid, token, hf_home = done.stdout.split()
+        assert (uid, token, hf_home) == (str(ENGINE_UID), HF_TOKEN, "/data")
+        written = (volume / marker).stat()
+        assert (written.st_uid, written.st_gid) == (ENGINE_UID, ENGINE_UID), written
+        # the model the engine serves came from the claim
+        assert pod["spec"]["containers"][0]["args"][0] == f"/data/models/{MODEL}", pod["spec"]["containers"][
+            0
+        ]["args"]
+    assert HF_TOKEN not in json.dumps(
+        cluster.get("deployments", "-n", NAMESPACE)
+    )  # a secretKeyRef, not a value
+
+
+def test_helm_test_passes(release: tuple[Cluster, RealNode, float]) -> None:
+    cluster, node, _ = release
+    result = Helm(cluster, 4).run("test", RELEASE, "-n", NAMESPACE, "--timeout", "180s", check=False)
+    if result.returncode != 0:
+        tests = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=test")["items"]
+        logs = [pod_log(node, p, "models")[-2000:] for p in tests]  # type: ignore[union-attr]
+        raise AssertionError(f"helm test failed: {result.stdout}\n{result.stderr}\n{logs}")
+    assert "Phase:          Succeeded" in result.stdout or "Succeeded" in result.stdout, result.stdout
