@@ -8,9 +8,10 @@ its PID 1 is Kubernetes' pause program, which reaps orphans such as containerd's
 - tmpfs over /run, /var/log and /var/lib/cni (containerd's state and shim sockets, the Pods' network
   namespaces, the kubelet's container log links, CNI's cache): nothing written there reaches the host;
   every other path is the workdir's (containerd's root, the kubelet's root, CNI configuration and IPAM);
-- a bridge without ports carrying the node's IP (this kernel has no dummy driver) and CNI's `ptp` plugin
-  (Debian's containernetworking-plugins) with the node's Pod CIDR: private addresses that exist only in
-  this namespace (no route leaves it: it has no other interface);
+- a bridge carrying the node's IP (this kernel has no dummy driver) and CNI's `ptp` plugin (Debian's
+  containernetworking-plugins) with the node's Pod CIDR: private addresses that exist only in the nodes'
+  namespaces (no default route; the bridge's only ports are the links to other nodes' namespaces that
+  vllm_stack_dev.cluster.node_network makes, with the routes to their Pod CIDRs);
 - the local registry (`registry serve`, read-only over the images step's storage) on the namespace's
   loopback, containerd's mirror of `ghcr.io` (`certs.d/ghcr.io/hosts.toml`): the chart's image names pull
   the images `make install` pushed, and nothing else can be pulled;
@@ -18,9 +19,9 @@ its PID 1 is Kubernetes' pause program, which reaps orphans such as containerd's
   (vllm_stack_dev.cluster.relay); the kubelet authenticates with a client certificate of the cluster CA
   (`system:node:<name>` in `system:nodes`, so the Node authorizer limits it to its own node and Pods);
   its own API takes client certificates and webhook-checked tokens;
-- kube-proxy (iptables mode, the namespace's own tables), when start_kube_proxy() is called, with the
-  `kubernetes` Service's endpoint set to the node's relay, so that Pods' in-cluster clients reach the API
-  server at 10.96.0.1:443 (which the API server's certificate names);
+- kube-proxy (iptables mode, the namespace's own tables), when start_kube_proxy() is called, with an
+  endpoint of the `kubernetes` Service set to the node's relay, so that Pods' in-cluster clients reach the
+  API server at 10.96.0.1:443 (which the API server's certificate names);
 - CoreDNS, when start_dns() is called, behind the `kube-system/kube-dns` Service (10.96.0.10, the
   kubelet's `clusterDNS`): the cluster domain from the API server, nothing upstream.
 containerd's CRI runs with `restrict_oom_score_adj`: root here lacks CAP_SYS_RESOURCE, so a sandbox's
@@ -30,8 +31,9 @@ of their own in each hierarchy, made at start and removed at stop.
 
 Stopping: the kubelet and containerd by their PIDs (SIGTERM), then the holder's PID: the kernel ends every
 process left in its PID namespace (containers, shims, the registry), and the mount and network namespaces
-go with their last process. The holder also dies with the process that started it (PR_SET_PDEATHSIG
-SIGKILL, then `unshare --kill-child`), and every node process but the host-side relay (which has its own
+go with their last process (a link to another node with them); the node's EndpointSlices and Node object
+are deleted. The holder also dies with the process that started it (PR_SET_PDEATHSIG SIGKILL, then
+`unshare --kill-child`), and every node process but the host-side relay (which has its own
 PR_SET_PDEATHSIG) is in its PID namespace, so a killed test leaves no process behind; only its empty
 cgroup folders, which the next start removes.
 """
@@ -64,13 +66,15 @@ from vllm_stack_dev.testbed.engines import spawn_logged, stop_group
 
 CLUSTER_DNS_IP = "10.96.0.10"  # the kube-dns Service's ClusterIP (kubelet `clusterDNS`)
 CLUSTER_DOMAIN = "cluster.local"
-NODE_CIDR = "10.88.0.0/24"  # the nodes' own addresses (a portless bridge in the node's namespace)
+NODE_CIDR = "10.88.0.0/24"  # the nodes' own addresses (a bridge in the node's namespace)
+NODE_BRIDGE = "node0"  # that bridge's name in every node's namespace; its ports: the links to other nodes
 POD_CIDR = "10.244.0.0/16"  # node i gets 10.244.i.0/24
 API_PORT_IN_NODE = 6443  # the relay to the API server, on the node namespace's loopback
 REGISTRY_PORT_IN_NODE = 5000
 PAUSE_IMAGE = "localhost/vllm-stack/pause:" + KUBERNETES.version
 START_TIMEOUT = 120.0
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+SLICE_NODE_LABEL = "testbed.vllm-stack.dev/node"  # on the EndpointSlices a node writes (removed at its stop)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -288,6 +292,10 @@ class RealNode:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         left = remove_cgroup_root(self.cgroups) if self.cgroups else []
         self.cgroups = []
+        # Its endpoints of the `kubernetes` and `kube-dns` Services go with it: another node's kube-proxy
+        # would otherwise keep sending Pods' connections to an address nothing answers.
+        self.cluster.kubectl("delete", "endpointslices", "--all-namespaces", "-l",
+                             f"{SLICE_NODE_LABEL}={self.name}", "--wait=false", check=False)  # fmt: skip
         self.cluster.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false", check=False)
         return left
 
@@ -338,9 +346,10 @@ class RealNode:
                 f"mkdir -p {self.workdir / 'kubelet'}",
                 f"mount --bind {self.workdir / 'kubelet'} /run/kubelet",
                 "ip link set lo up",
-                "ip link add node0 type bridge",  # no dummy driver here; a bridge without ports
-                f"ip addr add {self.ip}/{self.prefix} dev node0",
-                "ip link set node0 up",
+                # No dummy driver here: a bridge, without ports until NodeNetwork links another node
+                f"ip link add {NODE_BRIDGE} type bridge",
+                f"ip addr add {self.ip}/{self.prefix} dev {NODE_BRIDGE}",
+                f"ip link set {NODE_BRIDGE} up",
                 "sysctl -qw net.ipv4.ip_forward=1",
                 f"touch {ready}",
                 f"exec {pause}",
@@ -586,24 +595,38 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         }  # fmt: skip
         path = self.workdir / "kube-proxy.yaml"
         path.write_text(yaml.safe_dump(config))
-        proxy = self._spawn("kube-proxy", [str(self.binaries["kube-proxy"]), f"--config={path}", "--v=2"])
+        self._spawn("kube-proxy", [str(self.binaries["kube-proxy"]), f"--config={path}", "--v=2"])
         self.cluster.apply([{
             "apiVersion": "discovery.k8s.io/v1",
             "kind": "EndpointSlice",
             "metadata": {"name": f"kubernetes-{self.name}", "namespace": "default",
                          "labels": {"kubernetes.io/service-name": "kubernetes",
-                                    "endpointslice.kubernetes.io/managed-by": "testbed.vllm-stack.dev"}},
+                                    "endpointslice.kubernetes.io/managed-by": "testbed.vllm-stack.dev",
+                                    SLICE_NODE_LABEL: self.name}},
             "addressType": "IPv4",
             "endpoints": [{"addresses": [self.ip], "conditions": {"ready": True}}],
             "ports": [{"name": "https", "port": API_PORT_IN_NODE, "protocol": "TCP"}],
         }])  # fmt: skip
+        self.wait_proxied("default/kubernetes:https", self.ip)
+
+    def wait_proxied(self, service_port: str, *addresses: str, timeout: float = 60) -> None:
+        """Wait until this node's kube-proxy has rules for ``service_port`` (`namespace/name:port`, the
+        comment kube-proxy puts on them) that lead to each of ``addresses`` (endpoint IPs): a Pod that
+        connects to the Service's ClusterIP before then is refused."""
+        proxy = next(component for component in self.processes if component.name == "kube-proxy")
         rules = self.in_node(["iptables-save", "-t", "nat"])
+        comment = f'--comment "{service_port}"'
 
         def programmed() -> bool:
-            result = subprocess.run(rules, capture_output=True, text=True)
-            return "default/kubernetes:https" in result.stdout and self.ip in result.stdout
+            lines = [line for line in subprocess.run(rules, capture_output=True, text=True).stdout.splitlines()
+                     if comment in line]  # fmt: skip
+            return bool(lines) and all(any(f"--to-destination {address}:" in line for line in lines)
+                                       for address in addresses)  # fmt: skip
 
-        self._wait(proxy, programmed, "kube-proxy's rules for the kubernetes Service", 60)
+        leading = f" to {', '.join(addresses)}" if addresses else ""
+        self._wait(
+            proxy, programmed, f"kube-proxy's rules on {self.name} for {service_port}{leading}", timeout
+        )
 
     def start_dns(self) -> None:
         """CoreDNS in the node's namespace, serving the cluster domain from the API server (its
@@ -652,7 +675,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
              "metadata": {"name": f"kube-dns-{self.name}", "namespace": "kube-system",
                           "labels": {"kubernetes.io/service-name": "kube-dns",
-                                     "endpointslice.kubernetes.io/managed-by": "testbed.vllm-stack.dev"}},
+                                     "endpointslice.kubernetes.io/managed-by": "testbed.vllm-stack.dev",
+                                     SLICE_NODE_LABEL: self.name}},
              "addressType": "IPv4",
              "endpoints": [{"addresses": [self.ip], "conditions": {"ready": True}}],
              "ports": dns_ports},
@@ -662,9 +686,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                               "printf 'GET /ready HTTP/1.0\\r\\n\\r\\n' >&3 && grep -q ' 200 ' <&3"])  # fmt: skip
         self._wait(coredns, lambda: subprocess.run(probe, capture_output=True).returncode == 0,
                    "CoreDNS ready (its kubernetes plugin synced)", 60)  # fmt: skip
-        rules = self.in_node(["iptables-save", "-t", "nat"])
-        self._wait(coredns, lambda: "kube-system/kube-dns:dns" in subprocess.run(rules, capture_output=True,
-                   text=True).stdout, "kube-proxy's rules for kube-dns", 60)  # fmt: skip
+        self.wait_proxied("kube-system/kube-dns:dns", self.ip)
 
     def _wait_ready(self) -> None:
         kubelet = self.processes[-1]
