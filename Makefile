@@ -6,14 +6,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install images run test test-fast test-images test-engine test-cluster test-node install-node test-stacks lint format bench bench-routing bench-prefix soak clean help
+.PHONY: install images run test test-fast test-images test-engine test-cluster test-node test-stacks lint format bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
 	@echo "make test       install what is missing, then run every test (real engines, helm, prometheus)"
 	@echo "make test-fast  tests that need no engine and no cluster"
 	@echo "make test-cluster  the chart on a real API server (etcd, kube-apiserver, controller manager, scheduler, kwok)"
-	@echo "make test-node  the chart on a real node: kubelet, containerd, runc, CNI (opt in; builds the kubelet first)"
+	@echo "make test-node  the chart on a real node (kubelet, containerd, runc, CNI): the whole matrix; make test runs a reduced one"
 	@echo "make test-images  the images run as the chart runs them, the CPU engine image too (built on first use, ~7 GB)"
 	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
@@ -64,20 +64,16 @@ test: install
 	@$(BIN)/pytest $(PYTEST_ARGS)
 
 test-fast: install
-	@$(BIN)/pytest -m "not engine and not cluster" $(PYTEST_ARGS)
+	@$(BIN)/pytest -m "not engine and not cluster and not node" $(PYTEST_ARGS)
 
 # The real control plane (etcd, kube-apiserver, controller manager, scheduler, kwok) and what runs on it.
 test-cluster: install
 	@$(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
-# The node tier (opt in, not part of `make test`): a real kubelet and containerd joined to the control plane.
-# Its install step runs first, so that on a cold cache the kubelet and kube-proxy are compiled by the same
-# `go build` as the control plane (vllm_stack_dev.gotools.install_node_tier_tools).
-install-node: $(STAMP)
-	@$(BIN)/python -m vllm_stack_dev.devsetup node
-
-test-node: install-node install
-	@$(BIN)/pytest -m node tests/node $(PYTEST_ARGS)
+# The node tier: a real kubelet and containerd joined to the control plane (`make install` builds them and the
+# CPU engine image). `make test` runs its reduced set; this, every node test (marker node_full too).
+test-node: install
+	@$(BIN)/pytest -m "node or node_full" tests/node $(PYTEST_ARGS)
 
 test-engine: install
 	@$(BIN)/pytest -m engine $(PYTEST_ARGS)

@@ -8,7 +8,7 @@ until a whole series passes.
     .venv/bin/python benchmarks/suite/repeat.py --tier fast --runs 20
     .venv/bin/python benchmarks/suite/repeat.py --tier engine --runs 3
 
-Tiers: fast (`not engine and not cluster`, what `make test-fast` runs), engine, cluster, all.
+Tiers: fast (`not engine and not cluster and not node`, what `make test-fast` runs), engine, cluster, all.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-MARKERS = {"fast": "not engine and not cluster", "engine": "engine", "cluster": "cluster", "all": ""}
+MARKERS = {
+    "fast": "not engine and not cluster and not node",
+    "engine": "engine",
+    "cluster": "cluster",
+    "all": "",
+}
 
 
 def failures(junit: Path) -> dict[str, str]:

@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_up.add_argument(
         "--real-nodes", type=int, default=0, choices=(0, 1, 2),
         help="real nodes (a kubelet and containerd in namespaces of their own, linked to each other, kube-proxy;"
-        " CoreDNS on the first; make install-node builds them); kwok nodes are then tainted NoSchedule",
+        " CoreDNS on the first; make install builds them); kwok nodes are then tainted NoSchedule",
     )  # fmt: skip
     cluster_up.add_argument("--dir", type=Path, help="state, logs and kubeconfig (default: a new temp dir)")
     cluster_up.set_defaults(func=_cmd_cluster_up)

@@ -17,14 +17,15 @@ Steps (each can be selected by name on the command line):
               config loader and start the rendered `lmcache_server`.
 - images:     the base and router container images (podman, from Debian's packages) and the local registry
               they are pushed to, cached by content under ~/.cache/vllm-stack (vllm_stack_dev.images).
-- control-plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok and KEDA's
-              operator and metrics adapter built from their Go modules into `.tools/go/`
-              (vllm_stack_dev.gotools), for the `cluster` tests and `vllm-stack cluster up`.
+- control-plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok, KEDA's
+              operator and metrics adapter, and the node tier's kubelet, kube-proxy and CoreDNS, built from
+              their Go modules into `.tools/go/` (vllm_stack_dev.gotools; the kubelet and kube-proxy in the
+              control plane's own `go build`), for the `cluster` and `node` tests and `vllm-stack cluster up`.
+- node:       containerd from Debian when missing, and the pause image (vllm_stack_dev.cluster.node).
 
-Opt-in steps (run only when named, e.g. `python -m vllm_stack_dev.devsetup node`; `make test-node`):
-- node:       the node tier's kubelet and kube-proxy (built by the control plane's own `go build` when
-              both are missing) and CoreDNS from their Go modules, containerd from Debian when missing,
-              and the pause image (vllm_stack_dev.cluster.node), for the `node` tests.
+After those (it needs the engine environment and the base image):
+- engine-image: the CPU engine image (`ghcr.io/vllm-stack/engine-cpu`, ~7 GB, vllm_stack_dev.images) and its
+              push to the local registry, which the node tier's containerd pulls from.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_stack_dev.gotools import install_node_tier_tools, install_test_tools
+from vllm_stack_dev.gotools import install_test_tools
 from vllm_stack_dev.images import install_images
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
@@ -310,8 +311,18 @@ def download_lmcache_wheels() -> str:
     return _stamped(target, LMCACHE_WHEELS, download)
 
 
+def install_engine_image() -> str:
+    """The CPU engine image the node tier's engines run, built from .venv-engine's wheels, and its push."""
+    from vllm_stack_dev.images import build_engine_image, engine_cpu_reference, push_local
+
+    built, pushed = build_engine_image(), push_local((engine_cpu_reference(),))
+    changed = [outcome for outcome in (built, pushed) if outcome != "up to date"]
+    return "; ".join(changed) if changed else "up to date"
+
+
 def install_node() -> str:
-    """The node tier (opt in): containerd from Debian when missing, the Go tools, the pause image."""
+    """The node tier's runtime: containerd from Debian when missing, the pause image (the Go tools come with
+    the control plane's step)."""
     done = []
     if not shutil.which("containerd"):
         if os.geteuid() != 0:
@@ -320,9 +331,6 @@ def install_node() -> str:
         _run(["apt-get", "update", "-qq"], env=env)
         _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "containerd"], env=env)
         done.append("containerd from Debian")
-    built = install_node_tier_tools()
-    if built != "up to date":
-        done.append(built)
     from vllm_stack_dev.cluster.node import pause_archive
 
     pause_archive()
@@ -349,10 +357,11 @@ STEPS = [
         "Control plane, KEDA, OTel collector, Go (.tools/go)",
         install_test_tools,
     ),
+    Step("node", "Node tier: containerd, pause image", install_node),
 ]
-# Run only when named (`python -m vllm_stack_dev.devsetup node`, `make install-node`).
-OPT_IN_STEPS = [
-    Step("node", "Node tier: kubelet, kube-proxy, CoreDNS, containerd, pause image", install_node),
+# Run after STEPS, when selected with them: they build on what those install.
+LATE_STEPS = [
+    Step("engine-image", "CPU engine image, pushed to the local registry", install_engine_image),
 ]
 
 
@@ -394,13 +403,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_stack_dev.devsetup", description=__doc__.splitlines()[0]
     )
-    every = STEPS + OPT_IN_STEPS
-    parser.add_argument(
-        "steps", nargs="*", choices=[[]] + [s.name for s in every], help="default: all but the opt-in ones"
-    )
+    every = STEPS + LATE_STEPS
+    parser.add_argument("steps", nargs="*", choices=[[]] + [s.name for s in every], help="default: all")
     args = parser.parse_args(argv)
-    selected = [step for step in every if step.name in args.steps] if args.steps else STEPS
-    return run_steps(selected)
+    selected = [step for step in every if step.name in args.steps] if args.steps else every
+    first = [step for step in selected if step in STEPS]
+    late = [step for step in selected if step in LATE_STEPS]
+    failed = run_steps(first) if first else 0
+    return failed or (run_steps(late) if late else 0)
 
 
 if __name__ == "__main__":

@@ -289,23 +289,9 @@ LWEPP = GoTool(
     ldflags=("-s", "-w"),
     version_args=(),
 )
-TEST_TOOLS = (*CLUSTER_TOOLS, OTELCOL, EPP, LWEPP)
-# The local image registry (distribution/distribution's `registry serve`) that the images are pushed to
-# (vllm_stack_dev.images), so that a container runtime with it as the mirror of `ghcr.io/vllm-stack` pulls
-# them under their chart names. v3.1.2 is the newest the proxy serves; its go.mod (`go 1.26.0`) has no
-# replace directives. `registry --version` prints the version variable set below (`v3.1.2+unknown` unset).
-REGISTRY = GoTool(
-    name="registry",
-    module="github.com/distribution/distribution/v3",
-    version="v3.1.2",
-    binaries=(("registry", "github.com/distribution/distribution/v3/cmd/registry"),),
-    ldflags=("-s", "-w", "-X github.com/distribution/distribution/v3/version.version={version}"),
-)
-
-
-# The node tier (a real kubelet, opt in: `python -m vllm_stack_dev.devsetup node`, `make test-node`): the
-# kubelet and kube-proxy of the same k8s.io/kubernetes release as the control plane. A tool of its own, so
-# that the default install's stamp and binaries are unchanged; when both it and KUBERNETES are missing,
+# The node tier (a real kubelet: `make install` builds it, `make test` runs the node tests' reduced set): the
+# kubelet and kube-proxy of the same k8s.io/kubernetes release as the control plane. A tool of its own (its
+# own stamp and binaries); when both it and KUBERNETES are missing,
 # install_tools builds the six binaries with one `go build` (their build_group, see _build_key): the
 # packages they share (client-go, apimachinery, the API types...) are compiled once, the rest side by side.
 KUBERNETES_NODE = GoTool(
@@ -328,6 +314,19 @@ COREDNS = GoTool(
     version_args=("-version",),
 )
 NODE_TOOLS = (KUBERNETES_NODE, COREDNS)
+
+TEST_TOOLS = (*CLUSTER_TOOLS, *NODE_TOOLS, OTELCOL, EPP, LWEPP)
+# The local image registry (distribution/distribution's `registry serve`) that the images are pushed to
+# (vllm_stack_dev.images), so that a container runtime with it as the mirror of `ghcr.io/vllm-stack` pulls
+# them under their chart names. v3.1.2 is the newest the proxy serves; its go.mod (`go 1.26.0`) has no
+# replace directives. `registry --version` prints the version variable set below (`v3.1.2+unknown` unset).
+REGISTRY = GoTool(
+    name="registry",
+    module="github.com/distribution/distribution/v3",
+    version="v3.1.2",
+    binaries=(("registry", "github.com/distribution/distribution/v3/cmd/registry"),),
+    ldflags=("-s", "-w", "-X github.com/distribution/distribution/v3/version.version={version}"),
+)
 
 
 def _tail(text: str) -> str:
@@ -566,14 +565,8 @@ def _groups(tools: list[GoTool]) -> list[list[GoTool]]:
     return list(groups.values())
 
 
-def install_node_tier_tools() -> str:
-    """The node tier's tools with the control plane's (`python -m vllm_stack_dev.devsetup node`): on a
-    cold cache the kubelet and kube-proxy are compiled by the control plane's own `go build`."""
-    return install_tools((*CONTROL_PLANE, *NODE_TOOLS))
-
-
 def node_binaries() -> dict[str, Path]:
-    """kubelet, kube-proxy and coredns (they exist once install_node_tier_tools() returned)."""
+    """kubelet, kube-proxy and coredns (they exist once install_test_tools() returned)."""
     return {name: tool.binary(name) for tool in NODE_TOOLS for name, _ in tool.binaries}
 
 

@@ -25,7 +25,7 @@ def node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Clu
     wanted = {**control_plane_binaries(), **node_binaries()}
     missing = [name for name, path in wanted.items() if not path.is_file()]
     if missing:
-        pytest.fail(f"binaries missing ({', '.join(missing)}): run `make install-node`", pytrace=False)
+        pytest.fail(f"binaries missing ({', '.join(missing)}): run `make install`", pytrace=False)
     options = ClusterOptions(workdir=tmp_path_factory.mktemp("node-cluster"), nodes=1, crds_dir=None)
     with running_cluster(options) as cluster:
         cluster.kubectl("taint", "node", "kwok-node-0", KWOK_TAINT)

@@ -1,7 +1,8 @@
 """A real node for the test cluster: a kubelet and containerd (with runc and CNI) in namespaces of their own.
 
-Opt in (`make test-node`, marker `node`): the kubelet and kube-proxy come from `python -m
-vllm_stack_dev.devsetup node` (vllm_stack_dev.gotools.NODE_TOOLS), containerd from Debian's package.
+The node tier (marker `node`; `make test` runs its reduced set, `make test-node` the whole): the kubelet,
+kube-proxy and CoreDNS come from `make install` (vllm_stack_dev.gotools.NODE_TOOLS), containerd from Debian's
+package.
 
 Everything the node starts lives in one PID, mount and network namespace made by `unshare` (the "holder";
 its PID 1 is Kubernetes' pause program, which reaps orphans such as containerd's shims). In it:
@@ -260,7 +261,7 @@ class RealNode:
         if missing or not shutil.which("containerd"):
             raise NodeError(
                 f"node tools missing ({', '.join(missing) or 'containerd'}): run "
-                "`python -m vllm_stack_dev.devsetup node` (make test-node does)"
+                "`make install` (its control-plane and node steps)"
             )
         self.logs.mkdir(parents=True, exist_ok=True)
         try:
