@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
@@ -53,7 +52,10 @@ class LineListener(Protocol):
 class BatchLineRequest(DirectedRequest):
     """The director's stages for one batch line, then one POST to the engine."""
 
-    __slots__ = ("listener", "line", "task")
+    __slots__ = ("listener", "line", "task", "answer")
+
+    # a line refused or let go is sent again: its response-complete hooks run for the send that is answered
+    COMPLETES_UNANSWERED = False
 
     def __init__(
         self, director: Director, ctx: RequestContext, listener: LineListener, line: ClaimedLine
@@ -62,6 +64,7 @@ class BatchLineRequest(DirectedRequest):
         self.listener = listener
         self.line = line
         self.task: asyncio.Task[None] | None = None
+        self.answer: bytes | None = None  # the engine's whole answer, from its end until the runner has it
 
     def start(self) -> None:
         """Run the director's stages (the caller has registered the request: it may end before this
@@ -72,13 +75,20 @@ class BatchLineRequest(DirectedRequest):
     def _send(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._post())
 
-    def _fail(self, error: RouterError) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.status = str(error.status)
-        self._account(None)
-        self.listener.line_ended(self, error.status, error.body(), True)
+    def _answer(self, error: RouterError | None) -> None:
+        """The runner is told how the line ended: the router's own refusal, or the engine's answer (a line
+        let go, :meth:`abandon`, is the runner's own doing: nothing to tell)."""
+        if error is not None:
+            self.listener.line_ended(self, error.status, error.body(), True)
+        elif self.answer is not None:
+            answer, self.answer = self.answer, None
+            self.listener.line_ended(self, int(self.status), answer, False)
+
+    def _accounted(self, engine_name: str, duration: float, answer_end: bytes | None) -> None:
+        if self.director.settings.access_log:
+            log.info(
+                "batch line %s -> %s %s %.1f ms", self.ctx.path, self.status, engine_name, duration * 1e3
+            )
 
     def check_timeout(self, now: float) -> None:
         """The runner's sweep: waiting on a stage past the request timeout is answered 504 (the engine's
@@ -90,14 +100,10 @@ class BatchLineRequest(DirectedRequest):
         """The line's batch ended (cancelled, expired) or the router stops: the request goes, unanswered."""
         if self.done:
             return
-        self.done = True
-        self.status = "client_closed"
-        self._leave_stages()
         task = self.task
         if task is not None and not task.done():
             task.cancel()
-        self._settle(RELEASED)
-        self._account(None)
+        self._end("client_closed", RELEASED)
 
     # ---- the engine's answer ----------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -148,20 +154,5 @@ class BatchLineRequest(DirectedRequest):
     def _answered(self, status: int, body: bytes) -> None:
         if self.done:
             return
-        self.done = True
-        self.status = str(status)
-        self._settle(FAILURE if status >= 500 else SUCCESS)
-        self._account(body[-ANSWER_END:])
-        self.listener.line_ended(self, status, body, False)
-
-    def _account(self, answer_end: bytes | None) -> None:
-        director = self.director
-        ctx = self.ctx
-        duration = ctx.duration = time.perf_counter() - ctx.arrived
-        director.metrics.observe_request(ctx.model_label, self.engine_name(), self.status, duration)
-        if director.settings.access_log:
-            log.info(
-                "batch line %s -> %s %s %.1f ms", ctx.path, self.status, self.engine_name(), duration * 1e3
-            )
-        if answer_end is not None and director.hooks.response_complete:
-            self._run_completion_hooks(duration, answer_end)
+        self.answer = body
+        self._end(str(status), FAILURE if status >= 500 else SUCCESS, body[-ANSWER_END:])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -60,7 +59,7 @@ class Pick(enum.Enum):
 class ProxiedRequest(DirectedRequest):
     """The state of one proxied request; the client connection's handler while it runs."""
 
-    __slots__ = ("conn", "request", "tail", "leg", "answer_end", "pick", "picked", "disagg_pending", "pd")
+    __slots__ = ("conn", "request", "tail", "leg", "pick", "picked", "disagg_pending", "pd")
 
     def __init__(
         self,
@@ -75,7 +74,6 @@ class ProxiedRequest(DirectedRequest):
         self.request = request
         self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
         self.leg: Leg | None = None
-        self.answer_end: bytes | None = None
         self.pick = Pick.UNASKED  # gateway mode only
         self.picked: PickAnswer | None = None  # the endpoint picker's answer, told the request's end
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
@@ -313,44 +311,24 @@ class ProxiedRequest(DirectedRequest):
         self._attempt()
 
     def leg_complete(self, leg: Leg) -> None:
-        self.done = True
-        self.leg = None  # the leg points back here: no cycle left behind
         status = leg.status
-        self.status = str(status)
         ctx = self.ctx
         ctx.ttft = leg.ttft
-        self.answer_end = leg.answer_end
-        # _settle, inlined: this is every request's way out
-        booking = self.booking
-        if booking is not None:
-            self.booking = None
-            booking.settle(FAILURE if status >= 500 else SUCCESS)
-            queue = self.director.queue
-            if queue.length:  # its engine has room for one waiting
-                queue.kick(ctx.pool or ctx.model)
         if ctx.trace is not None:
             ctx.trace.leg_end(status, stream=leg.sse)
-        self.conn.finish(leg.keep_alive)
-        self._account()
+        self._end(str(status), FAILURE if status >= 500 else SUCCESS, leg.answer_end)
 
     def leg_broken(self, leg: Leg, error: BaseException | str) -> None:
-        self.done = True
-        self.leg = None
-        self.status = "upstream_error"
-        self.ctx.ttft = leg.ttft
-        self._settle(FAILURE)
-        if self.ctx.trace is not None:
-            self.ctx.trace.leg_end(leg.status, f"broken: {error}", stream=leg.sse)
-        self.conn.finish(leg.keep_alive)
-        self._account()
+        ctx = self.ctx
+        ctx.ttft = leg.ttft
+        if ctx.trace is not None:
+            ctx.trace.leg_end(leg.status, f"broken: {error}", stream=leg.sse)
+        self._end("upstream_error", FAILURE)
 
     # ---- the client side (HttpConnection's Handler) -----------------------------------------------------
     def client_lost(self) -> None:
         if self.done:
             return
-        self.done = True
-        self.status = "client_closed"
-        self._leave_stages()
         if self.pd is not None:
             self.pd.cancel()  # the prefill engine sees the connection close and aborts the request
             self.pd = None
@@ -359,8 +337,7 @@ class ProxiedRequest(DirectedRequest):
             self.leg = None
             self.ctx.ttft = leg.ttft
             leg.abort()  # the engine sees the connection close and aborts the request
-        self._settle(RELEASED)
-        self._account()
+        self._end("client_closed", RELEASED)
 
     def pause(self) -> None:
         if self.leg is not None:
@@ -394,7 +371,6 @@ class ProxiedRequest(DirectedRequest):
             return
         leg.abort()
         self.leg = None
-        self._settle(FAILURE)
         if self.ctx.trace is not None:
             self.ctx.trace.leg_end(0, "upstream_timeout")
         self._fail(
@@ -402,36 +378,33 @@ class ProxiedRequest(DirectedRequest):
                 504,
                 f"Engine {self.engine_name()} did not answer within {timeout:g}s.",
                 code="upstream_timeout",
-            )
+            ),
+            FAILURE,
         )
 
-    # ---- endings -----------------------------------------------------------------------------------------
-    def _fail(self, error: RouterError) -> None:
-        """Answer with an error of the router's own (only while nothing was forwarded)."""
-        if self.done:
+    # ---- the end (DirectedRequest._end) --------------------------------------------------------------------
+    def _answer(self, error: RouterError | None) -> None:
+        if error is not None:
+            self.conn.send_error(error, self.ctx.request_id, self.request.keep_alive)
             return
-        self.done = True
-        self.status = str(error.status)
-        self.conn.send_error(error, self.ctx.request_id, self.request.keep_alive)
-        self._account()
+        leg = self.leg
+        if leg is not None:  # its answer went out (whole, or ended as HTTP allows): the connection goes on
+            self.leg = None  # the leg points back here: no cycle left behind
+            self.conn.finish(leg.keep_alive)
 
-    def _account(self) -> None:
+    def _accounted(self, engine_name: str, duration: float, answer_end: bytes | None) -> None:
         director = self.director
-        ctx = self.ctx
-        duration = ctx.duration = time.perf_counter() - ctx.arrived
-        engine = self.engine
-        engine_name = engine.name if engine is not None else "none"
-        director.metrics.observe_request(ctx.model_label, engine_name, self.status, duration)
-        trace = ctx.trace
+        trace = self.ctx.trace
         if trace is not None:
-            trace.end(self.status, self.answer_end)
+            trace.end(self.status, answer_end)
         pick = self.picked
         if pick is not None:  # gateway mode: the picker sees the end
             picker = director.endpoint_picker
             assert picker is not None
             if self.status.isdigit():
+                engine = self.engine
                 served = engine.address if engine is not None else ""
-                picker.finish(pick, int(self.status), b"", self.answer_end or b"", served)
+                picker.finish(pick, int(self.status), b"", answer_end or b"", served)
             else:
                 picker.abandon(pick)
         if director.settings.access_log:
@@ -445,8 +418,6 @@ class ProxiedRequest(DirectedRequest):
                 duration * 1e3,
                 f" trace_id={trace.trace_id}" if trace is not None and trace.trace_id else "",
             )
-        if director.hooks.response_complete:
-            self._run_completion_hooks(duration, self.answer_end)
 
 
 def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) -> RouterError:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm_stack.engines.booking import RELEASED, EngineBooking
 from vllm_stack.engines.engine import Engine
@@ -76,14 +77,57 @@ class DirectedRequest:
         self.queued_at = 0.0
         self.route: bytes | None = None  # the x-vllm-stack-route value (debug_headers on)
 
-    # ---- what a subclass provides ------------------------------------------------------------------------
+    #: Whether the response-complete hooks run for a request no engine answered (refused, client gone).
+    #: A batch line's do not: it is sent again later, and its hooks run for the send that is answered.
+    COMPLETES_UNANSWERED: ClassVar[bool] = True
+
+    # ---- what a kind provides ----------------------------------------------------------------------------
     def _send(self) -> None:
         """The engine is picked (``self.engine``, booked) and every pre-request hook ran: send it there."""
         raise NotImplementedError
 
-    def _fail(self, error: RouterError) -> None:
-        """Answer with an error of the router's own (only while nothing was forwarded)."""
+    def _answer(self, error: RouterError | None) -> None:
+        """The request ended (:meth:`_end`; its booking is settled): tell whoever waits for it. ``error``
+        is the router's own answer (nothing was forwarded); None when the engine's answer went out, or
+        nobody is left to tell."""
         raise NotImplementedError
+
+    def _accounted(self, engine_name: str, duration: float, answer_end: bytes | None) -> None:
+        """The kind's own part of the request's accounting, after the request counter and before the
+        response-complete hooks (its access-log line; the relayed kind's trace and endpoint picker)."""
+        raise NotImplementedError
+
+    # ---- the end -----------------------------------------------------------------------------------------
+    def _fail(self, error: RouterError, outcome: str = RELEASED) -> None:
+        """Answer with an error of the router's own (only while nothing was forwarded); an attempt's
+        booking still open is settled as ``outcome``."""
+        self._end(str(error.status), outcome, None, error)
+
+    def _end(
+        self, status: str, outcome: str, answer_end: bytes | None = None, error: RouterError | None = None
+    ) -> None:
+        """The one way a request finishes, whatever its kind and however it ends (the table above),
+        once: out of any stage it is in, its attempt's booking settled as ``outcome`` (engines.booking),
+        whoever waits told (:meth:`_answer`), then its accounting: the request counter under
+        ``status``, the kind's part (:meth:`_accounted`), the response-complete hooks with the
+        answer's last bytes (``answer_end``, when kept)."""
+        if self.done:
+            return
+        self.done = True
+        self.status = status
+        if self.queue_seq or self.waiting is not None:  # it ended in a stage: its client left
+            self._leave_stages()
+        self._settle(outcome)
+        self._answer(error)
+        director = self.director
+        ctx = self.ctx
+        duration = ctx.duration = time.perf_counter() - ctx.arrived
+        engine = self.engine
+        engine_name = engine.name if engine is not None else "none"
+        director.metrics.observe_request(ctx.model_label, engine_name, status, duration)
+        self._accounted(engine_name, duration, answer_end)
+        if director.hooks.response_complete and (answer_end is not None or self.COMPLETES_UNANSWERED):
+            self._run_completion_hooks(duration, answer_end)
 
     def _run_completion_hooks(self, duration: float, answer_end: bytes | None) -> None:
         """The response-complete hooks (prefill release, usage, request tracker), once per request; the
@@ -129,7 +173,6 @@ class DirectedRequest:
             if now - self.ctx.arrived >= timeout:
                 waiting, self.waiting = self.waiting, None
                 waiting.cancel()
-                self._settle(RELEASED)
                 self._fail(
                     RouterError(
                         504, f"The request was not routed within {timeout:g}s.", code="routing_timeout"
@@ -140,7 +183,7 @@ class DirectedRequest:
 
     def _leave_stages(self) -> None:
         """The request ended while in a stage (its client left): out of the queue, the stage's
-        awaitable cancelled, its engine's books settled."""
+        awaitable cancelled."""
         if self.queue_seq:
             self.director.queue.remove(self.ctx.pool or self.ctx.model, self, "client_closed")
         waiting = self.waiting
@@ -349,7 +392,7 @@ class DirectedRequest:
     def _settle(self, outcome: str) -> None:
         """The current attempt is over: its engine's books released, its breaker told ``outcome``
         (engines.booking), and a request waiting for that engine's model given a try. The one way
-        out of an attempt; nothing happens when none is open."""
+        out of an attempt (a retry's, and the request's at its end); nothing happens when none is open."""
         booking = self.booking
         if booking is not None:
             self.booking = None
@@ -372,13 +415,11 @@ class DirectedRequest:
         )
 
     def _refused(self, refusal: Refusal) -> None:
-        self._settle(RELEASED)
         if self.ctx.trace is not None:
             self.ctx.trace.stage_end(str(refusal.reason))
         self._fail(self.director.error_for(refusal.reason, self.ctx.model, refusal.message))
 
     def _plugin_failed(self) -> None:
-        self._settle(RELEASED)
         self._fail(RouterError(500, "A routing plugin failed; see the router's log.", code="plugin_error"))
 
     def engine_name(self) -> str:

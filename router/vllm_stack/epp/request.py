@@ -40,24 +40,23 @@ class PickListener(Protocol):
 class PickedRequest(DirectedRequest):
     """The director's stages for a request whose bytes the gateway relays."""
 
-    __slots__ = ("listener", "answer_end")
+    __slots__ = ("listener",)
 
     def __init__(self, director: Director, ctx: RequestContext, listener: PickListener) -> None:
         DirectedRequest.__init__(self, director, ctx, 1)
         self.listener = listener
-        self.answer_end: bytes | None = None
         self._begin()
 
     def _send(self) -> None:
         self.listener.picked(self)
 
-    def _fail(self, error: RouterError) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.status = str(error.status)
-        self.listener.refused(error)
-        self._account()
+    def _answer(self, error: RouterError | None) -> None:
+        if error is not None:
+            self.listener.refused(error)
+
+    def _accounted(self, engine_name: str, duration: float, answer_end: bytes | None) -> None:
+        if self.director.settings.access_log:
+            log.info("pick %s -> %s %s %.1f ms", self.ctx.path, self.status, engine_name, duration * 1e3)
 
     def first_byte(self) -> None:
         """The answer's first body bytes went by: its TTFT, and the prefill estimate released."""
@@ -76,39 +75,16 @@ class PickedRequest(DirectedRequest):
 
     def answered(self, status: int, answer_end: bytes) -> None:
         """The answer ended (its last body bytes, or trailers, went by)."""
-        if self.done:
-            return
-        self.done = True
-        self.status = str(status)
-        self.answer_end = answer_end
-        self._settle(FAILURE if status >= 500 else SUCCESS)
-        self._account()
+        self._end(str(status), FAILURE if status >= 500 else SUCCESS, answer_end)
 
     def lost(self, status: str = "client_closed") -> None:
         """The gateway's stream ended before the answer did (the client left, or the gateway gave up),
         or it sent nothing of the answer for the picker's answer timeout (``answer_timeout``): the books
         must not wait for an end that may never come."""
-        if self.done:
-            return
-        self.done = True
-        self.status = status
-        self._leave_stages()
-        self._settle(RELEASED)
-        self._account()
+        self._end(status, RELEASED)
 
     def check_timeout(self, now: float) -> None:
         """The picker's sweep: a request waiting in the queue or on a stage past its timeout is refused.
         Once picked, the engine's silence is the gateway's to time out."""
         if not self.done:
             self.stage_timed_out(now, self.director.settings.request_timeout)
-
-    def _account(self) -> None:
-        director = self.director
-        ctx = self.ctx
-        duration = ctx.duration = time.perf_counter() - ctx.arrived
-        engine_name = self.engine_name()
-        director.metrics.observe_request(ctx.model_label, engine_name, self.status, duration)
-        if director.settings.access_log:
-            log.info("pick %s -> %s %s %.1f ms", ctx.path, self.status, engine_name, duration * 1e3)
-        if director.hooks.response_complete:
-            self._run_completion_hooks(duration, self.answer_end)
