@@ -1,11 +1,55 @@
 """The director's stages for one request, whatever carries its bytes: admit, prepare, schedule (or wait
-in the model's queue), pre-request, then the subclass's :meth:`DirectedRequest._send`.
+in the model's queue), pre-request, then the kind's :meth:`DirectedRequest._send`.
 
-Two kinds of request run these stages: the router's own (:class:`~.request.ProxiedRequest`, which
-relays the request to the engine over a leg) and the endpoint picker's (:mod:`vllm_stack.epp`, which
-names the engine to a gateway that relays it). Both hold what the attempt books on its engine
-(:class:`~vllm_stack.engines.booking.EngineBooking`), released by :meth:`DirectedRequest._settle`, and
-both read the same :class:`~vllm_stack.scheduling.framework.RequestContext`.
+Three kinds of request run these stages: the router's own (:class:`~.request.ProxiedRequest`, which
+relays the request to the engine over a leg), the endpoint picker's (:mod:`vllm_stack.epp`, which names
+the engine to a gateway that relays it) and a batch line (:mod:`vllm_stack.batch`, one POST to the
+engine). All hold what the attempt books on its engine (:class:`~vllm_stack.engines.booking.EngineBooking`),
+released by :meth:`DirectedRequest._settle`, and all read the same
+:class:`~vllm_stack.scheduling.framework.RequestContext`.
+
+Where a request is (``[relayed]``: that kind's own state, on :class:`~.request.ProxiedRequest`)::
+
+    state            marked by                           left by
+    ---------------  ----------------------------------  ----------------------------------------------
+    admit, prepare   ``waiting`` while a hook's          the awaitable's result: the next stage; a
+                     awaitable is awaited                refusal or a plugin's fault: _fail
+    schedule         (within _attempt, synchronous)      an engine: _start; none: queued, or _fail
+    [relayed] ask    ``pick`` ASKING, ``waiting``        the picker's answer: its engine (_start), the
+                                                         director's scheduling (fail-open), or _fail
+    [relayed] pre-   ``pd`` (the prefill stage)          resume_after_prefill: decode on the engine
+      fill                                               the KV went to (_start), or _attempt
+    queued           ``queue_seq`` (not 0)               the queue's try_dispatch (_start, or _fail);
+                                                         displaced (429) or timed out (503): _fail
+    pre-request      ``engine``, ``booking``;            _send, once every hook ran; a refusal or a
+                     ``waiting`` while a hook awaits     plugin's fault: _fail
+    sent             the kind's: [relayed] ``leg``;      what the kind hears of the answer: _end;
+                     the gateway's stream; a batch       [relayed] a retry before anything was
+                     line's ``task``                     forwarded: _settle, then _attempt again
+    done             ``done``                            (final)
+
+Every way a request finishes goes through :meth:`DirectedRequest._end` once (a timeout at any stage
+too: the sweep's check_timeout answers through _fail)::
+
+    ending                      called from                               status           outcome
+    --------------------------  ----------------------------------------  ---------------  ----------
+    the engine's answer, whole  leg_complete, answered, _answered         its status       success
+                                                                                           (failure
+                                                                                           from 500)
+    the answer broke midway     [relayed] leg_broken                      upstream_error   failure
+    the client left             client_lost, lost, abandon                client_closed    released
+                                                                          (answer_timeout:
+                                                                          the gateway's
+                                                                          silence)
+    the router's own answer     _fail: any kind, any stage                its status       released
+                                                                                           (an engine
+                                                                                           silent:
+                                                                                           failure)
+
+``_end`` takes the request out of any stage, settles its attempt's booking with ``outcome``, tells
+whoever waits through the kind's ``_answer`` (the client's connection, the gateway's stream, the batch
+runner), then counts it once: the request counter, the kind's ``_accounted`` (access log; [relayed]
+the trace's end and the endpoint picker's view), the response-complete hooks.
 
 A stage hook (a plugin's ``admit``, ``prepare``, ``pre_request``) is synchronous unless it returns an
 awaitable; only then does the request wait, on that awaitable, and resume in its done-callback. The
