@@ -512,7 +512,12 @@ class Router:
         if self.batch is not None:
             await self.batch.stop()
         if self.picker_server is not None:
-            await self.picker_server.stop(grace=min(self.config.shutdown_grace, 5.0))
+            # The gateways' streams under way may run to their answers' ends within the whole grace:
+            # each lasts as long as its answer (a stream of tokens), and a gateway that passes the
+            # answer through its picker, as Envoy does, would fail the request whose stream is cut.
+            # It follows the HTTP side's drain, which on a picker Pod (probes, scrapes) takes a second
+            # or so; the kubelet's kill at the end of the Pod's grace period bounds the two together.
+            await self.picker_server.stop(grace=self.config.shutdown_grace)
         if self.director.endpoint_picker is not None:
             await self.director.endpoint_picker.close()
         for task in self._tasks:

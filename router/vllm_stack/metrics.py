@@ -303,6 +303,15 @@ class RouterMetrics:
             "counter",
             ["outcome"],
         )
+        self.endpoint_picker_ends = _Family(
+            PREFIX + "endpoint_picker_answer_ends_total",
+            "Gateway mode: picked requests whose answer's end was told to the endpoint picker (told), or "
+            "whose picker stream had ended before it (cut: the picker stopped or failed while the answer "
+            "was under way; a gateway that passes the answer through its picker, as Envoy does, would have "
+            "failed the request), or that the picker did not close in time (timeout).",
+            "counter",
+            ["outcome"],
+        )
         self.endpoint_picker_seconds_family = _Family(
             PREFIX + "endpoint_picker_seconds",
             "Gateway mode: time from sending a request's body to the endpoint picker to its answer.",
@@ -323,6 +332,7 @@ class RouterMetrics:
         )
         self._fast = [
             self.endpoint_picker,
+            self.endpoint_picker_ends,
             self.endpoint_picker_seconds_family,
             self.ext_proc_streams,
             self.lmcache_lookups,

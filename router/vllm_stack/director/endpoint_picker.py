@@ -231,6 +231,7 @@ class EndpointPickerClient:
         answer_end: bytes,
         served: str,
     ) -> None:
+        outcome = "told"
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT):
                 pairs: list[tuple[str, str | bytes]] = [(":status", str(status))]
@@ -250,10 +251,19 @@ class EndpointPickerClient:
                 await call.done_writing()
                 while await call.read() is not grpc.aio.EOF:
                     pass
-        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the request is over either way; the EPP's bookkeeping is its own
+                if await call.code() != grpc.StatusCode.OK:
+                    outcome = "cut"
+        except TimeoutError:
+            outcome = "timeout"
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            outcome = "cut"  # the request is over either way; counted, the EPP's bookkeeping is its own
+        except asyncio.CancelledError:  # this router stops (close): not the picker's doing
+            outcome = ""
+            raise
         finally:
             call.cancel()
+            if outcome:
+                self.metrics.endpoint_picker_ends.child(outcome).inc()
 
     def abandon(self, answer: PickAnswer) -> None:
         """The request ended without an answer to tell (its client left): the stream is cut."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL = 1.0
+DRAIN_POLL = 0.05  # stopping: how often the streams under way are counted
 FALLBACKS = 2  # endpoints listed after the picked one in the envoy.lb metadata
 
 
@@ -161,8 +162,21 @@ class PickerServer:
         log.info("endpoint picker (ext_proc) listening on %s:%d", self.host, self.port)
 
     async def stop(self, grace: float) -> None:
+        """New streams are refused at once (gRPC sends its GOAWAY: a gateway opens a new connection, which
+        its Service sends to another picker); the streams under way have ``grace`` seconds to end."""
         if self._server is not None:
-            await self._server.stop(grace)
+            streams = self.service.slots.open
+            log.info("endpoint picker stopping: %d streams under way", len(streams))
+            started = time.monotonic()
+            stopping = asyncio.ensure_future(self._server.stop(grace))
+            while streams and not stopping.done() and time.monotonic() - started < grace:  # noqa: ASYNC110 - polled only while stopping
+                await asyncio.sleep(DRAIN_POLL)
+            left = len(streams)
+            await stopping
+            if left:
+                log.warning("grace period (%.0f s) over: %d endpoint picker streams cut", grace, left)
+            else:
+                log.info("endpoint picker drained in %.1f s", time.monotonic() - started)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
