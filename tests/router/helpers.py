@@ -65,7 +65,9 @@ STOP_WITHIN = 30.0  # seconds a test's router may take to stop (its grace period
 async def serving(router: Router) -> AsyncIterator[str]:
     """Serve ``router`` on its own server at an ephemeral port; yields the base URL; stops on exit, within
     :data:`STOP_WITHIN` or with an error that names what was still running (never a silent hang)."""
-    server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=2.0)
+    # drain_idle 0: a test's clients often leave their connections open; the router's stop would otherwise
+    # keep each one a second for a request that will not come (tests/router/test_relay.py tests the wait)
+    server = RouterServer(router, "127.0.0.1", 0, shutdown_grace=2.0, drain_idle=0.0)
     await server.start()
     try:
         yield server.url

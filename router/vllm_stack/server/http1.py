@@ -673,7 +673,11 @@ class HttpConnection(asyncio.Protocol):
             self._current = 0
         if self.closed:
             return
-        if not keep_alive or self.server.draining:
+        # ``keep_alive``: what the answer's head told the client. An answer begun before the server started
+        # draining promised keep-alive: the client may send its next request at once, so the connection
+        # stays open as an idle one, which the drain closes after ``drain_idle`` (RouterServer.stop); that
+        # request is answered with `connection: close`.
+        if not keep_alive:
             self.close()
             return
         self.idle_since = time.monotonic()

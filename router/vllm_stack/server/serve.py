@@ -4,10 +4,20 @@ The server knows nothing of routing: it hands every complete request to the appl
 ``dispatch`` (:class:`ServedApp`; the router sends proxied paths to its director and the rest to its
 ASGI app through :class:`~.asgi_bridge.AsgiCall`) and asks it for its limits.
 
-Stopping (SIGTERM from Kubernetes, or :meth:`RouterServer.stop`): the listening socket closes at once,
-idle keep-alive connections are closed, answers still being written get ``connection: close`` and
-may finish within the grace period; whatever is left then is cut, and the router's background tasks
-stop last.
+Stopping (SIGTERM from Kubernetes, or :meth:`RouterServer.stop`): the listening socket closes at once;
+the requests being read or answered may finish within the grace period, and every answer that begins from
+then on says ``connection: close`` (its connection is closed after it). A keep-alive connection (idle, or
+one whose answer began before the stop and promised keep-alive) is closed once it has been idle for
+``drain_idle`` seconds (at once if it already has); a request that arrives on it before that is answered,
+with ``connection: close``. Whatever is left at the end of the grace period is cut, and the router's
+background tasks stop last.
+
+Why not close kept-alive connections at once: a client sending requests one after another on a keep-alive
+connection (an SDK's pool under steady traffic) sends its next request as soon as an answer ends, maybe
+before it could see a close; closed then, the client sees the connection end without an answer, and a
+POST is not retried (seen in a rolling upgrade on a real node: a reset 1 ms after the request was sent). A
+connection idle for ``drain_idle`` belongs to a client that is not sending; the race is then as unlikely as
+at any keep-alive timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from vllm_stack.server.memory import Allocator
 log = logging.getLogger(__name__)
 
 KEEP_ALIVE_TIMEOUT = 75.0  # idle keep-alive connections are closed after this (above common LB idle timeouts)
+DRAIN_IDLE = 1.0  # stopping: seconds an idle keep-alive connection stays open for a request already sent
+DRAIN_POLL = 0.05  # stopping: how often the connections are looked at
 SWEEP_INTERVAL = 1.0
 #: Answered even on connections past the connection limit: the probes must not fail under a flood.
 RESERVED_PATHS = frozenset({"/health", "/ready"})
@@ -89,11 +101,13 @@ class RouterServer:
         shutdown_grace: float = 30.0,
         keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
         allocator: Allocator | None = None,
+        drain_idle: float = DRAIN_IDLE,
     ) -> None:
         self.router = router
         self.host = host
         self.port = port
         self.shutdown_grace = shutdown_grace
+        self.drain_idle = drain_idle
         self.keep_alive_timeout = keep_alive_timeout
         self.allocator = allocator  # set by the entry point: its free pages are trimmed by the sweep
         self.connections: set[HttpConnection] = set()
@@ -180,16 +194,26 @@ class RouterServer:
                     conn.check_reading(now, head_timeout, body_timeout)
 
     async def stop(self) -> None:
-        """Stop accepting, let answers under way finish within the grace period, then stop the router."""
+        """Stop accepting, let answers under way finish within the grace period (see the module docstring
+        for idle keep-alive connections), then stop the router."""
         self.draining = True
         if self._server is not None:
             self._server.close()
-        for conn in list(self.connections):
-            if not conn.busy:
-                conn.close()
-        deadline = time.monotonic() + self.shutdown_grace
-        while any(c.busy for c in self.connections) and time.monotonic() < deadline:  # noqa: ASYNC110 - polled only while stopping; an event would cost every request
-            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        deadline = started + self.shutdown_grace
+        under_way = sum(1 for c in self.connections if not c.idle_since)
+        log.info(
+            "stopping: %d requests under way, %d idle connections",
+            under_way,
+            len(self.connections) - under_way,
+        )
+        while self._close_idle(time.monotonic()) and time.monotonic() < deadline:  # noqa: ASYNC110 - polled only while stopping; an event would cost every request
+            await asyncio.sleep(DRAIN_POLL)
+        left = [c for c in self.connections if not c.closed]
+        if left:
+            log.warning("grace period (%.0f s) over: %d connections cut", self.shutdown_grace, len(left))
+        else:
+            log.info("drained in %.1f s", time.monotonic() - started)
         for conn in list(self.connections):
             conn.close()
         if self._sweeper is not None:
@@ -197,6 +221,19 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await self.router.stop()
+
+    def _close_idle(self, now: float) -> bool:
+        """Close the connections idle for ``drain_idle`` seconds; True while any other is open (a request
+        being read or answered, or a connection idle for less)."""
+        open_left = False
+        for conn in list(self.connections):
+            if conn.closed:
+                continue
+            if conn.idle_since and not conn.busy and now - conn.idle_since >= self.drain_idle:
+                conn.close()
+            else:
+                open_left = True
+        return open_left
 
 
 async def serve_forever(server: RouterServer) -> None:
@@ -207,5 +244,4 @@ async def serve_forever(server: RouterServer) -> None:
         loop.add_signal_handler(sig, stopping.set)
     await server.start()
     await stopping.wait()
-    log.info("stopping: draining %d connections", len(server.connections))
     await server.stop()
