@@ -20,6 +20,7 @@ from tests.helm.chart import (
     flag,
     one,
     render,
+    render_error,
     router_name,
     values_file,
 )
@@ -171,6 +172,33 @@ def test_router_stops_gracefully_within_the_pod_grace_period(tmp_path):
     d = one(render([SEED, str(vf)]), "Deployment", router_name("Deployment"))
     assert "lifecycle" not in container(d)
     assert flag(container(d)["args"], "--shutdown-grace") == "295"
+
+
+def test_engines_stop_after_a_prestop_wait_for_their_answers_under_way(tmp_path):
+    """Issue 47: a deleted engine pod is dropped by the router at once, but vLLM aborts what it runs at
+    SIGTERM (`--shutdown-timeout` 0): a native preStop sleep (no binary in the image) lets the answers
+    under way finish first, within a grace period that leaves vLLM time to exit after it."""
+    for d in (engine(render([SEED]), "mistral"), one(render([EXAMPLES / "multi-model.yaml"]), "Deployment",
+                                                       engine_name("llama3", "Deployment"))):  # fmt: skip
+        assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 60
+        assert container(d)["lifecycle"] == {"preStop": {"sleep": {"seconds": 30}}}
+    vf = values_file(
+        tmp_path, {"servingEngineSpec": {"terminationGracePeriodSeconds": 200, "preStopSleepSeconds": 150}}
+    )
+    d = engine(render([SEED, str(vf)]), "mistral")
+    assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 200
+    assert container(d)["lifecycle"]["preStop"]["sleep"]["seconds"] == 150
+    assert "lifecycle" not in container(
+        engine(render([SEED], ["servingEngineSpec.preStopSleepSeconds=0"]), "mistral")
+    )
+
+
+def test_an_engine_prestop_wait_the_grace_period_would_cut_is_refused():
+    error = render_error([SEED], ["servingEngineSpec.preStopSleepSeconds=60"])
+    assert (
+        "servingEngineSpec.preStopSleepSeconds 60 is not below servingEngineSpec.terminationGracePeriodSeconds 60"
+        in error
+    )
 
 
 def test_two_releases_never_see_each_others_engines():
@@ -600,7 +628,7 @@ def test_user_promql_is_kept_as_written(tmp_path):
                                     },
                                 },
                                 {"type": "cpu", "metricType": "Utilization", "metadata": {"value": "80"}},
-                            ]
+                            ],
                         },
                     }
                 ]
