@@ -3,10 +3,11 @@ Running and Ready by the kubelet's own startup, liveness and readiness probes, w
 contexts enforced by the runtime, and finding its engine Pod with in-cluster configuration (the Service
 account token the kubelet projects, the `kubernetes` Service through kube-proxy) under the chart's Role.
 
-The engine is a stub (a few lines of Python in the router image, answering `/v1/models`, `/health` and
-`/metrics` as vLLM does) labelled as the chart labels its engines: the router's readiness needs one
-healthy engine, and the CPU engine image is not part of this first node test. A client Pod then reaches
-the router through its Service, by the name CoreDNS resolves and by the ClusterIP kube-proxy forwards.
+The engine is a stub (tests/node/stub_engine_server.py in the router image, answering `/v1/models`,
+`/health`, `/metrics` and chat completions as vLLM does) labelled as the chart labels its engines: the
+router's readiness needs one healthy engine, and the CPU engine image is not part of this first node test.
+A client Pod then reaches the router through its Service, by the name CoreDNS resolves and by the
+ClusterIP kube-proxy forwards.
 """
 
 from __future__ import annotations
@@ -24,87 +25,14 @@ from vllm_stack_dev.cluster.releases import Helm, pod_ready, wait_workloads_read
 from vllm_stack_dev.images import ROUTER
 from vllm_stack_dev.paths import repo_root
 
+from tests.node.stub_engine import stub_engine_objects
+
 pytestmark = pytest.mark.node
 
 RELEASE = "rt"
 NAMESPACE = "node-router"
 CHART = repo_root() / "helm"
 VALUES = CHART / "examples" / "no-models.yaml"
-
-STUB_ENGINE = """
-import http.server, json
-MODEL = {"id": "stub-model", "object": "model", "owned_by": "vllm", "root": "stub-model", "parent": None,
-         "max_model_len": 2048}
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        if self.path == "/v1/models":
-            body, kind = json.dumps({"object": "list", "data": [MODEL]}).encode(), "application/json"
-        elif self.path in ("/health", "/metrics"):
-            body, kind = b"", "text/plain"
-        else:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *args):
-        pass
-http.server.ThreadingHTTPServer(("0.0.0.0", 8000), Handler).serve_forever()
-"""
-
-
-def stub_engine_objects(image: str) -> list[dict[str, object]]:
-    labels = {"app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": "serving-engine",
-              "app.kubernetes.io/name": "stub-engine"}  # fmt: skip
-    probe = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2}
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": "stub-engine", "namespace": NAMESPACE},
-            "data": {"engine.py": STUB_ENGINE},
-        },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "stub-engine", "namespace": NAMESPACE},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001},
-                        "containers": [
-                            {
-                                "name": "engine",
-                                "image": image,
-                                "imagePullPolicy": "IfNotPresent",
-                                "command": ["python3", "/stub/engine.py"],
-                                "ports": [{"name": "http", "containerPort": 8000}],
-                                "readinessProbe": probe,
-                                "resources": {
-                                    "requests": {"cpu": "50m", "memory": "64Mi"},
-                                    "limits": {"memory": "128Mi"},
-                                },
-                                "securityContext": {
-                                    "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]},
-                                    "readOnlyRootFilesystem": True,
-                                },
-                                "volumeMounts": [{"name": "stub", "mountPath": "/stub"}],
-                            }
-                        ],  # fmt: skip
-                        "volumes": [{"name": "stub", "configMap": {"name": "stub-engine"}}],
-                    },
-                },
-            },
-        },
-    ]
-
 
 CLIENT = """
 import json, socket, urllib.request
@@ -172,7 +100,7 @@ def test_router_runs_on_a_real_node(node_cluster: tuple[Cluster, RealNode], tmp_
     cluster, node = node_cluster
     image = ROUTER.reference()  # ghcr.io/vllm-stack/router:<appVersion>, as the chart renders it
     cluster.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}])
-    cluster.apply(stub_engine_objects(image))
+    cluster.apply(stub_engine_objects(image, NAMESPACE, RELEASE))
     Helm(cluster, 4).install(RELEASE, CHART, NAMESPACE, VALUES)
     wait_workloads_ready(cluster, NAMESPACE, timeout=300)
 
