@@ -28,7 +28,9 @@ from tests.helm.chart import ROOT
 pytestmark = pytest.mark.node
 
 
-@pytest.mark.parametrize("real_nodes", [1, 2])
+@pytest.mark.parametrize(
+    "real_nodes", [1, pytest.param(2, marks=pytest.mark.node_full)]
+)  # two: make test-node
 def test_cluster_up_with_real_nodes_until_ctrl_c(tmp_path: Path, real_nodes: int) -> None:
     folder = tmp_path / "cluster"
     names = [f"node-{index}" for index in range(real_nodes)]

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from vllm_stack_dev.images import ROUTER, build_engine_image, engine_cpu_referen
 from vllm_stack_dev.paths import repo_root
 
 from tests.node.containers import (
+    CONTAINERD_SOCKET,
     assert_hardened,
     client_pod,
     container_id,
@@ -42,8 +44,9 @@ from tests.node.containers import (
     oci_spec,
     pod_log,
 )
+from tests.node.traffic import Request, Traffic, TrafficReport, pod_resolv_conf
 
-pytestmark = pytest.mark.node
+pytestmark = [pytest.mark.node, pytest.mark.timeout(1800)]  # the engines start and roll in minutes
 
 RELEASE = "cpu"
 NAMESPACE = "node-engines"
@@ -56,8 +59,20 @@ SERVICE = f"{RELEASE}-router-service"
 MODEL = "tiny-llama"
 
 
-def _values() -> dict:
-    return yaml.safe_load(VALUES.read_text())
+def _values(replicas: int) -> dict:
+    """The example at ``replicas`` engines, and answers that name their engine (`x-vllm-stack-route`: the
+    traffic client counts by it)."""
+    values = yaml.safe_load(VALUES.read_text())
+    values["servingEngineSpec"]["modelSpec"][0]["replicaCount"] = replicas
+    values["routerSpec"].setdefault("extraArgs", []).append("--debug-headers")
+    return values
+
+
+@pytest.fixture(scope="module")
+def replicas(request: pytest.FixtureRequest) -> int:
+    """The example's two engines in the whole matrix (`make test-node`: -m names node_full); one in `make
+    test`'s reduced set, which a 2-core machine starts and rolls in about half the time."""
+    return 2 if "node_full" in (request.config.getoption("markexpr") or "") else 1
 
 
 def prerequisites(model_dir: Path, volume: Path, node: RealNode) -> list[dict[str, object]]:
@@ -111,7 +126,10 @@ def prerequisites(model_dir: Path, volume: Path, node: RealNode) -> list[dict[st
 
 @pytest.fixture(scope="module")
 def release(
-    node_cluster: tuple[Cluster, RealNode], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    node_cluster: tuple[Cluster, RealNode],
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    replicas: int,
 ) -> Iterator[tuple[Cluster, RealNode, float]]:
     """The release, every workload ready; yields the seconds the install took to be ready."""
     cluster, node = node_cluster
@@ -119,7 +137,9 @@ def release(
     volume = tmp_path_factory.mktemp("tiny-model-volume")
     cluster.apply(prerequisites(tiny_model_dir, volume, node))
     start = time.monotonic()
-    Helm(cluster, 4).install(RELEASE, CHART, NAMESPACE, VALUES)
+    values = tmp_path_factory.mktemp("values") / "values.yaml"
+    values.write_text(yaml.safe_dump(_values(replicas)))
+    Helm(cluster, 4).install(RELEASE, CHART, NAMESPACE, values)
     wait_workloads_ready(cluster, NAMESPACE, timeout=ENGINES_READY_S)
     yield cluster, node, time.monotonic() - start
 
@@ -136,12 +156,12 @@ def get_from_node(node: RealNode, url: str) -> dict:
 
 
 def test_every_pod_ready_by_the_kubelets_probes_and_hardened(
-    release: tuple[Cluster, RealNode, float],
+    release: tuple[Cluster, RealNode, float], replicas: int
 ) -> None:
     cluster, node, seconds = release
     print(f"install to ready: {seconds:.0f} s")
     engines, routers = pods(cluster, "serving-engine"), pods(cluster, "router")
-    assert len(engines) == _values()["servingEngineSpec"]["modelSpec"][0]["replicaCount"] == 2
+    assert len(engines) == replicas
     assert len(routers) == 1
     for pod in engines + routers:
         name = pod["metadata"]["name"]
@@ -226,7 +246,10 @@ def test_chat_completions_through_the_service_by_dns_name_and_cluster_ip(
     cluster, _, _ = release
     command = ["python3", "-c", CLIENT, f"{SERVICE}.{NAMESPACE}.svc.cluster.local", MODEL]
     cluster.apply([client_pod("chat-client", NAMESPACE, ROUTER.reference(), command)])
-    pod = finished_pod(cluster, "chat-client", NAMESPACE, timeout=120)
+    try:
+        pod = finished_pod(cluster, "chat-client", NAMESPACE, timeout=120)
+    finally:  # a finished Pod is never Ready: the rollouts below wait for every Pod of the namespace
+        cluster.kubectl("delete", "pod", "chat-client", "-n", NAMESPACE, "--wait=true", "--timeout=60s")
     terminated = pod["status"]["containerStatuses"][0]["state"].get("terminated", {})
     assert pod["status"]["phase"] == "Succeeded", terminated or pod["status"]
     found = json.loads(terminated["message"])
@@ -284,3 +307,196 @@ def test_helm_test_passes(release: tuple[Cluster, RealNode, float]) -> None:
         logs = [pod_log(node, p, "models")[-2000:] for p in tests]  # type: ignore[union-attr]
         raise AssertionError(f"helm test failed: {result.stdout}\n{result.stderr}\n{logs}")
     assert "Phase:          Succeeded" in result.stdout or "Succeeded" in result.stdout, result.stdout
+
+
+# ---- the engines under steady traffic: a killed container, a rolled Deployment, a scale down and up -----------
+
+CONCURRENCY = 4
+ROLLOUT_S = (
+    600.0  # new engine Pods started and Ready (two vLLM starts beside two running engines), old ones gone
+)
+
+
+def engine_ident(pod: dict) -> tuple[str, str]:
+    """What the router's `x-vllm-stack-route` header may name the engine of ``pod`` by."""
+    return pod["metadata"]["name"], pod["status"]["podIP"]
+
+
+def served_by(request: Request, pod: dict) -> bool:
+    return request.engine is not None and any(i and i in request.engine for i in engine_ident(pod))
+
+
+def traffic(node: RealNode, folder: Path) -> Traffic:
+    return Traffic(node, folder, f"http://{SERVICE}", MODEL, concurrency=CONCURRENCY,
+                   resolv_conf=pod_resolv_conf(NAMESPACE))  # fmt: skip
+
+
+def wait_served(client: Traffic, pod: dict, timeout: float, what: str) -> None:
+    """Until a request started in the current step ended complete, answered by ``pod``."""
+    since = client.marks[-1][1]
+    deadline = time.monotonic() + timeout
+    while not any(r.ok and r.start >= since and served_by(r, pod) for r in client.records()):
+        if time.monotonic() > deadline:
+            engines = sorted({str(r.engine) for r in client.records() if r.start >= since})
+            raise AssertionError(f"{what}: none within {timeout:.0f} s (answered by {engines})")
+        time.sleep(0.2)
+
+
+def _pod(cluster: Cluster, name: str) -> dict:
+    return cluster.get("pod", name, "-n", NAMESPACE)  # type: ignore[return-value]
+
+
+def routed_engines(node: RealNode, router: dict) -> dict[str, bool]:
+    """Engine URL -> healthy, as the router sees them now."""
+    listed = get_from_node(node, f"http://{router['status']['podIP']}:8000/engines")
+    return {e["url"]: bool(e["healthy"] and e["ready"]) for e in listed["engines"]}
+
+
+def _upgrade(cluster: Cluster, values: dict, folder: Path, step: str) -> None:
+    path = folder / f"{step.replace(' ', '-').replace('>', '')}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    Helm(cluster, 4).upgrade(RELEASE, CHART, NAMESPACE, path)
+
+
+def _engines_after(cluster: Cluster, before: set[str], replicas: int, what: str) -> set[str]:
+    """Once the engine Deployment is rolled out at ``replicas`` and no other engine Pod is left: their names."""
+    wait_workloads_ready(cluster, NAMESPACE, timeout=ROLLOUT_S)
+    deadline = time.monotonic() + ROLLOUT_S
+    while True:
+        every = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=serving-engine")[
+            "items"
+        ]
+        names = {p["metadata"]["name"] for p in every}  # type: ignore[union-attr]
+        if len(names) == replicas and all(pod_ready(p) for p in every):  # type: ignore[union-attr]
+            return names
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{what}: engine Pods {sorted(names)} (was {sorted(before)}) not {replicas} Ready"
+            )
+        time.sleep(0.5)
+
+
+def _run_steps(
+    node: RealNode,
+    folder: Path,
+    steps: list[tuple[str, Callable[[], None]]],
+    settled: Callable[[Traffic], None],
+) -> TrafficReport:
+    """Steady traffic, then each step (its requests counted apart), then a settle step until ``settled``
+    returns; the report."""
+    with traffic(node, folder / "traffic") as client:
+        client.start("steady", first=2 * CONCURRENCY, timeout=120)
+        client.wait_for(4 * CONCURRENCY, 120, "steady answers before the upgrades")
+        for name, act in steps:
+            client.step(name)
+            act()
+        client.step("settle")
+        settled(client)
+        report = client.stop()
+    table = report.table()
+    (folder / "table.md").write_text(table + "\n")
+    print(f"\n{table}")
+    assert not report.failures, report.explain()
+    for step in report.steps:
+        assert step.requests and step.streamed, table
+    return report
+
+
+def _engine_names(cluster: Cluster) -> set[str]:
+    return {p["metadata"]["name"] for p in pods(cluster, "serving-engine")}
+
+
+def test_engine_rollouts_under_load_lose_no_request(
+    release: tuple[Cluster, RealNode, float], replicas: int, tmp_path: Path
+) -> None:
+    """`helm upgrade` that (b) rolls the engine Deployment (a changed engine argument) and (c) scales the
+    engines (reduced set, one engine: 1 -> 2; whole matrix, two: 2 -> 1 -> 2), with steady plain and
+    streamed traffic through the router Service: not one request fails. The router drops a terminating
+    engine Pod at once (its deletionTimestamp), the engine serves on through its preStop wait
+    (servingEngineSpec.preStopSleepSeconds) while the answers under way finish, and a new engine joins once
+    Ready and answers."""
+    cluster, node, _ = release
+    values = _values(replicas)
+    model = values["servingEngineSpec"]["modelSpec"][0]
+    names = {"first": _engine_names(cluster)}
+
+    def upgrade(step: str, count: int) -> None:
+        before = names["now"] if "now" in names else names["first"]
+        model["replicaCount"] = count
+        _upgrade(cluster, values, tmp_path, step)
+        names["now"] = _engines_after(cluster, before, count, step)
+        names[step] = names["now"]
+
+    def roll() -> None:
+        model["vllmConfig"]["maxNumSeqs"] = 32
+        upgrade("roll", replicas)
+        assert not names["roll"] & names["first"], names
+
+    steps: list[tuple[str, Callable[[], None]]] = [(f"roll engines at {replicas} (a changed argument)", roll)]
+    if replicas == 2:
+        steps.append(("scale engines 2 -> 1", lambda: upgrade("scale-down", 1)))
+    steps.append(("scale engines 1 -> 2", lambda: upgrade("scale-up", 2)))
+
+    def new_engine_answers(client: Traffic) -> None:
+        before_up = names["scale-down"] if replicas == 2 else names["roll"]
+        assert before_up < names["scale-up"], names
+        (new,) = names["scale-up"] - before_up
+        wait_served(client, _pod(cluster, new), 120, f"a complete answer from {new}, the scale-up's engine")
+
+    _run_steps(node, tmp_path, steps, new_engine_answers)
+    if replicas == 2:
+        assert names["scale-down"] < names["roll"], names
+
+
+@pytest.mark.node_full
+def test_a_killed_engine_container_is_restarted_ejected_and_readmitted(
+    release: tuple[Cluster, RealNode, float], tmp_path: Path
+) -> None:
+    """SIGKILL to one engine's vLLM (its container's init process): the kubelet restarts the container, the
+    router stops routing to the engine and takes it back once it is Ready again, and the only requests that
+    fail are those the engine was already answering (first byte received) when it died; the others in
+    flight on it are retried by the router before their first byte."""
+    cluster, node, _ = release
+    (router,) = pods(cluster, "router")
+    victim = pods(cluster, "serving-engine")[0]
+    url = f"http://{victim['status']['podIP']}:8000"
+    with traffic(node, tmp_path / "traffic") as client:
+        client.start("steady", first=2 * CONCURRENCY, timeout=120)
+        wait_served(
+            client, victim, 120, f"a complete answer from {victim['metadata']['name']} before the kill"
+        )
+        client.step("engine killed")
+        killed_at = time.time()
+        result = subprocess.run(
+            node.in_node(["ctr", "--address", CONTAINERD_SOCKET, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL",
+                          container_id(victim, "vllm")]),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        seen_out = False
+        deadline = time.monotonic() + ROLLOUT_S
+        while True:
+            pod = cluster.get("pod", victim["metadata"]["name"], "-n", NAMESPACE)
+            (status,) = pod["status"]["containerStatuses"]  # type: ignore[index]
+            state = routed_engines(node, router)
+            seen_out = seen_out or not state.get(url, False)
+            if status["restartCount"] >= 1 and status["ready"] and seen_out and state.get(url):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{victim['metadata']['name']} not restarted, ejected and readmitted within {ROLLOUT_S:.0f} s: "
+                    f"restarts {status['restartCount']}, ready {status['ready']}, router saw it out {seen_out}, "
+                    f"now {state}"
+                )
+            time.sleep(0.5)
+        client.step("readmitted")
+        wait_served(client, victim, 120, "a complete answer from the restarted engine")
+        report = client.stop()
+    print(f"\n{report.table()}")
+    (tmp_path / "table.md").write_text(report.table() + "\n")
+    cut = [
+        r
+        for r in report.failures
+        if served_by(r, victim) and r.first_byte is not None and r.start <= killed_at
+    ]
+    assert not [r for r in report.failures if r not in cut], report.explain()

@@ -27,7 +27,10 @@ from vllm_stack_dev.paths import repo_root
 
 from tests.node.stub_engine import stub_engine_objects
 
-pytestmark = pytest.mark.node
+pytestmark = [
+    pytest.mark.node,
+    pytest.mark.node_full,
+]  # the whole matrix only: test_engines_on_node covers this with the real engines in `make test`
 
 RELEASE = "rt"
 NAMESPACE = "node-router"

@@ -21,7 +21,10 @@ from vllm_stack_dev.cluster.node import RealNode
 from vllm_stack_dev.cluster.releases import pod_ready
 from vllm_stack_dev.images import ROUTER
 
-pytestmark = pytest.mark.node
+pytestmark = [
+    pytest.mark.node,
+    pytest.mark.node_full,
+]  # the whole matrix only (make test-node): make test runs one node
 
 NAMESPACE = "two-nodes"
 PORT = 8000
