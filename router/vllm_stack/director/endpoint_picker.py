@@ -12,8 +12,10 @@ Once the answer is over, its status and headers and its last bytes (where the us
 would pass every chunk of the answer through the EPP; here only its end is, so the relay keeps its
 cost and the EPP still sees every request end (its completion bookkeeping runs).
 
-An EPP that does not answer within ``timeout`` seconds, fails, or names an endpoint this router has no
-engine for is a failure: the request is scheduled by the router itself (fail-open) or answered 503
+A stream the EPP refuses before any answer, as a stopping EPP refuses the streams that crossed its
+GOAWAY, is asked again once on a new stream (:data:`REFUSALS`), within the same ``timeout``. An EPP that
+does not answer within ``timeout`` seconds, fails, or names an endpoint this router has no engine for is
+a failure: the request is scheduled by the router itself (fail-open) or answered 503
 ``endpoint_picker_unavailable`` (fail-closed), and counted under its outcome.
 """
 
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 
 PICKED, IMMEDIATE, FAILED = "picked", "immediate", "failed"
 CLOSE_TIMEOUT = 5.0  # seconds the EPP may take to answer the response messages before the stream is cut
+#: How gRPC ends a stream that a stopping picker did not take (tests/router/test_endpoint_picker_stop.py: one
+#: that came as its server shut down is CANCELLED; one still being sent, INTERNAL; one after, UNAVAILABLE).
+REFUSALS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
 #: The client's headers that never go to the EPP: its credentials, and the framing the stream replaces.
 PRIVATE_HEADERS = frozenset(
     {b"authorization", b"cookie", b"proxy-authorization", b"x-api-key", b"content-length"}
@@ -88,13 +93,14 @@ class EndpointPickerClient:
     ) -> PickAnswer:
         """The EPP's answer for one request; never raises (a failure is an answer of kind FAILED)."""
         started = time.perf_counter()
-        call = self._open().Process()
+        calls: list[Any] = []  # the streams opened (a second after a refusal): the last is the answer's
         try:
             answer = await asyncio.wait_for(
-                self._exchange(call, method, path, authority, headers, request_id, body, subset), self.timeout
+                self._ask(calls, method, path, authority, headers, request_id, body, subset), self.timeout
             )
         except asyncio.CancelledError:  # the client left while the picker was asked
-            call.cancel()
+            for call in calls:
+                call.cancel()
             raise
         except TimeoutError:
             answer = PickAnswer(FAILED, outcome="timeout")
@@ -111,12 +117,28 @@ class EndpointPickerClient:
                 log.info("endpoint picker %s answers again", self.target)
         self.metrics.endpoint_picker_seconds.observe(time.perf_counter() - started)
         if answer.kind == PICKED:
-            answer.call = call
+            answer.call = calls[-1]
         else:
-            call.cancel()
+            for call in calls:
+                call.cancel()
         if answer.kind != FAILED:
             self.metrics.endpoint_picker.child(answer.kind).inc()
         return answer
+
+    async def _ask(self, calls: list[Any], *question: Any) -> PickAnswer:  # noqa: ANN401 - _exchange's
+        """The exchange on a new stream; once more on another when the first failed before an answer as
+        a stopping picker refuses the streams that crossed its GOAWAY (:data:`REFUSALS`). No engine has
+        the request yet, so asking again is safe; after a GOAWAY the next stream goes on a new connection,
+        which the picker's Service leads to another picker."""
+        while True:
+            call = self._open().Process()
+            calls.append(call)
+            try:
+                return await self._exchange(call, *question)
+            except grpc.aio.AioRpcError as error:
+                call.cancel()
+                if len(calls) > 1 or error.code() not in REFUSALS:
+                    raise
 
     def _went_wrong(self, why: str) -> None:
         """Logged when the picker starts failing, not for every request while it fails (the metric counts
