@@ -26,11 +26,13 @@ def stub_engine_objects(
     chunk_interval: float = 0.1,
     pre_stop_seconds: int = 0,
     grace_seconds: int = 30,
+    labels: dict[str, str] | None = None,
 ) -> list[dict[str, object]]:
     """A ConfigMap holding the server and a Deployment of ``replicas`` stub engines (non-root, read-only
     root file system, no capabilities, as the chart's router runs). ``pre_stop_seconds``: a native
-    preStop sleep, as the chart gives its engines (the stub itself stops at SIGTERM at once)."""
-    labels = engine_labels(release)
+    preStop sleep, as the chart gives its engines (the stub itself stops at SIGTERM at once). ``labels``:
+    the Pods' labels, if not :func:`engine_labels` (an InferencePool's selector, for instance)."""
+    labels = labels or engine_labels(release)
     probe = {"httpGet": {"path": "/health", "port": 8000}, "periodSeconds": 2}
     container: dict[str, object] = {
         "name": "engine",
