@@ -35,4 +35,6 @@ def test_more_lines_than_the_limit_fail_the_batch(tmp_path: Path, monkeypatch: p
 def test_an_empty_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"\n\n")
-    assert [e["code"] for e in validation.check_input(path, "/v1/embeddings", 1 << 20).errors] == ["empty_file"]
+    assert [e["code"] for e in validation.check_input(path, "/v1/embeddings", 1 << 20).errors] == [
+        "empty_file"
+    ]

@@ -160,7 +160,9 @@ def test_the_notes_say_what_became_of_the_pre_05_keys():
     assert "told its receiver per request" in lines[(f"{pre}.nixlPeerHost", f"{pre}.nixlPeerPort")]
     assert "no such setting" in lines[(f"{dec}.nixlEnableGc",)]
     assert "implied by the model's role (decode" in lines[(f"{dec}.enablePD",)]
-    assert (f"{dec}.cudaVisibleDevices",) not in lines  # no GPU requested: kept as production-stack renders it
+    assert (
+        f"{dec}.cudaVisibleDevices",
+    ) not in lines  # no GPU requested: kept as production-stack renders it
     assert "--disaggregation" in lines[("routerSpec.enablePD",)]
 
 

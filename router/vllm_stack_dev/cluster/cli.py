@@ -60,9 +60,7 @@ def cluster_up(folder: Path | None, nodes: int, real_nodes: int = 0) -> int:
         return 1
     missing = sorted(name for name, path in node_binaries().items() if real_nodes and not path.is_file())
     if missing:
-        print(
-            f"error: node binaries missing ({', '.join(missing)}): run `make install`", file=sys.stderr
-        )
+        print(f"error: node binaries missing ({', '.join(missing)}): run `make install`", file=sys.stderr)
         return 1
     workdir = folder or Path(tempfile.mkdtemp(prefix="vllm-stack-cluster-"))
     stop = threading.Event()
