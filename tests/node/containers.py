@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,3 +101,9 @@ def finished_pod(cluster: Cluster, name: str, namespace: str, timeout: float) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"pod {name} not finished within {timeout:.0f} s: {pod['status']}")
         time.sleep(0.5)
+
+
+def get_from_node(node: RealNode, url: str) -> dict:
+    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there); its JSON."""
+    code = f"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
+    return json.loads(node.run_in_node([sys.executable, "-c", code], timeout=30))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -35,12 +34,13 @@ from vllm_stack_dev.images import ROUTER, build_engine_image, engine_cpu_referen
 from vllm_stack_dev.paths import repo_root
 
 from tests.node.containers import (
-    CONTAINERD_SOCKET,
     assert_hardened,
     client_pod,
     container_id,
+    ctr,
     exec_in,
     finished_pod,
+    get_from_node,
     oci_spec,
     pod_log,
 )
@@ -147,12 +147,6 @@ def release(
 def pods(cluster: Cluster, component: str) -> list[dict]:
     found = cluster.get("pods", "-n", NAMESPACE, "-l", f"app.kubernetes.io/component={component}")["items"]
     return [p for p in found if p["metadata"].get("deletionTimestamp") is None]  # type: ignore[union-attr]
-
-
-def get_from_node(node: RealNode, url: str) -> dict:
-    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there)."""
-    code = f"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
-    return json.loads(node.run_in_node([sys.executable, "-c", code], timeout=30))
 
 
 def test_every_pod_ready_by_the_kubelets_probes_and_hardened(
@@ -467,12 +461,7 @@ def test_a_killed_engine_container_is_restarted_ejected_and_readmitted(
         )
         client.step("engine killed")
         killed_at = time.time()
-        result = subprocess.run(
-            node.in_node(["ctr", "--address", CONTAINERD_SOCKET, "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL",
-                          container_id(victim, "vllm")]),
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
+        ctr(node, "tasks", "kill", "-s", "SIGKILL", container_id(victim, "vllm"))  # fails unless it exits 0
         seen_out = False
         deadline = time.monotonic() + ROLLOUT_S
         while True:

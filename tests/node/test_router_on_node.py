@@ -13,8 +13,6 @@ ClusterIP kube-proxy forwards.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from vllm_stack_dev.cluster.releases import Helm, pod_ready, wait_workloads_read
 from vllm_stack_dev.images import ROUTER
 from vllm_stack_dev.paths import repo_root
 
+from tests.node.containers import client_pod, ctr, finished_pod, get_from_node
 from tests.node.stub_engine import stub_engine_objects
 
 pytestmark = [
@@ -50,53 +49,10 @@ with open("/dev/termination-log", "w") as out:
 """
 
 
-def client_pod(image: str) -> dict[str, object]:
-    """A Pod in the cluster network that resolves the router Service's name (CoreDNS) and asks it by
-    name and by ClusterIP (kube-proxy); its findings come back as its termination message."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "client", "namespace": NAMESPACE},
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": False,
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
-            "containers": [
-                {
-                    "name": "client",
-                    "image": image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": ["python3", "-c", CLIENT],
-                    "terminationMessagePolicy": "FallbackToLogsOnError",
-                    "securityContext": {
-                        "allowPrivilegeEscalation": False,
-                        "capabilities": {"drop": ["ALL"]},
-                        "readOnlyRootFilesystem": True,
-                    },
-                }
-            ],  # fmt: skip
-        },
-    }
-
-
 def _router_pod(cluster: Cluster) -> dict:
     pods = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/component=router")["items"]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]  # type: ignore[union-attr]
     return pods[0]  # type: ignore[index]
-
-
-def _ctr(node: RealNode, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    command = node.in_node(["ctr", "--address", "/run/containerd/containerd.sock", "-n", "k8s.io", *args])
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    if check and result.returncode != 0:
-        raise AssertionError(f"ctr {' '.join(args)} failed: {result.stderr}")
-    return result
-
-
-def _get_from_node(node: RealNode, url: str) -> dict:
-    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there)."""
-    code = f"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
-    return json.loads(node.run_in_node([sys.executable, "-c", code], timeout=30))
 
 
 def test_router_runs_on_a_real_node(node_cluster: tuple[Cluster, RealNode], tmp_path: Path) -> None:
@@ -117,12 +73,12 @@ def test_router_runs_on_a_real_node(node_cluster: tuple[Cluster, RealNode], tmp_
 
     # The chart's security contexts, as the runtime applied them (the container's OCI spec and process)
     container_id = status["containerID"].removeprefix("containerd://")
-    spec = json.loads(_ctr(node, "containers", "info", container_id).stdout)["Spec"]
+    spec = json.loads(ctr(node, "containers", "info", container_id).stdout)["Spec"]
     assert spec["process"]["user"]["uid"] == 10001 and spec["process"]["user"]["gid"] == 10001
     assert spec["root"].get("readonly") is True
     assert not spec["process"]["capabilities"].get("effective"), spec["process"]["capabilities"]
     assert spec["process"].get("noNewPrivileges") is True
-    write = _ctr(node, "tasks", "exec", "--exec-id", "probe-write", container_id,
+    write = ctr(node, "tasks", "exec", "--exec-id", "probe-write", container_id,
                  "sh", "-c", "id -u; touch /written", check=False)  # fmt: skip
     assert write.returncode != 0 and "Read-only file system" in write.stderr + write.stdout, write
     assert write.stdout.split()[0] == "10001"
@@ -130,18 +86,16 @@ def test_router_runs_on_a_real_node(node_cluster: tuple[Cluster, RealNode], tmp_
     # Discovery with in-cluster configuration: the projected token, the `kubernetes` Service via kube-proxy
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert any("projected" in v and name.startswith("kube-api-access-") for name, v in volumes.items())
-    engines = _get_from_node(node, f"http://{pod['status']['podIP']}:8000/engines")
+    engines = get_from_node(node, f"http://{pod['status']['podIP']}:8000/engines")
     stub = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=stub-engine")["items"][0]  # type: ignore[index]
     text = json.dumps(engines)
     assert stub["status"]["podIP"] in text, yaml.safe_dump(engines)
-    ready = _get_from_node(node, f"http://{pod['status']['podIP']}:8000/ready")
+    ready = get_from_node(node, f"http://{pod['status']['podIP']}:8000/ready")
     assert ready["ready"] and ready["discovery_running"] and ready["healthy_engines"] == 1, ready
 
     # A client Pod: the router Service by its DNS name (CoreDNS) and by its ClusterIP (kube-proxy)
-    cluster.apply([client_pod(image)])
-    cluster.kubectl("wait", "pod/client", "-n", NAMESPACE, "--for=jsonpath={.status.phase}=Succeeded",
-                    "--timeout=90s", check=False)  # fmt: skip
-    client = cluster.get("pod", "client", "-n", NAMESPACE)
+    cluster.apply([client_pod("client", NAMESPACE, image, ["python3", "-c", CLIENT])])
+    client = finished_pod(cluster, "client", NAMESPACE, timeout=90)
     terminated = client["status"]["containerStatuses"][0]["state"].get("terminated", {})  # type: ignore[index]
     assert client["status"]["phase"] == "Succeeded", terminated or client["status"]  # type: ignore[index]
     found = json.loads(terminated["message"])
