@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.vllm-stack-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install images run test test-fast test-images test-engine test-cluster test-node test-stacks lint format bench bench-routing bench-prefix soak clean help
+.PHONY: install images run test test-fast test-images test-engine test-cluster test-node test-stacks lint format docs-images bench bench-routing bench-prefix soak clean help
 
 help:
 	@echo "make run        vllm-stack up on helm/examples/local-default.yaml (2 real vLLM engines + router) until Ctrl-C"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-node  the chart on a real node (kubelet, containerd, runc, CNI): the whole matrix; make test runs a reduced one"
 	@echo "make test-images  the images run as the chart runs them, the CPU engine image too (built on first use, ~7 GB)"
 	@echo "make test-stacks  vllm-stack up on every chart example and 7 production-stack files (~11-13 min)"
+	@echo "make docs-images  docs/*.svg from their Graphviz sources docs/*.dot (needs dot: apt-get install graphviz)"
 	@echo "make install    set up .venv, .venv-engine and the tools (idempotent, cached)"
 	@echo "make images     build the router image with podman (REGISTRY=host/ns PUSH=1: tag and push it there; ENGINE=1: the CPU engine image too)"
 	@echo "make lint       ruff check + format check"
@@ -93,6 +94,19 @@ lint: $(STAMP)
 format: $(STAMP)
 	@$(BIN)/ruff format router tests benchmarks observability
 	@$(BIN)/ruff check --fix router tests benchmarks observability
+
+# The README's pictures: docs/*.dot -> docs/*.svg with Graphviz (Debian: apt-get install graphviz). The SVGs
+# are committed so that GitHub shows them without a build; each ends with its source's sha256, which
+# tests/docs/test_links.py compares with the source, so an edited .dot without a new .svg fails there.
+DOT_SOURCES := docs/architecture.dot docs/request-path.dot
+docs-images:
+	@command -v dot >/dev/null || { echo "make docs-images needs Graphviz's dot: apt-get install graphviz"; exit 1; }
+	@for src in $(DOT_SOURCES); do \
+	  out=$${src%.dot}.svg; \
+	  dot -Tsvg "$$src" -o "$$out.tmp" && \
+	  echo "<!-- source: $$src sha256 $$(sha256sum "$$src" | cut -d' ' -f1) -->" >> "$$out.tmp" && \
+	  mv "$$out.tmp" "$$out" && echo "$$out"; \
+	done
 
 bench: install
 	@$(BIN)/python benchmarks/router/run.py
