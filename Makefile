@@ -43,7 +43,7 @@ install: $(STAMP)
 	  if [ "$$(id -u)" != 0 ]; then echo "postgresql missing: run \`sudo apt-get install -y postgresql\`" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql > /dev/null; }
 
-# The images the chart names (README "Container images"): built with podman from a Debian base made here,
+# The images the chart names (docs/images.md): built with podman from a Debian base made here,
 # cached by content under ~/.cache/vllm-stack. REGISTRY=registry.example.com/team tags them
 # REGISTRY/router:<appVersion>, PUSH=1 pushes them there (without REGISTRY: to the local test registry).
 # ENGINE=1 adds the CPU engine image (engine-image/engine-cpu.Dockerfile; needs .venv-engine, ~7 GB).

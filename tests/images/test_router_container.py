@@ -60,7 +60,7 @@ NOT_IN_IMAGE = {
     "uv",
 }
 SIZE_CEILING_MB = (
-    400  # measured 331 MB (README "Container images"); this catches a heavy dependency slipping in
+    400  # measured 331 MB (docs/measured.md "Builds and images"); this catches a heavy dependency slipping in
 )
 
 
