@@ -8,7 +8,11 @@ API server with that account's token:
 - the upstream EPP v1.5.0 (vllm_stack_dev.testbed.upstream_epp: the real binary, default configuration);
 - the 1.6 line's lightweight reference picker, lwepp v1.6.2 (the same module's ``cmd/lwepp``, the real
   binary: round-robin over the pool's Ready Pods, nothing else), a second upstream peer in 1. only;
-- ours, ``vllm-stack router --ext-proc-port P --service-discovery k8s --inference-pool NAME``.
+- ours, ``vllm-stack router --ext-proc-port P --service-discovery k8s --inference-pool NAME``;
+- llm-d's router (``llm-d/llm-d-router`` ``cmd/epp``, where the Inference Extension's picker lives since
+  August 2026), an optional peer: its binary is named by ``VLLM_STACK_LLMD_EPP`` (benchmarks/routing/
+  llmd.md); without it its tests skip. Our gateway mode serves on the engines it names, and its answers
+  are compared with the EPP v1.5.0's and ours (docs/inference-extension.md lists the differences).
 
 What is shown:
 1. conformance: one Envoy-like driver (vllm_stack_dev.testbed.extproc_driver) sends every picker the same
@@ -67,7 +71,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import httpx
@@ -77,7 +81,13 @@ from vllm_stack_dev.cluster.pod_processes import COMPONENT, ENGINE_COMPONENT, Po
 from vllm_stack_dev.paths import repo_root
 from vllm_stack_dev.testbed.engines import Engine, port_for_later, spawn_logged, stop_group
 from vllm_stack_dev.testbed.extproc_driver import Exchange, exchange
-from vllm_stack_dev.testbed.upstream_epp import LightweightEpp, UpstreamEpp
+from vllm_stack_dev.testbed.upstream_epp import (
+    LLMD_EPP_ENV,
+    LightweightEpp,
+    LlmdRouterEpp,
+    UpstreamEpp,
+    llmd_epp_binary,
+)
 from vllm_stack_dev.waiting import wait_http_ok
 
 from tests.cluster.serving import wait_for
@@ -238,24 +248,39 @@ class OurEpp(OurRouter):
         self.target = f"127.0.0.1:{self.ext_proc_port}"
 
 
-@pytest.fixture(scope="module")
-def upstream(pool: Pool) -> Iterator[UpstreamEpp]:
-    epp = UpstreamEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "upstream-epp")
+Picker = TypeVar("Picker", bound=UpstreamEpp)
+
+
+def _serving(epp: Picker) -> Iterator[Picker]:
+    """An upstream picker started and ready with both of the pool's endpoints; stopped after the module."""
     epp.start(timeout=60, ready_endpoints=2)
     try:
         yield epp
     finally:
         epp.stop()
+
+
+@pytest.fixture(scope="module")
+def upstream(pool: Pool) -> Iterator[UpstreamEpp]:
+    yield from _serving(UpstreamEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "upstream-epp"))
 
 
 @pytest.fixture(scope="module")
 def lightweight(pool: Pool) -> Iterator[LightweightEpp]:
-    epp = LightweightEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "lwepp")
-    epp.start(timeout=60, ready_endpoints=2)
-    try:
-        yield epp
-    finally:
-        epp.stop()
+    yield from _serving(LightweightEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "lwepp"))
+
+
+#: llm-d's router is an optional peer: its binary is there only where one was built (CI has none).
+needs_llmd = pytest.mark.skipif(
+    llmd_epp_binary() is None,
+    reason=f"llm-d's router is not built here ({LLMD_EPP_ENV} unset; see benchmarks/routing/llmd.md)",
+)
+
+
+@pytest.fixture(scope="module")
+def llmd(pool: Pool) -> Iterator[LlmdRouterEpp]:
+    """llm-d's router with its default profile (the tests that use it are marked :data:`needs_llmd`)."""
+    yield from _serving(LlmdRouterEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "llmd-router"))
 
 
 @pytest.fixture(scope="module")
@@ -500,6 +525,18 @@ def test_our_gateway_mode_serves_on_the_engines_the_upstream_epp_names(
 ) -> None:
     """Completions and chat completions through a router in gateway mode over the pool's Pods, each one
     served by the engine the upstream EPP named for its x-request-id (fail-closed: no local fallback)."""
+    _serves_where_named(pool, upstream)
+
+
+@needs_llmd
+def test_our_gateway_mode_serves_on_the_engines_llmd_router_names(pool: Pool, llmd: LlmdRouterEpp) -> None:
+    """The same through llm-d's router (its default profile): real completions on the engines it names."""
+    _serves_where_named(pool, llmd)
+
+
+def _serves_where_named(pool: Pool, upstream: UpstreamEpp) -> None:
+    """Six requests through a fail-closed gateway asking ``upstream``: each served by the engine that
+    ``upstream``'s log names for its x-request-id, counted as picked, and counted by that engine."""
     gateway = OurRouter(
         pool, "gateway", "--endpoint-picker", f"grpc://{upstream.target}", "--endpoint-picker-timeout", "5",
         "--no-endpoint-picker-fail-open", "--debug-headers",
@@ -525,7 +562,7 @@ def test_our_gateway_mode_serves_on_the_engines_the_upstream_epp_names(
             served[rid] = pool.endpoints[route["engine"]]
         named = wait_for(
             lambda: (h := upstream.handled()) and all(r in h for r in served) and h, 10,
-            "the upstream EPP's record of every request",
+            f"{upstream.label}'s record of every request",
         )  # fmt: skip
         assert {rid: named[rid] for rid in served} == served  # each went where the upstream EPP said
         assert gateway.metric("vllm_stack_router_endpoint_picker_requests_total", outcome="picked") == len(
@@ -614,3 +651,71 @@ def test_an_inference_objective_reaches_our_picker_through_its_watch(
         pool.cluster.kubectl(
             "delete", "inferenceobjective", "--all", "-n", NAMESPACE, "--ignore-not-found", check=False
         )
+
+
+#: What llm-d's router adds to a refusal for want of a candidate: why the request was dropped.
+LLMD_DROPPED_REASON = "x-llm-d-request-dropped-reason"
+
+
+@needs_llmd
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered-answer", "streamed-answer"])
+def test_llmd_router_answers_as_the_epp_it_grew_from(
+    pool: Pool, upstream: UpstreamEpp, llmd: LlmdRouterEpp, ours: OurEpp, stream: bool
+) -> None:
+    """llm-d's router against the EPP v1.5.0 and ours, the same messages to each (docs/inference-extension.md
+    lists what differs). It answers as the EPP v1.5.0 does in message kinds (an answer that is not
+    streamed held to its end), header keys (the client's ``authorization`` echoed), metadata (the pick
+    alone); it differs in the body it sends back: the client's bytes, as ours, not re-serialised."""
+    request = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
+    body = json.dumps(request).encode()
+    response = engine_answer(pool, request)
+    answers = {}
+    for name, target in (("upstream", upstream.target), ("llmd", llmd.target), ("ours", ours.target)):
+        rid = f"llmd-conformance-{name}-{uuid.uuid4()}"
+        answers[name] = ex = drive(target, request_headers(body, rid), body, chunk=16, response=response)
+        assert ex.endpoint in pool.endpoints.values(), (name, ex.endpoint)
+        assert ex.body("response_body") == b"".join(response[1]), name
+    up, llmd_answer, our = answers["upstream"], answers["llmd"], answers["ours"]
+    assert llmd_answer.kinds == up.kinds
+    assert llmd_answer.header("request_headers", DESTINATION) == llmd_answer.endpoint
+    for kind in ("request_headers", "response_headers"):
+        assert raw_keys(llmd_answer, kind) == raw_keys(up, kind), kind
+    assert "authorization" in llmd_answer.set_header_keys("request_headers")
+    assert llmd_answer.metadata_keys() == up.metadata_keys() == {"envoy.lb": [DESTINATION]}
+    assert lb_endpoints(llmd_answer) == [llmd_answer.endpoint]
+    assert llmd_answer.body("request_body") == our.body("request_body") == body
+    assert llmd_answer.header("request_headers", "content-length") == str(len(body))
+
+
+@needs_llmd
+def test_llmd_router_refuses_and_routes_headers_only_requests(
+    pool: Pool, upstream: UpstreamEpp, llmd: LlmdRouterEpp
+) -> None:
+    """The cases beside a plain pick: as the EPP v1.5.0 (400 for a body that is not JSON, 503 with no
+    candidate, each a text body; an unknown model picked for; a GET answered from its headers), plus one
+    header on a refusal for want of a candidate: x-llm-d-request-dropped-reason."""
+    request = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 4}
+    body = json.dumps(request).encode()
+    other = json.dumps({**request, "model": "no-such-model"}).encode()
+    bad = b'{"model": "tiny'
+    got: dict[str, dict[str, Any]] = {}
+    for name, target in (("upstream", upstream.target), ("llmd", llmd.target)):
+        got[name] = {
+            "bad json": immediate(drive(target, request_headers(bad, f"bad-{name}"), bad)),
+            "empty subset": drive(target, request_headers(body, f"empty-{name}"), body, subset=[]),
+            "unknown model": drive(target, request_headers(other, f"unknown-{name}"), other),
+            "get": drive(target, [(":method", "GET"), (":path", "/v1/models"), (":authority", "gw")], b""),
+        }
+    up, ld = got["upstream"], got["llmd"]
+    assert ld["bad json"] == up["bad json"]  # 400, the same text, no header
+    assert ld["bad json"][0] == 400 and ld["bad json"][1].startswith(b"inference error: BadRequest")
+    status, text, keys = immediate(ld["empty subset"])
+    assert (status, text, keys) == (*immediate(up["empty subset"])[:2], [LLMD_DROPPED_REASON])
+    assert status == 503
+    reasons = ld["empty subset"].answers[0].immediate_response.headers.set_headers
+    assert [o.header.raw_value for o in reasons] == [b"rejected-no-endpoints"]
+    assert (
+        ld["unknown model"].kinds == REQUEST_KINDS and ld["unknown model"].endpoint in pool.endpoints.values()
+    )
+    assert ld["get"].kinds == ["request_headers"] and ld["get"].endpoint in pool.endpoints.values()
+    assert ld["get"].set_header_keys("request_headers") == up["get"].set_header_keys("request_headers")

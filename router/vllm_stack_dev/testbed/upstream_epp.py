@@ -307,3 +307,89 @@ class LightweightEpp(UpstreamEpp):
         names none): every endpoint it picks from, as long as it has no more than that many."""
         named = {self.pick() for _ in range(ROUND_ROBIN_PROBES)} - {None}
         return float(len(named)) if named else None
+
+
+#: Where the llm-d router's ``epp`` binary is, when one was built (``benchmarks/routing/llmd.md`` says
+#: how): its Go module is not served by the module proxy, so ``make install`` cannot build it, and the
+#: tests and benchmarks that use it skip with that reason when the variable is unset.
+LLMD_EPP_ENV = "VLLM_STACK_LLMD_EPP"
+#: The commit of ``llm-d/llm-d-router`` the results in ``benchmarks/results/`` were measured with.
+LLMD_ROUTER_COMMIT = "ebab687927f5331c1b39defcb579a07951bce56c"
+
+#: llm-d's default scheduling profile, as its docs configure it for vLLM without disaggregation: the
+#: decode filter, the approximate prefix-cache scorer (weight 2: it hashes the request's text), the
+#: queue and KV-cache-utilisation scorers from the engines' metrics, and the max-score picker. Written
+#: here from the plugin names its docs list (``deploy/config/*.yaml`` at the commit above).
+LLMD_DEFAULT_PROFILE = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: decode-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+- type: single-profile-handler
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: prefix-cache-scorer
+    weight: 2
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
+
+def llmd_epp_binary() -> Path | None:
+    """The llm-d router's ``epp`` named by :data:`LLMD_EPP_ENV`, or None when it is unset or missing."""
+    named = os.environ.get(LLMD_EPP_ENV, "")
+    return Path(named) if named and Path(named).is_file() else None
+
+
+class LlmdRouterEpp(UpstreamEpp):
+    """llm-d's router (``llm-d/llm-d-router``, ``cmd/epp``, the Inference Extension's picker since August
+    2026) serving InferencePool ``namespace/pool``: the same flags as the EPP v1.5.0 it grew from (its
+    ``pkg/epp/server/options.go``), with a scheduling profile given as ``--config-text``
+    (:data:`LLMD_DEFAULT_PROFILE` unless ``config`` names another). It is not built by ``make install``
+    (see :data:`LLMD_EPP_ENV`)."""
+
+    log_name = "llmd-router.log"
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        pool: str,
+        workdir: Path,
+        *,
+        config: str = LLMD_DEFAULT_PROFILE,
+        extra_args: Sequence[str] = (),
+        binary: Path | None = None,
+    ) -> None:
+        super().__init__(
+            kubeconfig,
+            namespace,
+            pool,
+            workdir,
+            extra_args=[f"--config-text={config}", *extra_args],
+            binary=binary,
+        )
+
+    @property
+    def version(self) -> str:
+        return LLMD_ROUTER_COMMIT[:12]
+
+    @property
+    def label(self) -> str:
+        return f"llm-d's router ({LLMD_ROUTER_COMMIT[:12]})"
+
+    @staticmethod
+    def default_binary() -> Path:
+        found = llmd_epp_binary()
+        if found is None:
+            raise RuntimeError(f"llm-d's router is not built: set {LLMD_EPP_ENV} to its epp binary")
+        return found
