@@ -85,14 +85,16 @@ def _ours(name: str, tokenizers: bool = False) -> Callable[[Setup, int, int], li
 
 def _picker_pair(picker: str, name: str = "") -> Callable[[Setup, int, int], list[str]]:
     """Our router in gateway mode asking an endpoint picker (``picker_pair.py``): ``ours`` (`vllm-stack
-    epp` with contender `name`'s flags) or ``upstream`` (the Inference Extension's EPP on the setup's
-    InferencePool)."""
+    epp` with contender `name`'s flags), ``upstream`` (the Inference Extension's EPP v1.5.0 on the setup's
+    InferencePool) or ``llmd`` (llm-d's router, its default profile, on the same pool)."""
 
     def command(setup: Setup, port: int, _metrics_port: int) -> list[str]:
         args = [sys.executable, str(ROOT / "benchmarks" / "routing" / "picker_pair.py"), "--picker", picker,
                 "--port", str(port), "--backends", ",".join(setup.engine_urls)]  # fmt: skip
-        if picker == "upstream":
-            assert setup.pool is not None, "the upstream EPP needs the InferencePool (quality.py makes it)"
+        if picker in ("upstream", "llmd"):
+            assert setup.pool is not None, (
+                f"the {picker} picker needs the InferencePool (quality.py makes it)"
+            )
             args += ["--kubeconfig", str(setup.pool.kubeconfig), "--namespace", setup.pool.namespace,
                      "--pool", setup.pool.pool]  # fmt: skip
         else:
@@ -139,6 +141,7 @@ CONTENDERS: dict[str, Contender] = {
     "ours-kvevents": Contender("ours-kvevents", "ours", _ours("ours-kvevents", tokenizers=True)),
     "ours-epp": Contender("ours-epp", "ours", _picker_pair("ours", "ours-kvevents")),
     "upstream-epp": Contender("upstream-epp", "upstream", _picker_pair("upstream")),
+    "llmd-router": Contender("llmd-router", "upstream", _picker_pair("llmd")),
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }
@@ -149,6 +152,14 @@ def unavailable(name: str) -> str | None:
     contender = CONTENDERS[name]
     if contender.family == "ours":
         return None
+    if name == "llmd-router":
+        from vllm_stack_dev.testbed.upstream_epp import LLMD_EPP_ENV, llmd_epp_binary
+
+        return (
+            None
+            if llmd_epp_binary()
+            else f"llm-d's router is not built ({LLMD_EPP_ENV}: benchmarks/routing/llmd.md)"
+        )
     if contender.family == "upstream":
         from vllm_stack_dev.gotools import epp_binary
 

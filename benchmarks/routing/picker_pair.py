@@ -1,11 +1,12 @@
 """One routing-quality contender made of two processes: an endpoint picker and our router in gateway mode
 asking it (fail-closed, so every request is the picker's decision), started in that order.
 
-    picker_pair.py --picker upstream|ours --port PORT --backends URL,URL [--kubeconfig K --namespace NS
+    picker_pair.py --picker upstream|llmd|ours --port PORT --backends URL,URL [--kubeconfig K --namespace NS
                    --pool P] [--ext-proc-port N] -- PICKER FLAGS...
 
 ``upstream``: the Inference Extension's EPP v1.5.0 (vllm_stack_dev.testbed.upstream_epp) reading the
-InferencePool from the API server, waited for until it has fresh metrics for every backend; ``ours``:
+InferencePool from the API server, waited for until it has fresh metrics for every backend; ``llmd``:
+llm-d's router (``LlmdRouterEpp``, its default profile) the same way; ``ours``:
 ``vllm-stack epp`` with the flags after ``--`` over the same backends. The gateway gets the backends as
 static engines. SIGTERM (the benchmark stops a contender's process group) stops the gateway and the
 picker (the upstream EPP runs in a process group of its own, so it is stopped here by its PID).
@@ -23,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from vllm_stack_dev.testbed.engines import port_for_later
-from vllm_stack_dev.testbed.upstream_epp import UpstreamEpp
+from vllm_stack_dev.testbed.upstream_epp import LlmdRouterEpp, UpstreamEpp
 
 OURS = Path(sys.executable).parent / "vllm-stack"
 
@@ -43,7 +44,7 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], timeout: float = 12
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--picker", choices=("upstream", "ours"), required=True)
+    parser.add_argument("--picker", choices=("upstream", "llmd", "ours"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--backends", required=True)
     parser.add_argument("--kubeconfig")
@@ -62,9 +63,10 @@ def main() -> int:
     picker: subprocess.Popen[bytes] | None = None
     gateway: subprocess.Popen[bytes] | None = None
     try:
-        if args.picker == "upstream":
-            work = Path(tempfile.mkdtemp(prefix="upstream-epp-"))
-            upstream = UpstreamEpp(Path(args.kubeconfig), args.namespace, args.pool, work)
+        if args.picker in ("upstream", "llmd"):
+            kind = UpstreamEpp if args.picker == "upstream" else LlmdRouterEpp
+            work = Path(tempfile.mkdtemp(prefix=f"{args.picker}-epp-"))
+            upstream = kind(Path(args.kubeconfig), args.namespace, args.pool, work)
             upstream.start(timeout=120, ready_endpoints=len(args.backends.split(",")))
             target = f"127.0.0.1:{upstream.grpc_port}"
         else:
