@@ -40,6 +40,7 @@ from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.discovery.collector import DiscoveryCollector
 from vllm_stack.engines.discovery.static import StaticDiscovery
 from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.kinds import kind_named
 from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
@@ -115,6 +116,27 @@ def _static_models(config: RouterConfig) -> dict[str, tuple[str, ...]]:
     return {b.rstrip("/"): (m,) for b, m in zip(config.static_backends, config.static_models, strict=True)}
 
 
+def _model_kinds(config: RouterConfig) -> dict[str, str]:
+    """Model -> the kind of its engines (``models[].engine_kind``, vllm_stack.engines.kinds); a
+    ``ConfigError`` names an unknown kind."""
+    kinds: dict[str, str] = {}
+    for name, served in served_models(config.models).items():
+        try:
+            kinds[name] = kind_named(served.engine_kind).name
+        except ValueError as exc:
+            raise ConfigError(f"models: {name!r}: {exc}") from None
+    return kinds
+
+
+def _static_kinds(config: RouterConfig) -> tuple[str | None, ...]:
+    """The kind of each static backend: that of the model ``static_models`` lists for it (none listed,
+    or a model without an ``engine_kind``: the default)."""
+    kinds = _model_kinds(config)
+    if not config.static_models:
+        return ()
+    return tuple(kinds.get(m) for m in config.static_models)
+
+
 class Router:
     """One router instance. ``discovery`` may be injected (tests); otherwise built from the config.
     ``plugins`` is the registry of plugin types the scheduling configuration may name (default: the
@@ -142,6 +164,7 @@ class Router:
             static_models=_static_models(config),
             **_registry_limits(config),
         )
+        _model_kinds(config)  # an unknown engine kind is a configuration error, whatever the discovery
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
         self.metrics.registry.register(DiscoveryCollector(self.discovery.status))
         self.scraper = EngineScraper(
@@ -337,7 +360,7 @@ class Router:
                 port=config.k8s_port,
                 roles_by_model_label=roles,
             )
-        return StaticDiscovery(config.static_backends, config.static_roles)
+        return StaticDiscovery(config.static_backends, config.static_roles, _static_kinds(config))
 
     def reload(self, config: RouterConfig) -> None:
         """Apply a new configuration without dropping requests (in-flight ones keep the old objects).
@@ -349,6 +372,7 @@ class Router:
         in :data:`RESTART_ONLY`, whose change is logged as a warning naming it.
         """
         catalog = self._catalog(config)
+        static_kinds = _static_kinds(config)
         setup = self._build_scheduling(config)
         level = _log_level(config)
         old = self.config
@@ -372,7 +396,7 @@ class Router:
         if config.log_level != old.log_level:
             logging.getLogger().setLevel(level)  # process-wide, as the command line set it at start
         if isinstance(self.discovery, StaticDiscovery) and config.service_discovery == "static":
-            self.discovery.update(config.static_backends, config.static_roles)
+            self.discovery.update(config.static_backends, config.static_roles, static_kinds)
         log.info("configuration reloaded (routing_logic=%s)", config.routing_logic)
 
     async def _watch_config(self, path: str, interval: float = 1.0) -> None:
@@ -398,7 +422,7 @@ class Router:
         assert self.control_session is not None
         timeout = aiohttp.ClientTimeout(total=max(2.0, min(10.0, self.config.health_check_interval)))
         async with self.control_session.get(
-            engine.url + "/v1/models", headers=self._engine_headers(), timeout=timeout
+            engine.url + engine.kind.models_path, headers=self._engine_headers(), timeout=timeout
         ) as resp:
             resp.raise_for_status()
             doc = await resp.json(content_type=None)
@@ -411,7 +435,7 @@ class Router:
         assert self.control_session is not None
         timeout = aiohttp.ClientTimeout(total=5.0)
         async with self.control_session.get(
-            engine.url + "/kv_event_sources", headers=self._engine_headers(), timeout=timeout
+            engine.url + engine.kind.kv_sources_path, headers=self._engine_headers(), timeout=timeout
         ) as resp:
             resp.raise_for_status()
             return await resp.json(content_type=None)
@@ -429,7 +453,7 @@ class Router:
         # take about 3 s at the default interval.
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.engine_scrape_interval * 1.5))
         async with self.control_session.get(
-            engine.url + "/metrics", headers=self._engine_headers(), timeout=timeout
+            engine.url + engine.kind.metrics_path, headers=self._engine_headers(), timeout=timeout
         ) as resp:
             resp.raise_for_status()
             return await resp.text()

@@ -86,7 +86,8 @@ class RouterConfig:
     # weighted model names: {name: [{model, weight}, ...]} (canary / blue-green splits)
     weighted_models: Mapping[str, Any] | None = field(default=None, compare=False)
     lora_load_timeout: float = 120.0  # seconds one POST /v1/load_lora_adapter may take
-    # The models this router serves: [name | {name, criticality, engine_priority}] (vllm_stack.priority).
+    # The models this router serves: [name | {name, criticality, engine_priority, engine_kind}]
+    # (vllm_stack.priority; engine_kind: vllm_stack.engines.kinds, default vllm).
     # A request for one with no ready engine waits in its queue (scale from zero) instead of a 404.
     models: tuple[Any, ...] = field(default=(), compare=False)
     # Request priority (README "Request priority"): the built-in strategies get the criticality chains
@@ -338,7 +339,9 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         if not isinstance(value, list | tuple):
-            raise ValueError("expected a list of model names or {name, criticality, engine_priority}")
+            raise ValueError(
+                "expected a list of model names or {name, criticality, engine_priority, engine_kind}"
+            )
         return tuple(value)
     if name == "weighted_models":
         if not isinstance(value, Mapping):

@@ -61,17 +61,19 @@ class ServedModel:
     name: str
     priority: int = 0  # its requests' default priority (``criticality``)
     engine_priority: bool = False  # its engines run vLLM with ``--scheduling-policy priority``
+    # What its engines are (vllm_stack.engines.kinds: vllm, sglang); checked by the router when built
+    engine_kind: str = "vllm"
 
 
 def served_models(entries: Iterable[object]) -> dict[str, ServedModel]:
-    """The ``models`` setting, checked: each a name or ``{name, criticality, engine_priority}``."""
+    """The ``models`` setting, checked: each a name or ``{name, criticality, engine_priority, engine_kind}``."""
     models: dict[str, ServedModel] = {}
     for entry in entries:
         if isinstance(entry, str):
             entry = {"name": entry}
         if not isinstance(entry, Mapping):
             raise ValueError(f"a model entry must be a name or a mapping, got {entry!r}")
-        unknown = set(entry) - {"name", "criticality", "engine_priority"}
+        unknown = set(entry) - {"name", "criticality", "engine_priority", "engine_kind"}
         if unknown:
             raise ValueError(f"model entry {entry.get('name')!r}: unknown keys {sorted(unknown)}")
         name = entry.get("name")
@@ -85,5 +87,8 @@ def served_models(entries: Iterable[object]) -> dict[str, ServedModel]:
         engine_priority = entry.get("engine_priority", False)
         if not isinstance(engine_priority, bool):
             raise ValueError(f"model {name!r}: engine_priority must be true or false")
-        models[name] = ServedModel(name, priority, engine_priority)
+        engine_kind = entry.get("engine_kind", "vllm")
+        if not isinstance(engine_kind, str) or not engine_kind:
+            raise ValueError(f"model {name!r}: engine_kind must be the name of an engine kind")
+        models[name] = ServedModel(name, priority, engine_priority, engine_kind)
     return models

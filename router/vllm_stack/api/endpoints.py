@@ -9,7 +9,6 @@ import orjson
 
 from vllm_stack.api.http import Receive, Send, read_json_object, send_bytes, send_json
 from vllm_stack.api.state import RouterState
-from vllm_stack.engines.adapter_placement import ALREADY_LOADED
 from vllm_stack.errors import RouterError, model_not_found, no_healthy_engine
 from vllm_stack.version import router_version
 
@@ -83,6 +82,7 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
     Both need an admin key. Load takes registered adapters only (``lora_adapters``; a ``lora_path``
     other than the registered source is refused, so no client key can make engines read an arbitrary
     path) and goes to every engine of the adapter's base model. Unload: the engines that have it.
+    Each engine is called at its kind's adapter path, and its kind says which answers mean success.
     All succeed -> the first engine's answer unchanged; otherwise the first failure's status with every
     engine's result in the message. Targeted engines are re-probed so ``/v1/models`` shows the change now.
     """
@@ -145,7 +145,9 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
 
     async def call(engine: Any) -> tuple[Any, int, bytes, str]:
         try:
-            async with session.post(engine.url + scope["path"], data=payload, headers=up_headers) as resp:
+            api = engine.kind.adapters
+            path = api.unload_path if unload else api.load_path
+            async with session.post(engine.url + path, data=payload, headers=up_headers) as resp:
                 return engine, resp.status, await resp.read(), resp.headers.get("content-type", "text/plain")
         except Exception as exc:  # noqa: BLE001 - reported per engine
             return engine, 502, f"{type(exc).__name__}: {exc}".encode(), "text/plain"
@@ -153,7 +155,7 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
     results = await asyncio.gather(*(call(e) for e in targets))
     # an engine that has it already (a hot adapter, an earlier load) counts as loaded
     results = [
-        (e, 200, b, t) if not unload and st == 400 and ALREADY_LOADED in b else (e, st, b, t)
+        (e, 200, b, t) if not unload and e.kind.adapters.load_ok(st, b) else (e, st, b, t)
         for e, st, b, t in results
     ]
     for engine, status, _, _ in results:

@@ -9,8 +9,9 @@ model or adapter, and allowed to rise only for keys that may raise it.
 Asking for more than the default needs a key listed in ``priority_api_keys_file``
 (``VLLM_STACK_PRIORITY_API_KEYS``); any other request may only lower it, and one that asks for more
 is answered 403 ``priority_not_allowed``, so no client gets more than it was granted without
-knowing. For a model whose engines run ``--scheduling-policy priority`` (``engine_priority``), the
-body the engine gets carries the resolved priority in vLLM's sense.
+knowing. For a model whose engines schedule by priority (``engine_priority``: vLLM's
+``--scheduling-policy priority``, SGLang's ``--enable-priority-scheduling``), the body the engine gets
+carries the resolved priority in its kind's sense (vLLM: lower first; SGLang: higher first).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm_stack.api.auth import ApiKeyAuth
 from vllm_stack.api.parsing import with_top_level
 from vllm_stack.config import RouterConfig
 from vllm_stack.engines.adapters import AdapterSpec
+from vllm_stack.engines.kinds import kind_named
 from vllm_stack.errors import RouterError
 from vllm_stack.priority import MAX_PRIORITY, ServedModel, parse_priority, served_models
 
@@ -28,12 +30,20 @@ from vllm_stack.priority import MAX_PRIORITY, ServedModel, parse_priority, serve
 class PriorityPolicy:
     """The router's priority settings, built once per configuration."""
 
-    __slots__ = ("header", "models", "raisers", "defaults")
+    __slots__ = ("header", "models", "raisers", "defaults", "engine_signs")
 
     def __init__(self, config: RouterConfig) -> None:
         self.header = config.priority_header.lower().encode("latin-1")
         self.models: dict[str, ServedModel] = served_models(config.models)
         self.raisers = ApiKeyAuth(config.priority_api_keys)
+        # Models whose engines schedule by priority -> the sign of its sense there (the engines' kind,
+        # resolved here once: vLLM -1, lower first; SGLang +1, higher first). A ValueError names an
+        # unknown kind.
+        self.engine_signs: dict[str, int] = {
+            name: kind_named(m.engine_kind).priority_sign
+            for name, m in self.models.items()
+            if m.engine_priority
+        }
         # The hot path asks only when a request names a priority or some model has a default.
         self.defaults = any(m.priority or m.engine_priority for m in self.models.values()) or any(
             isinstance(a, Mapping) and a.get("criticality") is not None for a in config.lora_adapters
@@ -86,10 +96,11 @@ class PriorityPolicy:
         return asked
 
     def engine_body(self, pool: str, priority: int, body: bytes, body_priority: object) -> bytes:
-        """``body`` as the engines of ``pool`` get it: with vLLM's ``priority`` when they schedule by it."""
-        served = self.models.get(pool)
-        if served is None or not served.engine_priority or body_priority == -priority:
+        """``body`` as the engines of ``pool`` get it: with ``priority`` in their kind's sense when they
+        schedule by it (vLLM's: negated)."""
+        sign = self.engine_signs.get(pool)
+        if sign is None or body_priority == sign * priority:
             return body
         if priority == 0 and body_priority is None:
             return body
-        return with_top_level(body, "priority", -priority)
+        return with_top_level(body, "priority", sign * priority)

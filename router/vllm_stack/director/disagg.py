@@ -11,7 +11,8 @@ The director (:mod:`.request`) runs the stages; this module holds what is partic
 
   ``vllm`` (vLLM's NixlConnector and every connector that follows its proxy protocol): the prefill
   request is the client's body with ``max_tokens`` 1, ``stream`` false and ``kv_transfer_params``
-  ``{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, ...}``; the
+  ``{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, ...}`` (the
+  prefill engine's kind's ``handover.prefill_params``: vLLM's kind declares them); the
   prefill answer's ``kv_transfer_params`` (the connector's hand-over: remote engine id, block ids,
   host, port) go unchanged into the decode request, which is otherwise the client's body. A connector
   that returns none (ExampleConnector: the KV goes through a shared folder keyed by the prompt)
@@ -47,16 +48,6 @@ log = logging.getLogger(__name__)
 #: Endpoints whose requests can be disaggregated (generation with a prompt and max_tokens).
 DISAGG_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 PREFILL_ANSWER_LIMIT = 1 << 20  # bytes of a prefill answer read (one token and its envelope: far less)
-
-#: The prefill request's hand-over request in vLLM's protocol (its toy proxy's and NixlConnector's).
-_VLLM_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -121,10 +112,6 @@ def with_body(tail: bytes, body: bytes, new_body: bytes) -> bytes:
     if cut < 0 or tail[cut : len(tail) - len(body)] != framing:
         raise ValueError("the upstream request does not end in its content-length line and body")
     return tail[:cut] + b"content-length: %d\r\n\r\n" % len(new_body) + new_body
-
-
-def vllm_prefill_params() -> dict[str, Any]:
-    return dict(_VLLM_PREFILL_PARAMS)
 
 
 def lmcache_prefill_params(

@@ -164,7 +164,7 @@ class PrefillStage:
                 self.req_id, receiver, self.settings.receiver_init_port, self.settings.receiver_alloc_port
             )
         else:
-            params = disagg.vllm_prefill_params()
+            params = engine.kind.handover.prefill_request_params()
         pool = director.pools.get(engine.url)
         request = owner.request
         line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (

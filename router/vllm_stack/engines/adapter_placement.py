@@ -6,7 +6,8 @@ count ``max_lora`` and the adapters with requests running or waiting there from
 ``vllm:lora_requests_info`` (the scraper). Nothing is guessed: an engine that restarted lists no
 adapters, and the hot ones are loaded there again as soon as its first probe answers.
 
-Loads are single-flight: one ``POST /v1/load_lora_adapter`` per (engine, adapter) however many
+The paths and the answers' meanings are the engine's kind's (vLLM: ``/v1/load_lora_adapter``).
+Loads are single-flight: one load per (engine, adapter) however many
 requests wait for it; a client that leaves stops waiting without cancelling the load for the others
 (the waiters hold :func:`asyncio.shield`). Loads on one engine run one at a time, so two different
 adapters never both take its last free slot.
@@ -40,7 +41,6 @@ EngineCall = Callable[[Engine, str, dict[str, Any]], Awaitable[tuple[int, bytes]
 
 #: A hot adapter whose load failed on an engine is tried there again after this many seconds.
 HOT_RETRY_SECONDS = 30.0
-ALREADY_LOADED = b"has already been loaded"  # in vLLM's 400 for a load of an adapter it has
 
 
 class AdapterLoadError(Exception):
@@ -215,6 +215,7 @@ class AdapterPlacement:
             if spec.name in engine.models:
                 return  # loaded while this load waited for the lock (a probe saw it)
             started = time.perf_counter()
+            api = engine.kind.adapters
             try:
                 slots = engine.max_loras
                 if slots is not None and len(engine.adapters()) >= slots:
@@ -229,13 +230,13 @@ class AdapterPlacement:
                             spec.name,
                         )
                 status, body = await self._call(
-                    engine, "/v1/load_lora_adapter", {"lora_name": spec.name, "lora_path": spec.lora_path}
+                    engine, api.load_path, {"lora_name": spec.name, "lora_path": spec.lora_path}
                 )
             except TimeoutError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any transport failure fails the load, clearly
                 raise self._failed(engine, spec, f"failed: {type(exc).__name__}: {exc}") from None
-            if status != 200 and not (status == 400 and ALREADY_LOADED in body):
+            if not api.load_ok(status, body):
                 raise self._failed(engine, spec, f"failed: {status} {body[:300].decode('utf-8', 'replace')}")
             self._metrics.adapter_loads.labels(spec.tier, "ok").inc()
             self._metrics.adapter_load_seconds.observe(time.perf_counter() - started)
@@ -248,8 +249,8 @@ class AdapterPlacement:
         # Not routable there from now on: a request arriving meanwhile loads it again rather than
         # meeting an engine that has just dropped it (if the unload fails, the next probe says so).
         self.registry.forget_adapter(engine, name)
-        status, body = await self._call(engine, "/v1/unload_lora_adapter", {"lora_name": name})
-        if status not in (200, 404):
+        status, body = await self._call(engine, engine.kind.adapters.unload_path, {"lora_name": name})
+        if not engine.kind.adapters.unload_ok(status, body):
             log.warning("engine %s: unloading %s failed: %s %s", engine.name, name, status, body[:200])
             return
         self._metrics.adapter_unloads.labels(spec.tier if spec else "unregistered").inc()

@@ -11,6 +11,8 @@ from typing import Any
 from vllm_stack.config import ENGINE_ROLES
 from vllm_stack.engines import load
 from vllm_stack.engines.circuit import CircuitBreaker
+from vllm_stack.engines.kinds.base import EngineKind
+from vllm_stack.engines.kinds.vllm import KIND as VLLM
 from vllm_stack.engines.load import EngineTelemetry
 
 #: An engine's part in disaggregated serving: ``both`` serves whole requests (the default); a
@@ -59,6 +61,7 @@ class Engine:
         "running_slots",
         "models_changed",
         "role",
+        "kind",
     )
 
     def __init__(
@@ -69,9 +72,12 @@ class Engine:
         static_models: tuple[str, ...] = (),
         stale_after: float = 3.0,
         role: str = ROLE_BOTH,
+        kind: EngineKind = VLLM,
     ) -> None:
         self.name = name
         self.role = role
+        # What it is (vLLM, SGLang, ...): its paths, metrics, events and APIs. Fixed while it runs.
+        self.kind = kind
         self.url = url
         self.ready = True
         self.healthy = False
@@ -129,6 +135,7 @@ class Engine:
             "name": self.name,
             "url": self.url,
             "role": self.role,
+            "kind": self.kind.name,
             "ready": self.ready,
             "healthy": self.healthy,
             "ejected_reason": self.ejected_reason,

@@ -17,6 +17,7 @@ from typing import Any
 from vllm_stack.engines.circuit import BreakerState, CircuitBreaker
 from vllm_stack.engines.discovery.base import EndpointInfo
 from vllm_stack.engines.engine import ROLE_BOTH, ROLE_PREFILL, Engine
+from vllm_stack.engines.kinds import DEFAULT_KIND, kind_named
 from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,14 @@ class EngineRegistry:
         breaker = CircuitBreaker(
             self.breaker_failures, self.breaker_open_seconds, on_change=lambda s, g=gauge: g.set(int(s))
         )
-        return Engine(info.name, url, breaker, self.static_models.get(url, ()), stale_after=self.stale_after)
+        try:
+            kind = kind_named(info.kind)
+        except ValueError:
+            log.warning("engine %s: unknown engine kind %r; taken for %s", info.name, info.kind, DEFAULT_KIND)
+            kind = kind_named(DEFAULT_KIND)
+        return Engine(
+            info.name, url, breaker, self.static_models.get(url, ()), stale_after=self.stale_after, kind=kind
+        )
 
     def _spawn_probe(self, engine: Engine) -> None:
         task = asyncio.ensure_future(self.probe(engine))

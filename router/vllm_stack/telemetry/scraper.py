@@ -1,7 +1,7 @@
 """Scrapes every engine's ``/metrics`` concurrently and keeps the load figures routing uses.
 
-Only the few vLLM 0.32 series routing needs are parsed (a line-prefix test before any split), summed
-over ``model_name``. A failed scrape clears the figures and counts an error: stale or missing data is
+What the series are and how they are read is the engine's kind's (:mod:`vllm_stack.engines.kinds`:
+vLLM's sums a few ``vllm:`` series over ``model_name``). A failed scrape clears the figures and counts an error: stale or missing data is
 *unknown* to the scheduler, never zero (a dead engine must not look idle).
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import aiohttp
 
-from vllm_stack.engines.engine import Engine, EngineTelemetry
+from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.kinds.vllm import KIND as VLLM
 from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -26,80 +26,8 @@ INTERVAL_READ = 0.5  # seconds: the longest wait before a changed scrape interva
 #: Fetches an engine's ``/metrics`` text; raises on failure.
 MetricsFetcher = Callable[[Engine], Awaitable[str]]
 
-_WANTED = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv",
-    "vllm:prefix_cache_queries_total": "pq",
-    "vllm:prefix_cache_hits_total": "ph",
-}
-
-
-_CACHE_CONFIG = "vllm:cache_config_info{"
-_LABEL = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
-# vLLM sets this gauge to the current time under a new label set whenever the running or waiting
-# adapters change, and the old label sets stay in the exposition: the latest (largest value) is now.
-_LORA_INFO = "vllm:lora_requests_info{"
-_LORA_LABEL = re.compile(r'(max_lora|running_lora_adapters|waiting_lora_adapters)="([^"]*)"')
-
-
-def _adapter_set(value: str) -> frozenset[str]:
-    return frozenset(name for name in value.split(",") if name)
-
-
-def parse_engine_metrics(text: str, now: float | None = None) -> EngineTelemetry:
-    """Sum the wanted series over their labels. Raises ``ValueError`` when the load series are absent."""
-    sums: dict[str, float] = {}
-    geometry: dict[str, int] = {}
-    lora: dict[str, str] | None = None
-    lora_at = float("-inf")
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        if line.startswith(_CACHE_CONFIG):
-            geometry.update((k, int(v)) for k, v in _LABEL.findall(line))
-            continue
-        if line.startswith(_LORA_INFO):
-            try:
-                at = float(line.rsplit("}", 1)[1].split()[0])
-            except (IndexError, ValueError):
-                continue
-            if at > lora_at:
-                lora_at, lora = at, dict(_LORA_LABEL.findall(line))
-            continue
-        name_end = len(line)
-        for sep in ("{", " "):
-            i = line.find(sep)
-            if i != -1 and i < name_end:
-                name_end = i
-        key = _WANTED.get(line[:name_end])
-        if key is None:
-            continue
-        try:
-            value = (
-                float(line.rsplit(" ", 1)[1]) if "}" not in line else float(line.rsplit("}", 1)[1].split()[0])
-            )
-        except (IndexError, ValueError):
-            continue
-        sums[key] = sums.get(key, 0.0) + value
-    if "running" not in sums or "waiting" not in sums:
-        raise ValueError("engine /metrics lacks vllm:num_requests_running / vllm:num_requests_waiting")
-    max_loras: int | None = None
-    if lora is not None and lora.get("max_lora", "").isdigit():
-        max_loras = int(lora["max_lora"])
-    return EngineTelemetry(
-        running=sums["running"],
-        waiting=sums["waiting"],
-        kv_cache_usage=sums.get("kv"),
-        prefix_cache_queries=sums.get("pq"),
-        prefix_cache_hits=sums.get("ph"),
-        scraped_at=time.monotonic() if now is None else now,
-        block_size=geometry.get("block_size"),
-        num_blocks=geometry.get("num_gpu_blocks"),
-        max_loras=max_loras,
-        running_adapters=None if lora is None else _adapter_set(lora.get("running_lora_adapters", "")),
-        waiting_adapters=None if lora is None else _adapter_set(lora.get("waiting_lora_adapters", "")),
-    )
+#: vLLM's parser, the default kind's (its tests and tools name it here).
+parse_engine_metrics = VLLM.parse_metrics
 
 
 class Liveness(Protocol):
@@ -150,7 +78,7 @@ class EngineScraper:
         if liveness is not None:
             liveness.engine_answered(engine)
         try:
-            telemetry = engine.telemetry = parse_engine_metrics(text)
+            telemetry = engine.telemetry = engine.kind.parse_metrics(text)
         except ValueError as exc:
             self._failed(engine, exc)
             return

@@ -24,6 +24,7 @@ class EndpointInfo:
     kv_events: str | None = None  # ZMQ endpoint of its KV events, when discovery knows it
     kv_replay: str | None = None  # ... and of their replay
     role: str | None = None  # prefill / decode / both, when discovery knows it (a pod label)
+    kind: str | None = None  # the engine kind's name (vllm_stack.engines.kinds), when discovery knows it
 
 
 SnapshotSink = Callable[[list[EndpointInfo]], Awaitable[None]]

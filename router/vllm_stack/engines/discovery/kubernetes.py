@@ -50,6 +50,7 @@ from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, V1
 
 from vllm_stack.engines.discovery.base import DiscoveryStatus, EndpointInfo, SnapshotSink
 from vllm_stack.engines.engine import ROLES
+from vllm_stack.engines.kinds import KIND_LABEL
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def pod_endpoint(
         kv_events=f"tcp://{host}:{events}" if events else None,
         kv_replay=f"tcp://{host}:{replay}" if replay else None,
         role=pod_role(pod, roles_by_model_label or {}),
+        kind=(meta.labels or {}).get(KIND_LABEL),
     )
 
 

@@ -23,25 +23,31 @@ def endpoint_name(url: str) -> str:
 class StaticDiscovery:
     """Reports a fixed list of endpoints, and the new list whenever :meth:`update` is called."""
 
-    def __init__(self, urls: Sequence[str], roles: Sequence[str] = ()) -> None:
-        self._endpoints = self._build(urls, roles)
+    def __init__(
+        self, urls: Sequence[str], roles: Sequence[str] = (), kinds: Sequence[str | None] = ()
+    ) -> None:
+        self._endpoints = self._build(urls, roles, kinds)
         self._changed = asyncio.Event()
         self.status = DiscoveryStatus("static")
         self.status.listed()  # a fixed list cannot fail to be read
         self.status.watching()
 
     @staticmethod
-    def _build(urls: Sequence[str], roles: Sequence[str]) -> list[EndpointInfo]:
-        """One endpoint per URL; ``roles`` (prefill / decode / both) one per URL, or empty (all both)."""
+    def _build(urls: Sequence[str], roles: Sequence[str], kinds: Sequence[str | None]) -> list[EndpointInfo]:
+        """One endpoint per URL; ``roles`` (prefill / decode / both) and ``kinds`` (the engine kinds,
+        None for the default) one per URL, or empty (all both, all the default kind)."""
         given = list(roles) or [None] * len(urls)
+        given_kinds = list(kinds) or [None] * len(urls)
         return [
-            EndpointInfo(name=endpoint_name(u), url=u.rstrip("/"), role=r)
-            for u, r in zip(urls, given, strict=True)
+            EndpointInfo(name=endpoint_name(u), url=u.rstrip("/"), role=r, kind=k)
+            for u, r, k in zip(urls, given, given_kinds, strict=True)
         ]
 
-    def update(self, urls: Sequence[str], roles: Sequence[str] = ()) -> None:
+    def update(
+        self, urls: Sequence[str], roles: Sequence[str] = (), kinds: Sequence[str | None] = ()
+    ) -> None:
         """Replace the list (hot reload); the running :meth:`run` pushes it to the sink."""
-        endpoints = self._build(urls, roles)
+        endpoints = self._build(urls, roles, kinds)
         if endpoints != self._endpoints:
             self._endpoints = endpoints
             self._changed.set()

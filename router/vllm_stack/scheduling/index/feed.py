@@ -1,8 +1,9 @@
 """The KV-event feed: one ZMQ subscription per engine, for the plugins that index engines' caches.
 
 Where an engine publishes: the endpoint its discovery reported (the pod's ``kv-events`` container port
-under Kubernetes), otherwise what the engine itself says at ``GET /kv_event_sources`` (a bind address
-such as ``tcp://*:5557``, whose ``*`` is the engine's own host). Engines without events are asked again
+under Kubernetes), otherwise what the engine itself says where its kind says to ask (vLLM:
+``GET /kv_event_sources``, a bind address such as ``tcp://*:5557``, whose ``*`` is the engine's own
+host; SGLang: ``GET /server_info``). Batches are decoded by the engine's kind. Engines without events are asked again
 now and then (an engine may be restarted with them on).
 
 Each message is ``[topic, sequence (8 bytes, big-endian), msgpack batch]``. The sequence tells what
@@ -30,14 +31,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from vllm_stack.engines.engine import Engine
-from vllm_stack.scheduling.index.kv_events import EventBatch, batch_decoder
+from vllm_stack.engines.kinds.base import EventSource
+from vllm_stack.engines.kinds.vllm import KIND as VLLM
+from vllm_stack.scheduling.index.kv_events import EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -58,38 +60,10 @@ class KvEventConsumer(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class EventSource:
-    endpoint: str
-    replay: str | None = None
-
-
 SourceFetcher = Callable[[Engine], Awaitable[Any]]
 
-
-def sources_from_engine(doc: Any, engine_url: str) -> list[EventSource]:  # noqa: ANN401 - JSON
-    """The ZMQ sources in an engine's ``GET /kv_event_sources`` answer (one per data-parallel rank),
-    with a wildcard host replaced by the engine's own."""
-    host = urlsplit(engine_url).hostname or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    found = []
-    for config in (doc or {}).values() if isinstance(doc, dict) else ():
-        if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
-            continue
-        if config.get("publisher", "zmq") != "zmq" or not isinstance(config.get("endpoint"), str):
-            continue
-        replay = config.get("replay_endpoint")
-        found.append(
-            EventSource(_reachable(config["endpoint"], host), _reachable(replay, host) if replay else None)
-        )
-    return found
-
-
-def _reachable(endpoint: str, host: str) -> str:
-    for wildcard in ("*", "0.0.0.0", "[::]"):
-        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
-    return endpoint
+#: vLLM's reader of ``GET /kv_event_sources`` (the default kind's; other kinds read their own answer).
+sources_from_engine = VLLM.kv_sources
 
 
 @dataclass
@@ -151,7 +125,7 @@ class KvEventFeed:
         if engine.kv_events_endpoint:
             return [EventSource(engine.kv_events_endpoint, engine.kv_replay_endpoint)]
         try:
-            return sources_from_engine(await self._fetch_sources(engine), engine.url)
+            return engine.kind.kv_sources(await self._fetch_sources(engine), engine.url)
         except Exception as exc:  # noqa: BLE001 - an engine without the endpoint, or unreachable now
             log.debug("no KV-event sources from %s: %s", engine.name, exc)
             return []
@@ -242,7 +216,7 @@ class KvEventFeed:
 
     def _apply(self, engine: Engine, payload: memoryview, stats: StreamStats) -> None:
         try:
-            batch = batch_decoder.decode(payload)
+            batch = engine.kind.decode_events(payload)
         except msgspec.DecodeError:
             stats.decode_errors += 1
             return

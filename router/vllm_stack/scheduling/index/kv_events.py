@@ -1,4 +1,4 @@
-"""vLLM's KV-cache events, decoded and applied to a prefix index: the precise mode of prefix routing.
+"""Engines' KV-cache events (vLLM's format, which SGLang shares), decoded and applied to a prefix index: the precise mode of prefix routing.
 
 An engine publishes, for every block it caches or evicts, a ``BlockStored`` (its own block hashes,
 the parent's hash, the blocks' token ids, the LoRA adapter's name) or a ``BlockRemoved`` (hashes
@@ -12,8 +12,8 @@ keys, bounded like the index (the oldest entries go first). Blocks whose parent 
 (it subscribed late, or missed a batch) cannot be keyed: a chain needs its parent. They are counted
 and skipped; the feed recovers such gaps (:mod:`.feed`).
 
-Only the engine's primary KV pool counts (``medium`` unset or ``GPU``, which the CPU build reports
-too); blocks in offload tiers are not prefix-cache hits of that engine's scheduler.
+Only the engine's primary KV pool counts (``medium`` unset or ``GPU``, which vLLM's CPU build and
+SGLang's device pool report too; their offload tiers are ``CPU``/``STORAGE`` and ``CPU_PINNED``/``DISK``); blocks in offload tiers are not prefix-cache hits of that engine's scheduler.
 """
 
 from __future__ import annotations
@@ -21,56 +21,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
+from vllm_stack.engines.kinds.base import EngineKind
+from vllm_stack.engines.kinds.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    batch_decoder,
+)
+from vllm_stack.engines.kinds.vllm import KIND as VLLM
 from vllm_stack.scheduling.index.blocks import salt_of, token_block_keys
 from vllm_stack.scheduling.index.prefix_index import DEFAULT_ENGINE_BLOCKS, PrefixIndex, evict_oldest
 
 PRIMARY_MEDIA = (None, "GPU")
 
 
-class BlockStored(msgspec.Struct, tag=True):
-    block_hashes: list[bytes | int]
-    token_ids: list[int]
-    block_size: int
-    parent_block_hash: bytes | int | None = None
-    lora_name: str | None = None
-    extra_keys: list[list[Any] | None] | None = None
-    medium: str | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True):
-    block_hashes: list[bytes | int]
-    medium: str | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True):
-    pass
-
-
-class EventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-batch_decoder = msgspec.msgpack.Decoder(EventBatch)
-
-
-def first_block_salt(event: BlockStored, model: str) -> int:
+def first_block_salt(event: BlockStored, model: str, kind: EngineKind = VLLM) -> int:
     """The chain seed of a prefix's first block, as the request side computes it
-    (:func:`..blocks.salt_of` of model or adapter name and ``cache_salt``).
-
-    vLLM lists, per block, the extra keys of its hash untagged and in order: the adapter's name when
-    there is one, multimodal ``(identifier, offset)`` pairs, then ``cache_salt`` (first block only)
-    and prompt-embedding digests (bytes). So the first string after the adapter's name is the salt.
-    """
-    cache_salt = None
-    extra = event.extra_keys[0] if event.extra_keys else None
-    if extra:
-        entries = list(extra)[1:] if event.lora_name is not None else list(extra)
-        cache_salt = next((e for e in entries if isinstance(e, str)), None)
-    return salt_of(event.lora_name or model, cache_salt)
+    (:func:`..blocks.salt_of` of model or adapter name and ``cache_salt``, which the engine's kind finds
+    in the event: vLLM among the block's extra keys, SGLang in a field of its own)."""
+    return salt_of(event.lora_name or model, kind.event_salt(event))
 
 
 @dataclass
@@ -90,15 +60,18 @@ class KvEventIndexer:
         self.index = index
         self._engines: dict[str, EngineBlocks] = {}
 
-    def apply(self, engine: str, model: str, batch: EventBatch, capacity: int | None) -> int:
-        """Apply one batch from ``engine`` (serving base model ``model``); returns the blocks stored."""
+    def apply(
+        self, engine: str, model: str, batch: EventBatch, capacity: int | None, kind: EngineKind = VLLM
+    ) -> int:
+        """Apply one batch from ``engine`` (serving base model ``model``, of ``kind``); returns the
+        blocks stored."""
         blocks = self._engines.get(engine)
         if blocks is None:
             blocks = self._engines[engine] = EngineBlocks()
         stored = 0
         for event in batch.events:
             if type(event) is BlockStored:
-                stored += self._stored(engine, model, blocks, event, capacity)
+                stored += self._stored(engine, model, blocks, event, capacity, kind)
             elif type(event) is BlockRemoved:
                 self._removed(engine, blocks, event)
             else:
@@ -107,13 +80,19 @@ class KvEventIndexer:
         return stored
 
     def _stored(
-        self, engine: str, model: str, blocks: EngineBlocks, event: BlockStored, capacity: int | None
+        self,
+        engine: str,
+        model: str,
+        blocks: EngineBlocks,
+        event: BlockStored,
+        capacity: int | None,
+        kind: EngineKind,
     ) -> int:
         if event.medium not in PRIMARY_MEDIA:
             return 0
         parent = event.parent_block_hash
         if parent is None:
-            seed = first_block_salt(event, model)
+            seed = first_block_salt(event, model, kind)
         else:
             seed = blocks.keys.get(parent)
             if seed is None:
@@ -149,3 +128,14 @@ class KvEventIndexer:
             name: {"mapped": len(b.keys), "stored": b.stored, "removed": b.removed, "orphans": b.orphans}
             for name, b in self._engines.items()
         }
+
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KvEventIndexer",
+    "batch_decoder",
+    "first_block_salt",
+]

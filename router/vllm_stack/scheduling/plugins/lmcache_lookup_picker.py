@@ -33,7 +33,7 @@ from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import bounded_capacity, engine_loads
 from vllm_stack.scheduling.framework import RequestContext, Role
 from vllm_stack.scheduling.index.lmcache_controller import Holder, LmcacheController, LookupFailed
-from vllm_stack.scheduling.plugins.prefix_cache_picker import DEFAULT_BLOCK_TOKENS, PrefixCachePicker
+from vllm_stack.scheduling.plugins.prefix_cache_picker import PrefixCachePicker
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class LmcacheLookupPicker(PrefixCachePicker):
         engine = engines[index]
         ctx.prefill_tokens = max(1, lacking)
         # The fallback's index learns where the prompt went, as when it places a request itself.
-        keys = self._keys(ctx, engine.kv_block_size or DEFAULT_BLOCK_TOKENS)
+        keys = self._keys(ctx, engine.kv_block_size or engine.kind.default_block_tokens)
         self.claim(ctx, engine, keys)
         self._count(ctx, "routed")
         return engine

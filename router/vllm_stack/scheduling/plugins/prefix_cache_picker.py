@@ -67,7 +67,6 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 MAX_ADAPTERS = 10_000  # adapters whose base model is remembered
 MIN_SHARE = 4  # decisions in a row one engine may always take (a few are no lack of balance)
-DEFAULT_BLOCK_TOKENS = 128  # vLLM's CPU block size; engines report theirs in vllm:cache_config_info
 
 
 class PrefixCachePicker:
@@ -163,7 +162,7 @@ class PrefixCachePicker:
 
     def apply_events(self, engine: Engine, batch: EventBatch) -> None:
         if self.kv_events is not None:
-            self.kv_events.apply(engine.name, base_model(engine), batch, engine.kv_blocks)
+            self.kv_events.apply(engine.name, base_model(engine), batch, engine.kv_blocks, engine.kind)
 
     def engine_reset(self, engine: Engine) -> None:
         if self.kv_events is not None:
@@ -224,7 +223,7 @@ class PrefixCachePicker:
     ) -> tuple[Engine, str]:
         if self.tokenizers and ctx.model not in self.tokenizers and ctx.model not in self._bases:
             self._learn_base(ctx.model, engines[0])
-        first = self._keys(ctx, engines[0].kv_block_size or DEFAULT_BLOCK_TOKENS)
+        first = self._keys(ctx, engines[0].kv_block_size or engines[0].kind.default_block_tokens)
         if not first:
             return self._short.pick(ctx, engines, scores)
         loads = engine_loads(engines)
@@ -243,7 +242,7 @@ class PrefixCachePicker:
         cached = []  # prompt tokens found in each engine's cache
         share = 0.0  # the largest share of the prompt's blocks found on one engine
         for e in engines:
-            block_tokens = e.kv_block_size or DEFAULT_BLOCK_TOKENS
+            block_tokens = e.kv_block_size or e.kind.default_block_tokens
             keys = self._keys(ctx, block_tokens)
             blocks = index.match(e.name, keys)
             matched.append(blocks)
@@ -273,7 +272,7 @@ class PrefixCachePicker:
             if best is None or rank < best:
                 best, chosen = rank, i
         engine = engines[chosen]
-        block_tokens = engine.kv_block_size or DEFAULT_BLOCK_TOKENS
+        block_tokens = engine.kv_block_size or engine.kind.default_block_tokens
         keys = self._keys(ctx, block_tokens)
         ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
         predicted = (cached[chosen], block_tokens)
