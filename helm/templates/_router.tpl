@@ -199,8 +199,9 @@ both given and different: a failure. Call with (dict "root" $ "model" M). */}}
 
 {{/*
 The router's `models`: one entry per deployed modelSpec entry, by served name, with its `criticality`
-(the requests' default priority) and `engine_priority: true` when its engines run vLLM with
-`--scheduling-policy priority` (the router then writes each request's priority into the body). Entries that
+(the requests' default priority), `engine_priority: true` when its engines run vLLM with
+`--scheduling-policy priority` (the router then writes each request's priority into the body), and
+`engine_kind` when its engines are not vLLM (_sglang.tpl). Entries that
 serve the same name become one, and must agree. Renders a YAML list, or nothing.
 */}}
 {{- define "vllm-stack.router.models" -}}
@@ -214,6 +215,7 @@ serve the same name become one, and must agree. Renders a YAML list, or nothing.
 {{- $entry := dict "name" $served -}}
 {{- with $m.criticality }}{{ $_ := set $entry "criticality" (include "vllm-stack.criticality" (dict "value" . "where" $where)) }}{{ end -}}
 {{- if eq (include "vllm-stack.model.schedulingPolicy" $ctx) "priority" }}{{ $_ := set $entry "engine_priority" true }}{{ end -}}
+{{- with (include "vllm-stack.model.kindLabel" $ctx) }}{{ $_ := set $entry "engine_kind" (include "vllm-stack.model.engineKind" $ctx) }}{{ end -}}
 {{- if hasKey $seen $served -}}
 {{- if ne (toJson (get $seen $served)) (toJson $entry) }}{{ fail (printf "%s: serves %q like another modelSpec entry, but with another criticality or scheduling policy: give them the same" $where $served) }}{{ end -}}
 {{- else -}}
