@@ -113,3 +113,20 @@ def test_sglang_lora_api_key_and_tp(tmp_path) -> None:
 def test_an_unknown_engine_kind_is_refused(tmp_path) -> None:
     error = render_error([values_file(tmp_path, _values({**VLLM, "engineKind": "tgi"}))])
     assert "engineKind" in error
+
+
+def test_keda_scales_an_sglang_model_on_sglangs_own_queue(tmp_path) -> None:
+    """KEDA's default trigger reads the engine's queue by its own name: SGLang's `sglang:num_queue_reqs`,
+    its total series only (`priority=""`: with priority scheduling SGLang adds one series per priority
+    beside the total, and a sum over all would count every request twice); vLLM's model keeps
+    `vllm:num_requests_waiting`."""
+    keda = {"keda": {"enabled": True, "minReplicaCount": 1, "maxReplicaCount": 3}}
+    objs = render([values_file(tmp_path, _values({**SGLANG, **keda}, {**VLLM, **keda}))])
+    queries = {
+        name: one(objs, "ScaledObject", engine_name(name, "ScaledObject"))["spec"]["triggers"][0]["metadata"][
+            "query"
+        ]
+        for name in ("sg", "vl")
+    }
+    assert queries["sg"] == 'sum(sglang:num_queue_reqs{model_name="org/tiny",namespace="llm",priority=""})'
+    assert queries["vl"] == 'sum(vllm:num_requests_waiting{model_name="org/v",namespace="llm"})'
