@@ -34,6 +34,7 @@ from vllm_stack.director.director import Director, ProxySettings
 from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.pd_notify import PdNotifications
 from vllm_stack.director.queue import RequestQueue
+from vllm_stack.endpoint_table import ENDPOINTS, EndpointTable
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
@@ -140,7 +141,7 @@ def _static_kinds(config: RouterConfig) -> tuple[str | None, ...]:
 class Router:
     """One router instance. ``discovery`` may be injected (tests); otherwise built from the config.
     ``plugins`` is the registry of plugin types the scheduling configuration may name (default: the
-    built-ins)."""
+    built-ins); ``endpoints`` the paths it serves (default: :data:`~vllm_stack.endpoint_table.ENDPOINTS`)."""
 
     def __init__(
         self,
@@ -150,9 +151,13 @@ class Router:
         cli_settings: Mapping[str, Any] | None = None,
         plugins: PluginRegistry | None = None,
         span_exporter: Any = None,  # noqa: ANN401 - an OpenTelemetry SpanExporter (tests: in memory)
+        endpoints: EndpointTable = ENDPOINTS,
     ) -> None:
         environ = os.environ if environ is None else environ
         self.config = config
+        self.endpoints = endpoints
+        self.proxied_paths = endpoints.proxied  # dispatch's one lookup, bound once
+        self.reserved_paths = endpoints.probes  # the server answers these past its connection limit
         self.plugins = plugins if plugins is not None else builtin_registry()
         self.plugin_state = PluginState()  # outlives reloads: indexes and positions plugins keep
         self._cli_settings = dict(cli_settings or {})
@@ -193,7 +198,7 @@ class Router:
             if config.disaggregated and config.disagg_protocol == "lmcache"
             else None
         )
-        self.tracer = _build_tracer(config, span_exporter)
+        self.tracer = _build_tracer(config, span_exporter, endpoints)
         # Request headers not sent upstream: with tracing on, each leg sends its own traceparent
         self.request_drop = REQUEST_DROP | TRACE_HEADERS if self.tracer is not None else REQUEST_DROP
         self.director = Director(
@@ -211,7 +216,7 @@ class Router:
         self.batch: BatchRunner | None = _build_batch(self, config)
         self.batch_endpoints = batch_api.BatchEndpoints(self.batch, self) if self.batch is not None else None
         # Bodies the server hands over as they arrive: uploads (asked on these paths only, off the hot path)
-        self.stream_paths = frozenset({batch_api.FILES}) if self.batch is not None else frozenset()
+        self.stream_paths = endpoints.streamed if self.batch is not None else frozenset()
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
         self.registry.on_rebuilt.append(self.queue.kick_all)
@@ -259,6 +264,7 @@ class Router:
                 config.disagg_receiver_init_port,
                 config.disagg_receiver_alloc_port,
                 config.disagg_notify_timeout,
+                self.endpoints.disaggregable,
             )
             if config.disaggregated
             else None,
@@ -322,7 +328,7 @@ class Router:
     def body_stream_limit(self, method: str, path: str) -> int:
         """A batch file upload's body is written to disk as it arrives (up to the file limit and the
         form around it); every other body is buffered within ``max_body_bytes``."""
-        if self.batch is not None and batch_api.streams_upload(method, path):
+        if self.batch is not None and method == "POST" and path in self.stream_paths:
             return self.batch.settings.max_file_bytes + MULTIPART_SLACK
         return 0
 
@@ -340,7 +346,7 @@ class Router:
 
     def dispatch(self, conn: HttpConnection, request: HttpRequest) -> None:
         """Proxied paths to the hot path; everything else to the control endpoints' ASGI app."""
-        if request.method == "POST" and request.path in proxied.PROXIED_PATHS:
+        if request.method == "POST" and request.path in self.proxied_paths:
             proxied.handle(self, conn, request)
         else:
             AsgiCall(self, conn, request).start()
@@ -586,7 +592,11 @@ class Router:
                 return
 
 
-def _build_tracer(config: RouterConfig, exporter: Any) -> RequestTracer | None:  # noqa: ANN401
+def _build_tracer(
+    config: RouterConfig,
+    exporter: Any,  # noqa: ANN401
+    endpoints: EndpointTable,
+) -> RequestTracer | None:
     """The router's tracer, or None with tracing off (then OpenTelemetry is never imported)."""
     if not config.otlp_traces_endpoint and exporter is None:
         return None
@@ -599,7 +609,7 @@ def _build_tracer(config: RouterConfig, exporter: Any) -> RequestTracer | None: 
         insecure=not config.otel_secure,
         sample_ratio=config.trace_sample_ratio,
     )
-    return RequestTracer(settings, exporter)
+    return RequestTracer(settings, exporter, endpoints.operations)
 
 
 def _registry_limits(config: RouterConfig) -> dict[str, Any]:
@@ -667,6 +677,7 @@ def build_router(
     environ: Mapping[str, str] | None = None,
     plugins: PluginRegistry | None = None,
     span_exporter: Any = None,  # noqa: ANN401 - an OpenTelemetry SpanExporter instead of OTLP (tests)
+    endpoints: EndpointTable = ENDPOINTS,
 ) -> Router:
     """Load the configuration and assemble a router (``ConfigError`` when either fails)."""
     config = load_config(cli, config_file, environ)
@@ -677,4 +688,5 @@ def build_router(
         cli_settings=cli,
         plugins=plugins,
         span_exporter=span_exporter,
+        endpoints=endpoints,
     )

@@ -1,5 +1,5 @@
 """Regenerate ``tests/fuzz/engine_openapi.json``: the pinned engine's own OpenAPI schema, cut down to
-the paths the router proxies (``PROXIED_PATHS``) and the components those paths reference.
+the paths the router proxies (``ENDPOINTS.proxied``) and the components those paths reference.
 
 The fuzz tests read the committed file, so the stub-engine pass needs no engine. Rerun this when the
 pinned vLLM version changes (the file records the version it came from):
@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from vllm_stack.api.proxied import PROXIED_PATHS
+from vllm_stack.endpoint_table import ENDPOINTS
 
 OUT = Path(__file__).with_name("engine_openapi.json")
 
@@ -43,7 +43,7 @@ def _refs(node: Any) -> set[str]:
     return found
 
 
-def filter_schema(full: dict[str, Any], paths: frozenset[str] = PROXIED_PATHS) -> dict[str, Any]:
+def filter_schema(full: dict[str, Any], paths: frozenset[str] = ENDPOINTS.proxied) -> dict[str, Any]:
     """Only ``paths`` (POST operations, the ones the router forwards) and the schemas they reach."""
     kept_paths = {}
     for path, item in full.get("paths", {}).items():
@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     found = [fetch(url) for url in args.url] if args.url else fetch_from_own_engines()
     schema = filter_schema(merge([s for s, _ in found]))
-    missing = sorted(PROXIED_PATHS - schema["paths"].keys())
+    missing = sorted(ENDPOINTS.proxied - schema["paths"].keys())
     schema["x-vllm-stack"] = {
         "source": "GET /openapi.json of the pinned engine, filtered by tests/fuzz/regen_engine_schema.py",
         "engine_versions": sorted({v for _, v in found}),

@@ -30,12 +30,21 @@ ENGINE_EXAMPLES = 3
 def test_engine_schema_covers_the_proxied_paths() -> None:
     """The committed engine schema must describe what the router proxies, or the fuzz pass silently
     tests less; a path the pinned engine does not serve is listed in the file and allowed here."""
-    from vllm_stack.api.proxied import PROXIED_PATHS
+    from vllm_stack.endpoint_table import ENDPOINTS
 
     schema = fuzzing.engine_schema()
     absent = set(schema["x-vllm-stack"]["proxied_paths_not_in_engine_schema"])
-    assert set(schema["paths"]) | absent == PROXIED_PATHS
+    assert set(schema["paths"]) | absent == ENDPOINTS.proxied
     assert len(schema["paths"]) >= 10
+
+
+def test_router_schema_describes_the_routers_own_endpoints() -> None:
+    """The hand-written schema of the router's own endpoints has every row of the endpoint table that is
+    not proxied (and no other), so a new one of them is fuzzed as soon as the table has it."""
+    from vllm_stack.endpoint_table import ENDPOINTS
+
+    described = {path for path in fuzzing.router_schema()["paths"] if "{" not in path}
+    assert described == {row.path for row in ENDPOINTS.rows if not row.proxied}
 
 
 def test_fuzz_against_a_stub_engine_no_router_5xx_and_openai_errors(tmp_path) -> None:  # noqa: ANN001

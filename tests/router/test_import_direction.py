@@ -36,6 +36,7 @@ LAYERS = {
     "config": 1,
     "metrics": 1,
     "errors": 1,
+    "endpoint_table": 0,  # the router's paths and what it does with each: read by every layer above
     "priority": 0,
     "json_depth": 0,
     "request_id": 0,

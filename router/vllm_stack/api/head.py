@@ -3,39 +3,31 @@
 The server asks this (:meth:`vllm_stack.server.http1.ServerContext.check_head`) as soon as the head
 is complete, so a client without a valid API key, or one asking for a path or method the router does
 not serve, costs no body buffer (issue 29: keyless 32 MiB bodies were buffered whole before their
-401), and ``Expect: 100-continue`` is answered 100 only once the head passed. The same rules as the
-route table's (:mod:`.routes`) and the hot path's (:mod:`.proxied`), which then need not check again.
+401), and ``Expect: 100-continue`` is answered 100 only once the head passed. The same rules, from the
+same endpoint table (:mod:`vllm_stack.endpoint_table`), as the control endpoints' (:mod:`.routes`)
+and the hot path's (:mod:`.proxied`), which then need not check again.
 """
 
 from __future__ import annotations
 
 from vllm_stack.api.endpoints import _check_admin  # the admin endpoints' own check, the one rule
-from vllm_stack.api.proxied import PROXIED_PATHS, UNKNOWN_MODEL_LABEL
-from vllm_stack.api.routes import (
-    ADMIN_PATHS,
-    GET_ROUTES,
-    OPEN_PATHS,
-    POST_ROUTES,
-    batch_off,
-    is_batch_path,
-)
+from vllm_stack.api.proxied import UNKNOWN_MODEL_LABEL
+from vllm_stack.api.routes import batch_off
 from vllm_stack.api.state import RouterState
+from vllm_stack.endpoint_table import EndpointTable
 from vllm_stack.errors import RouterError
 
-_GET = frozenset({"GET", "HEAD"})
-_ALLOW = {
-    **{path: b"POST" for path in (*POST_ROUTES, *PROXIED_PATHS)},
-    **{path: b"GET, HEAD" for path in GET_ROUTES},
-}
+_NONE: frozenset[str] = frozenset()
 
 
 def unauthorized() -> RouterError:
     return RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
 
 
-def not_allowed(path: str) -> RouterError:
-    """The 405 of a known path (RFC 9110 15.5.6: with ``Allow``; the same words for HEAD as for GET)."""
-    allow = _ALLOW[path]
+def not_allowed(table: EndpointTable, path: str) -> RouterError:
+    """The 405 of a known path (RFC 9110 15.5.6: with ``Allow``, the table's methods of that path; the
+    same words for HEAD as for GET)."""
+    allow = table.allow[path]
     return RouterError(
         405,
         f"{path} takes {allow.decode()} only.",
@@ -48,25 +40,25 @@ def refusal(
     router: RouterState, method: str, path: str, headers: list[tuple[bytes, bytes]]
 ) -> RouterError | None:
     """The error to answer ``method path`` with before reading its body, or None to read it."""
-    if method == "POST" and path in PROXIED_PATHS:  # the hot path: one set lookup, then the key
+    table = router.endpoints
+    if method == "POST" and path in table.proxied:  # the hot path: one set lookup, then the key
         if router.auth.check(headers):
             return None
         router.metrics.observe_request(UNKNOWN_MODEL_LABEL, "none", "401", 0.0)
         return unauthorized()
-    if is_batch_path(path):  # the Batch API: its own methods, checked by its handler
+    if table.is_batch(path):  # the Batch API: its own methods, checked by its handler
         if router.batch_endpoints is None:
             return batch_off(path)
         return None if router.auth.check(headers) else unauthorized()
-    routes = GET_ROUTES if method in _GET else POST_ROUTES if method == "POST" else {}
-    if path not in routes:
+    if path not in table.routes.get(method, _NONE):
         return (
-            not_allowed(path)
-            if path in _ALLOW
+            not_allowed(table, path)
+            if path in table.allow
             else RouterError(404, f"Unknown path {path}.", code="not_found")
         )
-    if path in OPEN_PATHS:
+    if path in table.open:
         return None
-    if path in ADMIN_PATHS:
+    if path in table.admin:
         try:
             _check_admin(router, headers)
         except RouterError as err:
@@ -80,6 +72,6 @@ def body_holder(router: RouterState, path: str, headers: list[tuple[bytes, bytes
     against, asked once :func:`refusal` let its head pass: the key it offered, which that check found
     valid on every path but the open ones, whose requests (keyless, or with any key) share one holder
     (b""), so made-up keys cannot multiply shares. Asked only with client keys on."""
-    if path in OPEN_PATHS:
+    if path in router.endpoints.open:
         return b""
     return router.auth.holder(headers)

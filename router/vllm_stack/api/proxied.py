@@ -20,42 +20,6 @@ from vllm_stack.request_id import new_request_id, valid_request_id
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
-#: Endpoints forwarded to an engine of the request's model.
-PROXIED_PATHS = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/rerank",
-        "/rerank",
-        "/v1/score",
-        "/score",
-        "/tokenize",
-        "/detokenize",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/pooling",
-        "/classify",
-        "/v1/classify",
-    }
-)
-#: Endpoints where vLLM lets ``model`` be omitted: the only base model is used then.
-MODEL_OPTIONAL = frozenset(
-    {
-        "/tokenize",
-        "/detokenize",
-        "/rerank",
-        "/v1/rerank",
-        "/score",
-        "/v1/score",
-        "/pooling",
-        "/classify",
-        "/v1/classify",
-    }
-)
-MULTIPART_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 UNKNOWN_MODEL_LABEL = "unknown"  # bounded metric label for names no engine serves
 
 
@@ -78,7 +42,7 @@ def _resolve_model(
             return spec.name, spec.name
         raise model_not_found(base, registry.available_models(), what="base model")
     if not model:
-        if path in MODEL_OPTIONAL:
+        if path in router.endpoints.model_optional:
             bases = registry.base_models()
             if len(bases) == 1:
                 return bases[0], bases[0]
@@ -145,7 +109,8 @@ def resolve(
     model name retargeted, the model resolved (400 / 404) and the priority (400 / 403); ``ctx.body`` is
     the body as the engine gets it. The caller sets ``request_id`` and ``arrived``. The router's own
     requests and the endpoint picker's (:mod:`vllm_stack.epp`) both come through here."""
-    if path in MULTIPART_PATHS:
+    multipart = path in router.endpoints.multipart
+    if multipart:
         if not content_type.startswith(b"multipart/form-data"):
             raise RouterError(400, "This endpoint takes multipart/form-data.", code="invalid_content_type")
         model = multipart_field(body, content_type, b"model")
@@ -158,14 +123,14 @@ def resolve(
     spec = None
     catalog = router.catalog
     if catalog is not None:
-        model, body = _retarget(catalog, model, session_key, body, path in MULTIPART_PATHS)
+        model, body = _retarget(catalog, model, session_key, body, multipart)
         spec = catalog.get(model) if model else None
     model, model_label = _resolve_model(router, path, model, spec)
     priority = 0
     policy = router.priority
     if priority_value is not None or body_priority is not None or policy.defaults:
         priority = policy.resolve(model, spec, priority_value, body_priority, headers)
-        if path not in MULTIPART_PATHS:
+        if not multipart:
             body = policy.engine_body(spec.base_model if spec else model, priority, body, body_priority)
     ctx = RequestContext(model, session_key, prefix, path, body, prompt, cache_salt, b"", model_label)
     if spec is not None:

@@ -1,4 +1,5 @@
-"""The control endpoints' route table and their ASGI entry (everything that is not a proxied path).
+"""The control endpoints' ASGI entry (everything that is not a proxied path), routed by the router's
+endpoint table (:mod:`vllm_stack.endpoint_table`: the paths, their methods and who may call them).
 
 Authentication applies to every path but the open ones; an unknown path is 404, a known one with the
 wrong method 405. Refusals are raised as :class:`~vllm_stack.errors.RouterError` and written by the
@@ -7,39 +8,29 @@ server's connection (the one error writer).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from vllm_stack.api import endpoints
 from vllm_stack.api.http import Receive, Send
-from vllm_stack.api.proxied import PROXIED_PATHS
 from vllm_stack.api.state import RouterState
+from vllm_stack.endpoint_table import EndpointTable
 from vllm_stack.errors import RouterError
 
 Handler = Callable[[RouterState, dict[str, Any], Receive, Send], Awaitable[None]]
-
-GET_ROUTES: dict[str, Handler] = {
-    "/health": endpoints.health,
-    "/ready": endpoints.ready,
-    "/version": endpoints.version,
-    "/metrics": endpoints.metrics,
-    "/engines": endpoints.engines,
-    "/v1/models": endpoints.models,
-}
-POST_ROUTES: dict[str, Handler] = {
-    "/v1/load_lora_adapter": endpoints.lora_fanout,
-    "/v1/unload_lora_adapter": endpoints.lora_fanout,
-}
-OPEN_PATHS = frozenset({"/health", "/ready", "/version", "/metrics"})  # no API key needed
-ADMIN_PATHS = frozenset(POST_ROUTES)  # an admin key, checked by the endpoint, instead of a client key
+_NONE: Mapping[str, str] = {}
 
 
-#: The Batch API's paths (vllm_stack.batch.api answers them; this layer only knows they exist).
-BATCH_PATHS = ("/v1/files", "/v1/batches")
+def handler(name: str) -> Handler:
+    """The function of :mod:`vllm_stack.api.endpoints` a table row names (AttributeError: none)."""
+    found: Handler = getattr(endpoints, name)
+    return found
 
 
-def is_batch_path(path: str) -> bool:
-    return path in BATCH_PATHS or path.startswith(("/v1/files/", "/v1/batches/"))
+def route(table: EndpointTable, method: str, path: str) -> Handler | None:
+    """The router's own endpoint for ``method path``, or None (a path of another kind, or another method)."""
+    name = table.routes.get(method, _NONE).get(path)
+    return handler(name) if name is not None else None
 
 
 def batch_off(path: str) -> RouterError:
@@ -52,19 +43,19 @@ async def control(router: RouterState, scope: dict[str, Any], receive: Receive, 
     """Answer one control request (an ASGI ``http`` scope)."""
     path = scope["path"]
     method = scope["method"]
-    if is_batch_path(path):
+    table = router.endpoints
+    if table.is_batch(path):
         if router.batch_endpoints is None:
             raise batch_off(path)
         if not router.auth.check(scope["headers"]):
             raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
         await router.batch_endpoints(scope, receive, send)
         return
-    routes = GET_ROUTES if method in ("GET", "HEAD") else POST_ROUTES if method == "POST" else {}
-    handler = routes.get(path)
-    if handler is None:
-        if path in GET_ROUTES or path in POST_ROUTES or path in PROXIED_PATHS:
+    found = route(table, method, path)
+    if found is None:
+        if path in table.allow:  # the server asked api.head first, whose 405 carries Allow
             raise RouterError(405, f"Method {method} not allowed on {path}.", code="method_not_allowed")
         raise RouterError(404, f"Unknown path {path}.", code="not_found")
-    if path not in OPEN_PATHS and path not in ADMIN_PATHS and not router.auth.check(scope["headers"]):
+    if path not in table.open and path not in table.admin and not router.auth.check(scope["headers"]):
         raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
-    await handler(router, scope, receive, send)
+    await found(router, scope, receive, send)

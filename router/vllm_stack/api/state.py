@@ -14,6 +14,7 @@ from vllm_stack.api.parsing import BodyParser
 from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.config import RouterConfig
 from vllm_stack.director.director import Director
+from vllm_stack.endpoint_table import EndpointTable
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
@@ -22,13 +23,14 @@ from vllm_stack.metrics import RouterMetrics
 
 
 class BatchEndpoints(Protocol):
-    """Answers a request of the Batch API's paths (``api.routes.BATCH_PATHS``)."""
+    """Answers a request of the Batch API's paths (the endpoint table's ``batch`` rows and below)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None: ...
 
 
 class RouterState(Protocol):
     config: RouterConfig
+    endpoints: EndpointTable  # the paths it serves and what it does with each
     registry: EngineRegistry
     metrics: RouterMetrics
     director: Director

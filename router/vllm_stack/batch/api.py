@@ -16,7 +16,6 @@ from vllm_stack.api.state import RouterState
 from vllm_stack.batch.files import Upload
 from vllm_stack.batch.objects import (
     COMPLETION_WINDOWS,
-    ENDPOINTS,
     METADATA_PAIRS,
     VALIDATING,
     batch_object,
@@ -26,13 +25,7 @@ from vllm_stack.batch.objects import (
 from vllm_stack.batch.runner import BatchRunner
 from vllm_stack.errors import RouterError
 
-FILES = "/v1/files"
 MAX_CREATE_BODY = 64 * 1024  # a batch's creation request (ids, endpoint, window, metadata)
-
-
-def streams_upload(method: str, path: str) -> bool:
-    """The one request whose body is not buffered: a file upload."""
-    return method == "POST" and path == FILES
 
 
 class BatchEndpoints:
@@ -225,9 +218,10 @@ async def _create_batch(
     if doc is None:
         return
     endpoint = doc.get("endpoint")
-    if endpoint not in ENDPOINTS:
+    batchable = runner.router.endpoints.batchable  # the router's endpoint table says which
+    if endpoint not in batchable:
         raise RouterError(
-            400, f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}.", param="endpoint"
+            400, f"'endpoint' must be one of {', '.join(batchable)}, got {endpoint!r}.", param="endpoint"
         )
     window = doc.get("completion_window")
     if window not in COMPLETION_WINDOWS:

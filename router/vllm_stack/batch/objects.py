@@ -22,8 +22,6 @@ STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED, FAILED, EXPIRED, CAN
 #: A batch in one of these may still change; its input file may not be deleted meanwhile.
 ACTIVE = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)
 
-#: The endpoints a batch may run, as OpenAI names them (the path each line's ``url`` must be).
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 COMPLETION_WINDOWS = ("24h",)
 FILE_PURPOSES = ("batch", "batch_output")  # uploads are ``batch``; outputs and error files ``batch_output``
 METADATA_PAIRS = 16  # OpenAI: up to 16 key-value pairs, keys up to 64 and values up to 512 characters

@@ -3,7 +3,7 @@ on a decode engine that receives the prompt's KV from it (vLLM's KV-connector pr
 
 The director (:mod:`.request`) runs the stages; this module holds what is particular to them:
 
-- which requests qualify (:data:`DISAGG_PATHS`, a JSON body without ``kv_transfer_params`` of its
+- which requests qualify (:attr:`DisaggSettings.paths`: the endpoint table's disaggregable ones, a JSON body without ``kv_transfer_params`` of its
   own, a model with prefill-role engines) and the decider (:meth:`DisaggSettings.worth_it`: the
   uncached part of the prompt, the prefix-cache index's estimate for the chosen prefill engine, must
   reach ``min_uncached_tokens``, else the request is served decode-only);
@@ -40,13 +40,12 @@ from typing import Any, Protocol
 
 import msgspec
 
+from vllm_stack.endpoint_table import ENDPOINTS
 from vllm_stack.relay.leg import Dechunker
 from vllm_stack.relay.pool import EnginePool, PooledExchange, UpstreamConnectError, UpstreamConnection
 
 log = logging.getLogger(__name__)
 
-#: Endpoints whose requests can be disaggregated (generation with a prompt and max_tokens).
-DISAGG_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 PREFILL_ANSWER_LIMIT = 1 << 20  # bytes of a prefill answer read (one token and its envelope: far less)
 
 _decoder = msgspec.json.Decoder()
@@ -62,6 +61,8 @@ class DisaggSettings:
     receiver_init_port: int = 7300  # lmcache: the decode engines' LMCache receiver ports
     receiver_alloc_port: int = 7400
     notify_timeout: float = 10.0  # lmcache: seconds to wait for the prefill engine's notification
+    #: Endpoints whose requests may be disaggregated (the router's endpoint table says which)
+    paths: frozenset[str] = ENDPOINTS.disaggregable
 
     def worth_it(self, uncached_tokens: int) -> bool:
         """The decider: a prefill engine is worth a second leg only for a long enough uncached part

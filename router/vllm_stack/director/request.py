@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from vllm_stack.director.disagg import DISAGG_PATHS
 from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.director.stages import DirectedRequest, route_header
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
@@ -77,7 +76,8 @@ class ProxiedRequest(DirectedRequest):
         self.pick = Pick.UNASKED  # gateway mode only
         self.picked: PickAnswer | None = None  # the endpoint picker's answer, told the request's end
         # Disaggregated prefill (.disagg): decided at the first scheduling, for models with prefill engines
-        self.disagg_pending = director.settings.disagg is not None and ctx.path in DISAGG_PATHS
+        disagg = director.settings.disagg
+        self.disagg_pending = disagg is not None and ctx.path in disagg.paths
         self.pd: PrefillStage | None = None  # while its prefill stage runs
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self

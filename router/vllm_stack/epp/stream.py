@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_stack.api.head import unauthorized
-from vllm_stack.api.proxied import MULTIPART_PATHS, resolve
+from vllm_stack.api.proxied import resolve
 from vllm_stack.epp.paths import headerless, refusal
 from vllm_stack.epp.request import PickedRequest
 from vllm_stack.errors import RouterError, error_body, no_healthy_engine
@@ -132,7 +132,7 @@ class Exchange:
                 (name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers
             ):  # judged on the headers, as the router's own requests are: no body is gathered for it
                 return self._refuse_early(unauthorized())
-            error = refusal(self.headers)
+            error = refusal(self.router.endpoints, self.headers)
             if error is not None:
                 return self._refuse_early(error)
             self.heard_headers = True
@@ -312,7 +312,7 @@ class Exchange:
         if objective:
             given = ctx.priority
             ctx.priority = self.service.objectives.priority(objective, given)
-            if ctx.priority != given and path not in MULTIPART_PATHS:
+            if ctx.priority != given and path not in router.endpoints.multipart:
                 # the engines get it too where they schedule by it (resolve wrote the request's own)
                 ctx.body = router.priority.engine_body(
                     ctx.pool or ctx.model, ctx.priority, ctx.body, -given if given else None

@@ -40,8 +40,6 @@ KEEP_ALIVE_TIMEOUT = 75.0  # idle keep-alive connections are closed after this (
 DRAIN_IDLE = 1.0  # stopping: seconds an idle keep-alive connection stays open for a request already sent
 DRAIN_POLL = 0.05  # stopping: how often the connections are looked at
 SWEEP_INTERVAL = 1.0
-#: Answered even on connections past the connection limit: the probes must not fail under a flood.
-RESERVED_PATHS = frozenset({"/health", "/ready"})
 TRIM_EVERY = 5  # sweeps between two trims of the allocator's free pages (when one is given)
 
 
@@ -65,6 +63,8 @@ class ServedApp(Protocol):
 
     #: Paths whose request bodies may be handed over as they arrive (``body_stream_limit`` says).
     stream_paths: frozenset[str]
+    #: Paths answered even on connections past the connection limit: the probes must not fail under a flood.
+    reserved_paths: frozenset[str]
 
     def body_stream_limit(self, method: str, path: str) -> int:
         """See :meth:`vllm_stack.server.http1.ServerContext.body_stream_limit`."""
@@ -112,7 +112,7 @@ class RouterServer:
         self.allocator = allocator  # set by the entry point: its free pages are trimmed by the sweep
         self.connections: set[HttpConnection] = set()
         self.draining = False
-        self.reserved_paths = RESERVED_PATHS
+        self.reserved_paths: frozenset[str] = router.reserved_paths
         self.budget = BodyBudget(router)  # the request bodies connections hold (HttpConnection._reserve)
         self.stream_paths: frozenset[str] = router.stream_paths
         self._server: asyncio.Server | None = None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,18 +38,12 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from vllm_stack.endpoint_table import ENDPOINTS
 from vllm_stack.tracing import TRACE_HEADERS
 from vllm_stack.version import router_version
 
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-
-#: gen_ai.operation.name of the proxied paths (OpenTelemetry's GenAI conventions)
-_OPERATIONS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "text_completion",
-    "/v1/embeddings": "embeddings",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +74,17 @@ def _exporter(settings: TracingSettings) -> SpanExporter:
 
 class RequestTracer:
     """The router's tracer: its own provider, sampler and exporter; makes one :class:`RequestTrace`
-    per request. ``exporter`` replaces the OTLP one (tests keep spans in memory)."""
+    per request. ``exporter`` replaces the OTLP one (tests keep spans in memory); ``operations``: each
+    path's ``gen_ai.operation.name`` (OpenTelemetry's GenAI conventions; the router's endpoint table)."""
 
-    def __init__(self, settings: TracingSettings, exporter: SpanExporter | None = None) -> None:
+    def __init__(
+        self,
+        settings: TracingSettings,
+        exporter: SpanExporter | None = None,
+        operations: Mapping[str, str] = ENDPOINTS.operations,
+    ) -> None:
         self.settings = settings
+        self.operations = operations
         self.provider = TracerProvider(
             resource=Resource.create(
                 {"service.name": settings.service_name, "service.version": router_version()}
@@ -117,7 +118,7 @@ class RequestTracer:
         attributes: dict[str, Any] = {
             "http.request.method": method,
             "url.path": path,
-            "gen_ai.operation.name": _OPERATIONS.get(path, path.rsplit("/", 1)[-1]),
+            "gen_ai.operation.name": self.operations.get(path) or path.rsplit("/", 1)[-1],
         }
         if model:
             attributes["gen_ai.request.model"] = model
