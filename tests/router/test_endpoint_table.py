@@ -1,6 +1,7 @@
 """The endpoint table (vllm_stack.endpoint_table) is the one place that lists the router's paths: the
-sets every part reads are derived from it (and are the sets the router had before the table), and no
-module of the router keeps a set of its own.
+sets every part reads are derived from it (and are the sets the router had before the table), no module
+of the router keeps a set of its own, and a new OpenAI endpoint is one row: routed, refused with 405 and
+``Allow``, authenticated, traced, batched and disaggregated by that row alone.
 """
 
 from __future__ import annotations
@@ -9,13 +10,22 @@ import ast
 import inspect
 from pathlib import Path
 
+import httpx
+import orjson
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
+from tests.batch.helpers import file_lines, start_batch, wait_batch
+from tests.fakes.stub_engine import StubEngine
+from tests.router.helpers import FAST, serving, stubs, wait_for
 from vllm_stack.api import endpoints
+from vllm_stack.app import Router, build_router
 from vllm_stack.endpoint_table import ENDPOINTS, GET, Endpoint, EndpointTable
 
 PACKAGE = Path(__file__).resolve().parents[2] / "router" / "vllm_stack"
-
+MODEL = "stub-model"
+KEY = "client-key"
 
 # ---- the derived sets are the router's sets before the table ------------------------------------------
 #: Every path the router served at 2ac0ed4, before the table.
@@ -157,3 +167,107 @@ def test_no_module_keeps_its_own_endpoint_set() -> None:
         for line in own_endpoint_facts(path.read_text(), paths):
             kept.append(f"{path.relative_to(PACKAGE.parent)}:{line}")
     assert not kept, "endpoint facts outside vllm_stack/endpoint_table.py:\n" + "\n".join(kept)
+
+
+# ---- a new OpenAI endpoint is one row ---------------------------------------------------------------------
+#: The worked example: a new OpenAI endpoint is this one line (docs/architecture.md counts what else it
+#: takes: its schema for the fuzz tests). The router's own table is ENDPOINTS plus it.
+IMAGES = Endpoint("/v1/images/generations", batchable=True, operation="image_generation")
+WITH_IMAGES = ENDPOINTS.plus(IMAGES)
+
+
+def _router(
+    urls: list[str], tmp_path: Path, table: EndpointTable, exporter: InMemorySpanExporter | None = None
+) -> Router:
+    """A router over ``urls`` serving ``table``, with client keys, the Batch API and tracing on."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEY + "\n")
+    settings = {
+        **FAST,
+        "routing_logic": "roundrobin",
+        "static_backends": ",".join(urls),
+        "api_keys_file": str(keys),
+        "batch_api": True,
+        "batch_dir": str(tmp_path / "batch"),
+    }
+    return build_router(
+        settings, environ={}, span_exporter=exporter or InMemorySpanExporter(), endpoints=table
+    )
+
+
+async def test_without_the_row_the_path_is_unknown(tmp_path: Path) -> None:
+    async with stubs(StubEngine("a", [MODEL])) as urls:
+        router = _router(urls, tmp_path, ENDPOINTS)
+        async with serving(router) as url, httpx.AsyncClient(base_url=url, timeout=30) as h:
+            r = await h.post(IMAGES.path, json={"model": MODEL}, headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+async def test_a_new_openai_endpoint_is_one_row_of_the_table(tmp_path: Path) -> None:
+    """``WITH_IMAGES`` is the router's table plus one line; with it the router relays the new path to an
+    engine of the model, asks for the client key, answers other methods 405 with ``Allow: POST``, names
+    its span ``image_generation``, and runs a batch of it."""
+    engine = StubEngine("a", [MODEL])
+    exporter = InMemorySpanExporter()
+    auth = {"authorization": f"Bearer {KEY}"}
+    doc = {"model": MODEL, "prompt": "a lighthouse at dusk"}
+    async with stubs(engine) as urls:
+        router = _router(urls, tmp_path, WITH_IMAGES, exporter)
+        async with serving(router) as url, httpx.AsyncClient(base_url=url, timeout=30) as h:
+            await wait_for(lambda: router.registry.healthy_count == 1, what="a healthy engine")
+            r = await h.post(IMAGES.path, json=doc, headers=auth)
+            assert r.status_code == 200, r.text
+            assert r.json() == {"stub": "a", "path": IMAGES.path, "model": MODEL, "engine": "a"}
+            assert engine.seen[-1].path == IMAGES.path
+            keyless = await h.post(IMAGES.path, json=doc)
+            assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
+            for method in ("GET", "PUT", "HEAD"):
+                wrong = await h.request(method, IMAGES.path, headers=auth)
+                assert wrong.status_code == 405 and wrong.headers["allow"] == "POST", method
+            assert (await h.get(IMAGES.path, headers=auth)).json()["error"]["code"] == "method_not_allowed"
+            h.headers.update(auth)
+            line = {"custom_id": "img-0", "method": "POST", "url": IMAGES.path, "body": doc}
+            batch = await wait_batch(h, await start_batch(h, [line]), {"completed", "failed"})
+            assert batch["status"] == "completed", batch
+            (out,) = await file_lines(h, batch["output_file_id"])
+            assert out["custom_id"] == "img-0" and out["response"]["body"]["path"] == IMAGES.path
+            assert router.tracer is not None
+            router.tracer.provider.force_flush()
+    names = {
+        (s.attributes or {}).get("gen_ai.operation.name")
+        for s in exporter.get_finished_spans()
+        if s.kind is SpanKind.SERVER and s.name == f"POST {IMAGES.path}"
+    }
+    assert names == {"image_generation"}
+
+
+@pytest.mark.parametrize("disaggregable", [True, False])
+async def test_a_new_endpoint_is_disaggregated_when_its_row_says_so(disaggregable: bool) -> None:
+    """The director reads the same row: with ``disaggregable`` its requests get a prefill leg on a
+    prefill engine (one token), without it they go to the decode engine alone."""
+    row = Endpoint("/v1/generate", disaggregable=disaggregable)
+    prefill, decode = StubEngine("P", [MODEL]), StubEngine("D", [MODEL])
+    async with stubs(prefill, decode) as urls:
+        cli = {
+            **FAST,
+            "static_backends": ",".join(urls),
+            "routing_logic": "disaggregated_prefill",
+            "static_roles": "prefill,decode",
+            "disagg_min_uncached_tokens": 64,
+        }
+        router = build_router(cli, environ={}, endpoints=ENDPOINTS.plus(row))
+        async with serving(router) as url, httpx.AsyncClient(base_url=url, timeout=30) as h:
+            await wait_for(lambda: router.registry.healthy_count == 2, what="two healthy engines")
+            doc = {
+                "model": MODEL,
+                "prompt": "the quick brown fox jumps over the lazy dog " * 60,
+                "max_tokens": 5,
+            }
+            r = await h.post(row.path, json=doc)
+            assert r.status_code == 200 and r.json()["engine"] == "D", r.text
+    assert decode.seen[-1].path == row.path
+    if disaggregable:
+        (p,) = prefill.seen
+        assert p.path == row.path and orjson.loads(p.body)["max_tokens"] == 1
+    else:
+        assert not [s for s in prefill.seen if s.path == row.path]
