@@ -29,7 +29,7 @@ from vllm_stack.api.priority import PriorityPolicy
 from vllm_stack.batch import api as batch_api
 from vllm_stack.batch.files import MULTIPART_SLACK
 from vllm_stack.batch.runner import BatchRunner, BatchSettings
-from vllm_stack.config import ConfigError, RouterConfig, load_config, read_yaml
+from vllm_stack.config import DECLARED, ConfigError, RouterConfig, load_config, read_yaml
 from vllm_stack.director.director import Director, ProxySettings
 from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.pd_notify import PdNotifications
@@ -67,47 +67,10 @@ log = logging.getLogger(__name__)
 
 #: Settings a running router does not change: a reload that changes one says so (and why); the
 #: router keeps running with the value it started with. Every other setting takes effect on reload
-#: (tests/router/test_reload.py holds every RouterConfig field to one or the other).
+#: (tests/router/test_reload.py holds every RouterConfig field to one or the other). Declared with each
+#: setting (``restart=`` in vllm_stack.settings).
 RESTART_ONLY: Mapping[str, str] = {
-    "host": "the listening socket is bound at start",
-    "port": "the listening socket is bound at start",
-    "shutdown_grace": "the server takes it at start",
-    "config_file": "the file watched is the one given at start",
-    "service_discovery": "the discovery source is built at start",
-    "k8s_namespace": "Kubernetes discovery's watch is built at start",
-    "k8s_label_selector": "Kubernetes discovery's watch is built at start",
-    "k8s_port": "Kubernetes discovery's watch is built at start",
-    "prefill_model_labels": "Kubernetes discovery reads engine roles with the labels given at start",
-    "decode_model_labels": "Kubernetes discovery reads engine roles with the labels given at start",
-    "disagg_protocol": "LMCache's notification socket is bound at start (or not)",
-    "disagg_notify_port": "LMCache's notification socket is bound at start",
-    "engine_ca_file": "the engines' TLS context (pooled connections, control session) is built at start",
-    "otlp_traces_endpoint": "the tracer and its exporter are built at start",
-    "otlp_traces_protocol": "the tracer and its exporter are built at start",
-    "otel_service_name": "the tracer and its exporter are built at start",
-    "otel_secure": "the tracer and its exporter are built at start",
-    "trace_sample_ratio": "the tracer's sampler is built at start",
-    "ext_proc_port": "the endpoint picker's gRPC server is bound at start",
-    "inference_pool": "the InferencePool's selector and port are read at start",
-    "ext_proc_idle_timeout": "the endpoint picker's gRPC server takes it at start",
-    "ext_proc_answer_timeout": "the endpoint picker's gRPC server takes it at start",
-    "ext_proc_max_connections": "the endpoint picker's gRPC server takes it at start",
-    "endpoint_picker": "the endpoint picker's channel is opened at start",
-    "endpoint_picker_timeout": "the endpoint picker's client is built at start",
-    "endpoint_picker_fail_open": "the endpoint picker's client is built at start",
-    **{
-        name: "the Batch API's store and runner are built at start"
-        for name in (
-            "batch_api",
-            "batch_dir",
-            "batch_database_url",
-            "batch_completion_window",
-            "batch_max_file_bytes",
-            "batch_concurrency",
-            "batch_reserve_slots",
-            "batch_lease_seconds",
-        )
-    },
+    name: item.setting.restart for name, item in DECLARED.items() if item.setting.restart is not None
 }
 
 

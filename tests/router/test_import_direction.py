@@ -34,6 +34,7 @@ LAYERS = {
     "server": 3,
     "extproc": 2,  # Envoy's ext_proc messages as the Inference Extension uses them
     "config": 1,
+    "settings": 0.5,  # every setting's declaration, by group (config reads files and flags into them)
     "metrics": 1,
     "errors": 1,
     "endpoint_table": 0,  # the router's paths and what it does with each: read by every layer above

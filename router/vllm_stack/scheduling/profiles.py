@@ -1,7 +1,8 @@
 """The ``--routing-logic`` strategies: production-stack's names plus ours, each a built-in scheduling
 configuration of the same shape a user writes in the router's YAML (:mod:`.config`).
 
-Adding a strategy name is one entry in :func:`builtin_config`; adding a behaviour is a plugin.
+Adding a strategy name is one entry in :func:`builtin_config` and its name in the routing_logic
+setting's values (:data:`vllm_stack.settings.scheduling.ROUTING_LOGICS`); adding a behaviour is a plugin.
 ``prefixaware`` is the prefix-cache picker: block-aligned chained keys of the whole prompt, an index
 of which engine was sent which blocks, and a load bound; where engines publish KV events and the
 router has the model's tokenizer, the events keep that index exact (:mod:`.index.feed`).
@@ -19,17 +20,8 @@ from vllm_stack.scheduling.config import build_scheduling
 from vllm_stack.scheduling.framework import Scheduler
 from vllm_stack.scheduling.plugins import builtin_registry
 from vllm_stack.scheduling.registry import PluginState
+from vllm_stack.settings.scheduling import ROUTING_LOGICS
 
-ROUTING_LOGICS = (
-    "roundrobin",
-    "random",
-    "leastloaded",
-    "p2c",
-    "session",
-    "prefixaware",
-    "kvaware",
-    "disaggregated_prefill",
-)
 #: The profile that picks a disaggregated request's prefill engine (vllm_stack.director.disagg).
 PREFILL_PROFILE = "prefill"
 _PREFIX_PICKER = "prefix-cache-picker"
