@@ -97,8 +97,8 @@ class RouterConfig(
 
 #: The groups of settings, in the order they are checked and documented.
 GROUPS: tuple[type, ...] = RouterConfig.__bases__
-#: Every setting by name, as the YAML file and the flags name it.
-DECLARED = {d.name: d for d in declared(RouterConfig)}
+#: Every setting by name, as the YAML file and the flags name it, group by group.
+DECLARED = {d.name: d for group in GROUPS for d in declared(group)}
 
 
 def _coerce(name: str, value: Any) -> Any:  # noqa: ANN401 - any setting's type
