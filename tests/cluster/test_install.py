@@ -69,7 +69,10 @@ def discard(cluster: Cluster, helm: Helm, namespace: str) -> None:
     cluster.kubectl("delete", "namespace", namespace, "--wait=false", "--ignore-not-found", check=False)
 
 
-CASES = [(values, major) for values in every_values_file() for major in (3, 4)]
+#: An SGLang model beside a vLLM one (engineKind: sglang): not a chart example, since `vllm-stack up`, which
+#: runs every example, cannot run SGLang here (tests/up/test_plan.py shows its refusal).
+SGLANG_VALUES = ROOT / "tests" / "helm" / "data" / "sglang-beside-vllm.yaml"
+CASES = [(values, major) for values in [*every_values_file(), SGLANG_VALUES] for major in (3, 4)]
 NODE_PORTS = KeyedLocks()
 
 

@@ -426,3 +426,12 @@ def test_cluster_pods_share_a_claims_folder_and_read_a_secret_learned_later(tmp_
         assert shared in process.folders
     # Its other mounts stay the Pod's own.
     assert first.argv[first.argv.index("--config") + 1].startswith(str(tmp_path / "pods" / "router-a"))
+
+
+def test_an_sglang_engine_is_refused_with_the_reason(tmp_path) -> None:
+    """`vllm-stack up` runs vLLM engines; an SGLang model (engineKind: sglang) is refused by name, not
+    planned as a vLLM engine with SGLang's flags."""
+    with pytest.raises(
+        PlanError, match="an SGLang engine .engineKind: sglang. does not run under `vllm-stack up`"
+    ):
+        _plan([ROOT / "tests/helm/data/sglang-beside-vllm.yaml"], tmp_path)

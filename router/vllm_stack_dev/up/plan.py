@@ -565,6 +565,11 @@ class Planner:
         pod_host: str | None = None,
     ) -> Process:
         """The engine process of ``pod``; with ``pod_host`` (plan_pod_engine) it keeps its own ports there."""
+        if command[:3] == ["python3", "-m", "sglang.launch_server"]:
+            raise PlanError(
+                f"{pod.name}: an SGLang engine (engineKind: sglang) does not run under `vllm-stack up`: its "
+                "PyPI package has no CPU kernels (docs/engine-kinds-research.md); deploy it with the chart"
+            )
         if command[:2] != ["vllm", "serve"] or len(command) < 3:
             raise PlanError(f"{pod.name}: the engine command is not `vllm serve MODEL ...`: {command[:3]}")
         model, args = command[2], command[3:]
