@@ -83,14 +83,14 @@ def _ours(name: str, tokenizers: bool = False) -> Callable[[Setup, int, int], li
     return command
 
 
-def _picker_pair(picker: str, name: str = "") -> Callable[[Setup, int, int], list[str]]:
+def _picker_pair(picker: str, name: str = "", replicas: int = 1) -> Callable[[Setup, int, int], list[str]]:
     """Our router in gateway mode asking an endpoint picker (``picker_pair.py``): ``ours`` (`vllm-stack
     epp` with contender `name`'s flags), ``upstream`` (the Inference Extension's EPP v1.5.0 on the setup's
     InferencePool) or ``llmd`` (llm-d's router, its default profile, on the same pool)."""
 
     def command(setup: Setup, port: int, _metrics_port: int) -> list[str]:
         args = [sys.executable, str(ROOT / "benchmarks" / "routing" / "picker_pair.py"), "--picker", picker,
-                "--port", str(port), "--backends", ",".join(setup.engine_urls)]  # fmt: skip
+                "--port", str(port), "--backends", ",".join(setup.engine_urls), "--replicas", str(replicas)]  # fmt: skip
         if picker in ("upstream", "llmd"):
             assert setup.pool is not None, (
                 f"the {picker} picker needs the InferencePool (quality.py makes it)"
@@ -142,6 +142,9 @@ CONTENDERS: dict[str, Contender] = {
     "ours-epp": Contender("ours-epp", "ours", _picker_pair("ours", "ours-kvevents")),
     "upstream-epp": Contender("upstream-epp", "upstream", _picker_pair("upstream")),
     "llmd-router": Contender("llmd-router", "upstream", _picker_pair("llmd")),
+    # picker replicas: two pickers, each behind its own gateway, requests to the gateways in turn
+    "ours-epp-x2": Contender("ours-epp-x2", "ours", _picker_pair("ours", "ours-kvevents", replicas=2)),
+    "llmd-router-x2": Contender("llmd-router-x2", "upstream", _picker_pair("llmd", replicas=2)),
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }
@@ -152,7 +155,7 @@ def unavailable(name: str) -> str | None:
     contender = CONTENDERS[name]
     if contender.family == "ours":
         return None
-    if name == "llmd-router":
+    if name.startswith("llmd-router"):
         from vllm_stack_dev.testbed.upstream_epp import LLMD_EPP_ENV, llmd_epp_binary
 
         return (

@@ -8,7 +8,10 @@ asking it (fail-closed, so every request is the picker's decision), started in t
 InferencePool from the API server, waited for until it has fresh metrics for every backend; ``llmd``:
 llm-d's router (``LlmdRouterEpp``, its default profile) the same way; ``ours``:
 ``vllm-stack epp`` with the flags after ``--`` over the same backends. The gateway gets the backends as
-static engines. SIGTERM (the benchmark stops a contender's process group) stops the gateway and the
+static engines. ``--replicas N`` (picker replicas, the Inference Extension's most asked-for set-up): N
+pickers, each behind a gateway of its own, and in front of the gateways our router with round-robin
+(every request to the next gateway, so each picker decides every Nth request and learns of the others
+only through what it reads: the engines' KV events for ours, its own approximate index for llm-d's). SIGTERM (the benchmark stops a contender's process group) stops the gateway and the
 picker (the upstream EPP runs in a process group of its own, so it is stopped here by its PID).
 """
 
@@ -42,6 +45,32 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], timeout: float = 12
     raise TimeoutError("the picker was not ready in time")
 
 
+def _start_picker(args: argparse.Namespace, upstreams: list[UpstreamEpp], processes: list) -> str:
+    """One picker of kind ``args.picker`` started and ready; its ext_proc target (``host:port``)."""
+    if args.picker in ("upstream", "llmd"):
+        kind = UpstreamEpp if args.picker == "upstream" else LlmdRouterEpp
+        work = Path(tempfile.mkdtemp(prefix=f"{args.picker}-epp-"))
+        upstream = kind(Path(args.kubeconfig), args.namespace, args.pool, work)
+        upstreams.append(upstream)
+        upstream.start(timeout=120, ready_endpoints=len(args.backends.split(",")))
+        return f"127.0.0.1:{upstream.grpc_port}"
+    http_port, grpc_port = port_for_later(), port_for_later()
+    command = [str(OURS), "epp", "--host", "127.0.0.1", "--port", str(http_port),
+               "--ext-proc-port", str(grpc_port), "--static-backends", args.backends,
+               *args.picker_flags]  # fmt: skip
+    picker = subprocess.Popen(command)
+    processes.append(picker)
+    _wait_ready(http_port, picker)
+    return f"127.0.0.1:{grpc_port}"
+
+
+def _router(port: int, backends: str, *flags: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(OURS), "router", "--host", "127.0.0.1", "--port", str(port), "--static-backends", backends,
+         "--log-level", "warning", *flags]
+    )  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--picker", choices=("upstream", "llmd", "ours"), required=True)
@@ -50,6 +79,7 @@ def main() -> int:
     parser.add_argument("--kubeconfig")
     parser.add_argument("--namespace")
     parser.add_argument("--pool")
+    parser.add_argument("--replicas", type=int, default=1, help="pickers, each behind a gateway of its own")
     parser.add_argument("picker_flags", nargs="*")
     args = parser.parse_args()
     stopping = False
@@ -59,41 +89,33 @@ def main() -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, stop)
-    upstream: UpstreamEpp | None = None
-    picker: subprocess.Popen[bytes] | None = None
-    gateway: subprocess.Popen[bytes] | None = None
+    upstreams: list[UpstreamEpp] = []
+    processes: list[subprocess.Popen[bytes]] = []
     try:
-        if args.picker in ("upstream", "llmd"):
-            kind = UpstreamEpp if args.picker == "upstream" else LlmdRouterEpp
-            work = Path(tempfile.mkdtemp(prefix=f"{args.picker}-epp-"))
-            upstream = kind(Path(args.kubeconfig), args.namespace, args.pool, work)
-            upstream.start(timeout=120, ready_endpoints=len(args.backends.split(",")))
-            target = f"127.0.0.1:{upstream.grpc_port}"
-        else:
-            http_port, grpc_port = port_for_later(), port_for_later()
-            command = [str(OURS), "epp", "--host", "127.0.0.1", "--port", str(http_port),
-                       "--ext-proc-port", str(grpc_port), "--static-backends", args.backends,
-                       *args.picker_flags]  # fmt: skip
-            picker = subprocess.Popen(command)
-            _wait_ready(http_port, picker)
-            target = f"127.0.0.1:{grpc_port}"
-        gateway = subprocess.Popen(
-            [str(OURS), "router", "--host", "127.0.0.1", "--port", str(args.port),
-             "--static-backends", args.backends, "--endpoint-picker", f"grpc://{target}",
-             "--no-endpoint-picker-fail-open", "--endpoint-picker-timeout", "10", "--log-level", "warning"]
-        )  # fmt: skip
-        while not stopping and gateway.poll() is None:
+        gateway_ports = (
+            [args.port] if args.replicas == 1 else [port_for_later() for _ in range(args.replicas)]
+        )
+        for port in gateway_ports:
+            target = _start_picker(args, upstreams, processes)
+            processes.append(_router(port, args.backends, "--endpoint-picker", f"grpc://{target}",
+                                     "--no-endpoint-picker-fail-open", "--endpoint-picker-timeout", "10"))  # fmt: skip
+        if (
+            args.replicas > 1
+        ):  # the front: requests in turn to each gateway, so each picker sees every other one
+            gateways = ",".join(f"http://127.0.0.1:{port}" for port in gateway_ports)
+            processes.append(_router(args.port, gateways, "--routing-logic", "roundrobin"))
+        while not stopping and all(process.poll() is None for process in processes):
             time.sleep(0.2)
         return 0 if stopping else 1
     finally:
-        for process in (gateway, picker):
-            if process is not None and process.poll() is None:
+        for process in reversed(processes):
+            if process.poll() is None:
                 process.terminate()
                 try:
                     process.wait(10)
                 except subprocess.TimeoutExpired:
                     process.kill()
-        if upstream is not None:
+        for upstream in upstreams:
             upstream.stop()  # its own process group, by its PID
 
 
