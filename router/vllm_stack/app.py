@@ -448,7 +448,9 @@ class Router:
             asyncio.ensure_future(self.kv_feed.run()),
         ]
         if config.config_file:
-            self._tasks.append(asyncio.ensure_future(self._watch_config(config.config_file)))
+            self._tasks.append(
+                asyncio.ensure_future(self._watch_config(config.config_file, config.config_watch_interval))
+            )
         if self.pd_notifications is not None:
             self._tasks.append(asyncio.ensure_future(self.pd_notifications.run()))
         if config.ext_proc_port:

@@ -184,3 +184,14 @@ def test_k8s_discovery_is_wired_lazily() -> None:
         environ={},
     )
     assert isinstance(router.discovery, KubernetesDiscovery)
+
+
+def test_config_watch_interval_is_a_positive_number_of_seconds() -> None:
+    assert (
+        load_config(
+            {"static_backends": "http://e:8000", "config_watch_interval": "0.2"}
+        ).config_watch_interval
+        == 0.2
+    )
+    with pytest.raises(ConfigError, match="config_watch_interval"):
+        load_config({"static_backends": "http://e:8000", "config_watch_interval": 0})

@@ -29,6 +29,11 @@ class ServerGroup:
         restart="the file watched is the one given at start",
         chart="routerSpec.config",
     )
+    config_watch_interval: float = setting(
+        1.0,
+        doc="seconds between checks of the --config file for a change (default 1)",
+        restart="the file's watcher takes it at start",
+    )
     # seconds a client's request head may take to arrive whole (slowloris); then 408 and close.
     # Well-kept proxies close within 60 s (nginx's client_header_timeout); a real client's head
     # takes milliseconds.
@@ -83,6 +88,8 @@ class ServerGroup:
         """Raise :class:`ConfigError` on server settings that cannot work."""
         if self.json_parser not in JSON_PARSERS:
             raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
+        if self.config_watch_interval <= 0:
+            raise ConfigError("config_watch_interval must be > 0")
         if self.request_head_timeout <= 0 or self.request_body_timeout <= 0:
             raise ConfigError("request_head_timeout and request_body_timeout must be > 0")
         if self.max_body_bytes <= 0:
