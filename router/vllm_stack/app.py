@@ -210,7 +210,19 @@ class Router:
 
     @staticmethod
     def _catalog(config: RouterConfig) -> AdapterCatalog:
-        return AdapterCatalog.from_settings(config.lora_adapters, config.weighted_models)
+        """The adapter registry; an adapter of a model whose engine kind does not serve adapters by
+        their name (SGLang) is a ``ConfigError``: its requests would get the base model."""
+        catalog = AdapterCatalog.from_settings(config.lora_adapters, config.weighted_models)
+        kinds = _model_kinds(config)
+        for spec in catalog.adapters.values():
+            kind = kind_named(kinds.get(spec.base_model, "vllm"))
+            if not kind.adapters.by_name:
+                raise ConfigError(
+                    f"lora_adapters: {spec.name!r}: the engines of {spec.base_model!r} are {kind.name}, which "
+                    f"serves an adapter only as '{spec.base_model}:{spec.name}'; the router does not rename "
+                    "adapter requests for it yet"
+                )
+        return catalog
 
     def _proxy_settings(self, config: RouterConfig) -> ProxySettings:
         return ProxySettings(

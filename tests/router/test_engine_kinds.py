@@ -330,6 +330,18 @@ def test_unknown_kinds_are_refused() -> None:
         Router(RouterConfig(static_backends=("http://a:1",), models=({"name": "m", "engine_kind": "nope"},)))
 
 
+def test_an_adapter_of_an_sglang_model_is_refused_at_start() -> None:
+    """SGLang serves an adapter only as model ``base:adapter``; the router relays the adapter's own name,
+    so a registered adapter of an SGLang model would be answered by the base model: refused by name."""
+    adapter = {"name": "sql", "source": "/adapters/sql", "base_model": "m"}
+    sglang = ({"name": "m", "engine_kind": "sglang"},)
+    with pytest.raises(
+        ConfigError, match="'sql': the engines of 'm' are sglang, which serves an adapter only as 'm:sql'"
+    ):
+        Router(RouterConfig(static_backends=("http://a:1",), models=sglang, lora_adapters=(adapter,)))
+    Router(RouterConfig(static_backends=("http://a:1",), models=({"name": "m"},), lora_adapters=(adapter,)))
+
+
 async def test_static_engines_take_their_models_kind() -> None:
     config = RouterConfig(
         static_backends=("http://a:1", "http://b:2", "http://c:3"),

@@ -31,7 +31,9 @@ class AdapterApi:
     ``load_ok``: the load succeeded, or the engine has the adapter already (a hot adapter, an earlier
     load): ``already_loaded`` in an answer of status ``already_loaded_status``. ``unload_ok``: it is
     gone, also when the engine did not have it (``unknown_status``, with ``unknown`` in the answer
-    when that status means other failures too).
+    when that status means other failures too). ``by_name``: a request naming the adapter as its
+    ``model`` is served with it (vLLM); False where the engine wants another name (SGLang:
+    ``base:adapter``), which the router does not write yet, so such adapters are refused at start.
     """
 
     load_path: str
@@ -40,6 +42,7 @@ class AdapterApi:
     already_loaded_status: int = 400
     unknown_status: int = 404
     unknown: bytes = b""
+    by_name: bool = True
 
     def load_ok(self, status: int, body: bytes) -> bool:
         return status == 200 or (status == self.already_loaded_status and self.already_loaded in body)

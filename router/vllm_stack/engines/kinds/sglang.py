@@ -158,6 +158,7 @@ class SglangKind(EngineKind):
         already_loaded_status=400,
         unknown_status=400,
         unknown=b"does not exist",
+        by_name=False,  # it serves an adapter as model "base:adapter" (or with lora_path), not by its name
     )
     handover = HandOver(
         "concurrent",
