@@ -235,7 +235,6 @@ class Router:
             frozenset(served_models(config.models)),
             DisaggSettings(
                 config.disagg_protocol,
-                config.disagg_min_uncached_tokens,
                 config.disagg_receiver_init_port,
                 config.disagg_receiver_alloc_port,
                 config.disagg_notify_timeout,

@@ -22,9 +22,10 @@ from kubernetes_asyncio.client import V1ObjectMeta, V1Pod, V1PodCondition, V1Pod
 from tests.fakes.stub_engine import StubBehaviour, StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 from vllm_stack.config import ConfigError, load_config
-from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.pd_notify import MAX_EARLY, PdNotifications
 from vllm_stack.engines.discovery.kubernetes import pod_endpoint
+from vllm_stack.scheduling.framework import RequestContext
+from vllm_stack.scheduling.plugins.uncached_tokens_decider import UncachedTokensDecider
 
 LONG = "the quick brown fox jumps over the lazy dog " * 60  # ~650 tokens by the byte estimate
 HANDOVER = {
@@ -138,8 +139,8 @@ async def test_only_a_prefill_leg_sent_claims_the_prefill_engine(min_uncached: i
     or later requests would expect cached tokens there that were never sent. A prefill leg sent claims
     both, as any placement does.
 
-    Kills: in ``director/prefill_stage.py`` ``begin``, running the deferred claims before the decider
-    (or not deferring them: ``cycle[DEFERRED_CLAIMS] = claims`` removed).
+    Kills: in ``scheduling/disaggregation.py`` ``prefill_step``, the prefill profile's pick made before
+    the decider.
     """
     prefill, decode = StubEngine("P"), StubEngine("D")
     settings = pd_settings(disagg_min_uncached_tokens=min_uncached)
@@ -166,12 +167,13 @@ async def test_only_a_prefill_leg_sent_claims_the_prefill_engine(min_uncached: i
 def test_the_decider_takes_an_uncached_part_of_exactly_the_threshold() -> None:
     """``min_uncached_tokens`` is the least uncached part worth a prefill leg: reaching it is enough.
 
-    Kills: in ``director/disagg.py`` ``worth_it``, ``>=`` -> ``>``.
+    Kills: in ``scheduling/plugins/uncached_tokens_decider.py`` ``decide``, ``>=`` -> ``>``.
     """
-    settings = DisaggSettings(min_uncached_tokens=256)
-    assert settings.worth_it(256) and settings.worth_it(257)
-    assert not settings.worth_it(255)
-    assert DisaggSettings(min_uncached_tokens=0).worth_it(0)
+    ctx = RequestContext("stub-model")
+    decider = UncachedTokensDecider(min_uncached_tokens=256)
+    assert decider.decide(ctx, 256) and decider.decide(ctx, 257)
+    assert not decider.decide(ctx, 255)
+    assert UncachedTokensDecider(min_uncached_tokens=0).decide(ctx, 0)
 
 
 async def test_the_prefill_leg_asks_for_one_choice_and_the_decode_leg_for_the_clients() -> None:
@@ -197,8 +199,8 @@ async def test_the_decider_goes_by_the_uncached_part_of_the_prompt_not_the_body(
     a prompt sent again (its blocks now indexed on the prefill engine) has almost nothing uncached
     and is served decode-only; a long non-prompt field (``user`` here) is no prompt to prefill.
 
-    Kills: in ``director/prefill_stage.py`` ``begin``, the decider given a count of the whole body
-    (``settings.worth_it(len(ctx.body) // 4)``) or the prompt's length without what is cached.
+    Kills: in ``scheduling/disaggregation.py`` ``prefill_step``, the decider given a count of the whole
+    body (``len(ctx.body) // 4``) or the prompt's length without what is cached.
     """
     prefill = StubEngine("P", behaviour=StubBehaviour(kv_transfer_params=HANDOVER))
     decode = StubEngine("D")

@@ -121,7 +121,9 @@ PROBES: dict[str, Probe] = {
     "critical_max_waiting": Probe(60.0, lambda r: plugin(r, "low-queue-filter").max_waiting),
     "critical_reserve_slots": Probe(1, lambda r: plugin(r, "saturation-filter").limits.reserve_slots),
     "disaggregation": Probe(True, lambda r: r.director.settings.disagg is not None),
-    "disagg_min_uncached_tokens": disagg("min_uncached_tokens", 512),
+    "disagg_min_uncached_tokens": Probe(
+        512, lambda r: r.scheduler.disaggregation.decider.min_uncached_tokens, base=DISAGG
+    ),
     "disagg_receiver_init_port": disagg("receiver_init_port", 7301),
     "disagg_receiver_alloc_port": disagg("receiver_alloc_port", 7401),
     "disagg_notify_timeout": disagg("notify_timeout", 5.0),

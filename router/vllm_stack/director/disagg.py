@@ -3,10 +3,9 @@ on a decode engine that receives the prompt's KV from it (vLLM's KV-connector pr
 
 The director (:mod:`.request`) runs the stages; this module holds what is particular to them:
 
-- which requests qualify (:attr:`DisaggSettings.paths`: the endpoint table's disaggregable ones, a JSON body without ``kv_transfer_params`` of its
-  own, a model with prefill-role engines) and the decider (:meth:`DisaggSettings.worth_it`: the
-  uncached part of the prompt, the prefix-cache index's estimate for the chosen prefill engine, must
-  reach ``min_uncached_tokens``, else the request is served decode-only);
+- which requests qualify (:attr:`DisaggSettings.paths`: the endpoint table's disaggregable ones, a JSON
+  body without ``kv_transfer_params`` of its own, a model with prefill-role engines; whether a prefill
+  leg is worth it is scheduling's: :mod:`vllm_stack.scheduling.disaggregation`);
 - the two bodies, by protocol:
 
   ``vllm`` (vLLM's NixlConnector and every connector that follows its proxy protocol): the prefill
@@ -57,17 +56,11 @@ class DisaggSettings:
     """What disaggregated serving reads of the configuration (swapped as a whole on reload)."""
 
     protocol: str = "vllm"  # vllm | lmcache
-    min_uncached_tokens: int = 256
     receiver_init_port: int = 7300  # lmcache: the decode engines' LMCache receiver ports
     receiver_alloc_port: int = 7400
     notify_timeout: float = 10.0  # lmcache: seconds to wait for the prefill engine's notification
     #: Endpoints whose requests may be disaggregated (the router's endpoint table says which)
     paths: frozenset[str] = ENDPOINTS.disaggregable
-
-    def worth_it(self, uncached_tokens: int) -> bool:
-        """The decider: a prefill engine is worth a second leg only for a long enough uncached part
-        (a short one is prefilled by the decode engine faster than the hand-over takes)."""
-        return uncached_tokens >= self.min_uncached_tokens
 
 
 def parse_body(body: bytes) -> dict[str, Any] | None:

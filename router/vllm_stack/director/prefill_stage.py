@@ -1,11 +1,11 @@
 """One request's prefill stage in disaggregated serving: decide, run the prefill leg, hand over.
 
-:meth:`PrefillStage.begin` runs at a request's first scheduling. It returns None (the request is
-served whole, decode-only) unless the model has prefill engines, the ``prefill`` profile picked one,
-the body is a JSON object without ``kv_transfer_params`` of its own, and the decider finds the
-uncached part of the prompt long enough. Until then the prefill profile's pick claims nothing (the
-prefix index's blocks, the engine's share: ``DEFERRED_CLAIMS``), so a request served decode-only
-leaves no trace on the prefill engine. Otherwise it makes those claims, books the prefill engine
+:meth:`PrefillStage.begin` runs at a request's first scheduling, for a model with prefill engines and
+a body that is a JSON object without ``kv_transfer_params`` of its own. Its decisions are
+scheduling's, in llm-d's order (:mod:`vllm_stack.scheduling.disaggregation`): the decode engine
+first where the prefill request must name it (``lmcache``), then the decider, and only when it says
+so the ``prefill`` profile's pick. A request served decode-only never ran that pick, so nothing was
+claimed or booked on the prefill pool for it. A prefill engine picked, the stage books it
 (in-flight count, prefill tokens, breaker) and sends the prefill leg
 (:class:`~.disagg.PrefillExchange`). How it ends:
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -33,8 +32,6 @@ from vllm_stack.director import disagg
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.request_id import new_request_id
-from vllm_stack.scheduling.framework import DEFERRED_CLAIMS
-from vllm_stack.scheduling.profiles import PREFILL_PROFILE
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
@@ -53,8 +50,18 @@ class DisaggregatedRequest(Protocol):
     request: HttpRequest  # the client's request line (method, target) for the prefill leg's
     tail: bytes  # headers, framing and body as sent upstream; the vllm hand-over rewrites its body
 
+    pd: PrefillStage | None  # the stage while it runs
+
     def resume_after_prefill(self, engine: Engine | None) -> None:
         """The stage is over: decode on ``engine`` (lmcache: where the KV was sent), or schedule."""
+        ...
+
+    def schedule_decode(self) -> Engine | None:
+        """Schedule the request as any (its decode engine), noting the decision; None: no engine now."""
+        ...
+
+    def start_decode(self, engine: Engine) -> None:
+        """Serve the request whole (decode-only) on ``engine``, which :meth:`schedule_decode` chose."""
         ...
 
 
@@ -95,62 +102,59 @@ class PrefillStage:
         self.timer: asyncio.TimerHandle | None = None  # lmcache: the wait for the notification
 
     @classmethod
-    def begin(cls, owner: DisaggregatedRequest) -> PrefillStage | None:
-        """The stage, its prefill leg sent; None when the request is served without one."""
+    def begin(cls, owner: DisaggregatedRequest) -> bool:
+        """Run the stage's decisions (decode, decider, prefill: see the module docstring); True when the
+        request is under way (its prefill leg sent, ``owner.pd`` set; or, lmcache, served decode-only
+        on the decode engine already chosen), False to schedule it as any request."""
         director = owner.director
         ctx = owner.ctx
         settings = director.settings.disagg
         candidates = director.registry.prefill_candidates(ctx.pool or ctx.model)
         if settings is None or not candidates:
-            return None
+            return False
         metrics = director.metrics
-        label = owner.ctx.model_label
-        profile = director.scheduler.profiles.get(PREFILL_PROFILE)
-        if profile is None:  # a scheduling configuration of the user's without one
+        label = ctx.model_label
+        disaggregation = director.scheduler.disaggregation
+        if disaggregation is None:  # a scheduling configuration of the user's without a prefill profile
             metrics.disagg(label, "no_prefill_profile")
-            return None
+            return False
         request = disagg.parse_body(ctx.body)
         if request is None or "kv_transfer_params" in request:
             metrics.disagg(label, "client_params" if request is not None else "not_json")
-            return None
-        ctx.prefill_tokens = 0
-        # The pick is provisional until the decider (and, for lmcache, a decode engine) says the leg
-        # is sent: a decode-only request must leave no claim on the prefill engine (index, shares).
-        claims: list[Callable[[], None]] = []
-        cycle = ctx.cycle
-        cycle[DEFERRED_CLAIMS] = claims
+            return False
+        decode = None
+        if settings.protocol == "lmcache":  # the prefill request names the decode engine: it comes first
+            if director.pd_notifications is None:
+                metrics.disagg(label, "no_notifications")
+                return False
+            decode = owner.schedule_decode()
+            if decode is None:  # none has room: the request waits for one as any request does
+                metrics.disagg(label, "no_decode_engine")
+                return False
+        decode_tokens, ctx.prefill_tokens = ctx.prefill_tokens, 0
         trace = ctx.trace
         if trace is not None:
             trace.schedule_begin()
-        try:
-            result = profile.run(ctx, candidates)
-        finally:
-            del cycle[DEFERRED_CLAIMS]
-        engine = result.engine
+        pick = disaggregation.prefill_step(ctx, candidates)
+        result = pick.result
+        engine = result.engine if result is not None else None
         if trace is not None:
-            trace.schedule_end(result.profile, result.reason, engine and engine.name, ctx.predicted_cached)
-        tokens, ctx.prefill_tokens = ctx.prefill_tokens, 0
+            if result is not None:
+                trace.schedule_end(
+                    result.profile, result.reason, engine and engine.name, ctx.predicted_cached
+                )
+            else:
+                trace.schedule_end(disaggregation.prefill.name, pick.outcome, None, None)
+        tokens, ctx.prefill_tokens = ctx.prefill_tokens, decode_tokens
         if engine is None:
-            metrics.disagg(label, "no_prefill_engine")
-            return None
-        if not settings.worth_it(tokens):
-            metrics.disagg(label, "short")
-            return None
-        decode = None
-        if settings.protocol == "lmcache":
-            if director.pd_notifications is None:
-                metrics.disagg(label, "no_notifications")
-                return None
-            decode = director.schedule(ctx).engine
-            ctx.prefill_tokens = 0
-            if decode is None:  # none has room: the request waits for one as any request does
-                metrics.disagg(label, "no_decode_engine")
-                return None
-        for claim in claims:
-            claim()
-        stage = cls(owner, settings, request, engine, tokens, decode)
+            metrics.disagg(label, pick.outcome or "no_prefill_engine")
+            if decode is not None:
+                owner.start_decode(decode)
+                return True
+            return False
+        stage = owner.pd = cls(owner, settings, request, engine, tokens, decode)
         stage._send()
-        return stage
+        return True
 
     def _send(self) -> None:
         owner = self.owner

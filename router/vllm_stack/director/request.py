@@ -103,8 +103,7 @@ class ProxiedRequest(DirectedRequest):
                 return
             if self.disagg_pending:
                 self.disagg_pending = False
-                self.pd = PrefillStage.begin(self)
-                if self.pd is not None:
+                if PrefillStage.begin(self):
                     return
         DirectedRequest._attempt(self)
 
@@ -231,6 +230,16 @@ class ProxiedRequest(DirectedRequest):
             self._start(engine)
         else:
             self._attempt()
+
+    def schedule_decode(self) -> Engine | None:
+        """The decode engine, chosen before the prefill leg (lmcache: the prefill request names it)."""
+        return self._schedule().engine
+
+    def start_decode(self, engine: Engine) -> None:
+        """Decode-only on the engine :meth:`schedule_decode` chose (the decider said no prefill leg)."""
+        if self.director.settings.debug_headers:
+            self._note_route(engine)
+        self._start(engine)
 
     def _send(self) -> None:
         engine = self.engine

@@ -70,7 +70,7 @@ from vllm_stack.engines.booking import RELEASED, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
 from vllm_stack.scheduling.config import Hooks
-from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext
+from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext, SchedulingResult
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
@@ -343,22 +343,29 @@ class DirectedRequest:
             # requests of at least its priority wait already: it goes behind them (sheddable: shed)
             self._wait_or_fail(Reason.ALL_SATURATED)
             return
-        ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
-        trace = ctx.trace
-        if trace is not None:
-            trace.schedule_begin()
-        result = director.schedule(ctx)
-        ctx.profile = result.profile
-        ctx.reason = result.reason
+        result = self._schedule()
         engine = result.engine
-        if trace is not None:
-            trace.schedule_end(result.profile, result.reason, engine and engine.name, ctx.predicted_cached)
         if engine is None:
             self._wait_or_fail(result.reason)
             return
         if director.settings.debug_headers:
             self._note_route(engine)
         self._start(engine)
+
+    def _schedule(self) -> SchedulingResult:
+        """The director's scheduling of the request, the decision noted in its context (and trace)."""
+        ctx = self.ctx
+        ctx.prefill_tokens = 0  # a picker that estimates it sets it again (a retry may use another)
+        trace = ctx.trace
+        if trace is not None:
+            trace.schedule_begin()
+        result = self.director.schedule(ctx)
+        ctx.profile = result.profile
+        ctx.reason = result.reason
+        if trace is not None:
+            engine = result.engine
+            trace.schedule_end(result.profile, result.reason, engine and engine.name, ctx.predicted_cached)
+        return result
 
     def _note_route(self, engine: Engine) -> None:
         """What the answer's x-vllm-stack-route will say (debug_headers on): the decision in the context."""

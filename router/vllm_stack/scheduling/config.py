@@ -37,6 +37,7 @@ from vllm_stack.config import ConfigError
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.metrics import RouterMetrics
+from vllm_stack.scheduling.disaggregation import disaggregation_of
 from vllm_stack.scheduling.framework import (
     Filter,
     Picker,
@@ -195,7 +196,9 @@ def build_scheduling(
                 for p in profiles.values()
             },
         }
-        setup = SchedulingSetup(Scheduler(profiles, handler), hooks, instances, description)
+        disaggregation = disaggregation_of(handler, profiles, instances)
+        scheduler = Scheduler(profiles, handler, disaggregation)
+        setup = SchedulingSetup(scheduler, hooks, instances, description)
         applied = True
         return setup
     finally:

@@ -46,12 +46,6 @@ class CycleState(dict[str, Any]):
     __slots__ = ()
 
 
-#: Cycle-state key of a caller that may not use the engine a profile picks (the prefill stage, whose
-#: decider runs after the pick): while it holds a list there, pickers that remember where a request
-#: went (the prefix-cache index, its recent shares) append that record as a callable instead of
-#: making it, and the caller runs them only once the engine is used. Absent on the common path.
-DEFERRED_CLAIMS = "deferred-claims"
-
 _NO_ENGINES: frozenset[str] = frozenset()
 _MAX_RESULTS = 4096  # cached scheduling results per profile
 
@@ -151,6 +145,7 @@ class Role(enum.StrEnum):
     SCORER = "scorer"
     PICKER = "picker"
     PROFILE_HANDLER = "profile-handler"
+    DECIDER = "decider"
     PREPARE_DATA = "prepare-data"
     ADMISSION = "admission"
     PRE_REQUEST = "pre-request"
@@ -182,6 +177,16 @@ class Picker(Protocol):
     def pick(
         self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None
     ) -> tuple[Engine, str]: ...
+
+
+class Decider(Protocol):
+    """Disaggregated serving's decider (:mod:`.disaggregation`): whether a request with
+    ``uncached_tokens`` of its prompt not cached on the prefill pool (the prefill profile's picker's
+    estimate, before it picks) is worth a prefill leg; False serves it decode-only."""
+
+    name: str
+
+    def decide(self, ctx: RequestContext, uncached_tokens: int) -> bool: ...
 
 
 class PrepareData(Protocol):
@@ -250,18 +255,31 @@ class Profile:
 
     def run(self, ctx: RequestContext, candidates: Sequence[Engine]) -> SchedulingResult:
         started = time.perf_counter()
-        engines: Sequence[Engine] = candidates
-        if not engines:
-            return self._done(SchedulingResult(None, Reason.NO_CANDIDATE, self.name), started)
+        engines = self.filtered(ctx, candidates)
+        if isinstance(engines, str):  # a Reason: none left
+            return self._done(SchedulingResult(None, engines, self.name), started)
+        return self.pick(ctx, engines, started)
+
+    def filtered(self, ctx: RequestContext, candidates: Sequence[Engine]) -> Sequence[Engine] | str:
+        """The candidates its filters keep (never empty), or the :class:`Reason` they left none: the
+        first half of :meth:`run`, which records and claims nothing (a decider may look before the
+        profile picks)."""
+        if not candidates:
+            return Reason.NO_CANDIDATE
+        engines = candidates
         if ctx.excluded:
             engines = [e for e in engines if e.name not in ctx.excluded]
             if not engines:
-                return self._done(SchedulingResult(None, Reason.ALL_FILTERED, self.name), started)
+                return Reason.ALL_FILTERED
         for f in self.filters:
             engines = f.filter(ctx, engines)
             if not engines:
-                reason = getattr(f, "empty_reason", Reason.ALL_FILTERED)
-                return self._done(SchedulingResult(None, reason, self.name), started)
+                return getattr(f, "empty_reason", Reason.ALL_FILTERED)  # type: ignore[no-any-return]
+        return engines
+
+    def pick(self, ctx: RequestContext, engines: Sequence[Engine], started: float) -> SchedulingResult:
+        """The second half of :meth:`run`: score and pick among ``engines`` (what :meth:`filtered`
+        kept), record the decision (counted, and timed from ``started``)."""
         scores: list[float] | None = None
         if self.scorers and len(engines) > 1:
             scores = [0.0] * len(engines)
@@ -282,6 +300,10 @@ class Profile:
         self._seconds(time.perf_counter() - started)
         return entry[0]
 
+    def no_engine(self, reason: str, started: float) -> SchedulingResult:
+        """A decision of no engine for ``reason`` (what :meth:`filtered` returned), recorded as one."""
+        return self._done(SchedulingResult(None, reason, self.name), started)
+
     def _done(self, result: SchedulingResult, started: float) -> SchedulingResult:
         self._record(self.name, result.reason, time.perf_counter() - started)
         return result
@@ -301,6 +323,7 @@ ROLE_PROTOCOLS: Mapping[Role, type] = {
     Role.SCORER: Scorer,
     Role.PICKER: Picker,
     Role.PROFILE_HANDLER: ProfileHandler,
+    Role.DECIDER: Decider,
     Role.PREPARE_DATA: PrepareData,
     Role.ADMISSION: Admission,
     Role.PRE_REQUEST: PreRequest,
@@ -367,17 +390,32 @@ def plugin_roles(plugin: object) -> frozenset[Role]:
 class Scheduler:
     """Runs the handler's profile(s) over the registry's candidates (each profile records its decision).
 
-    ``schedule(ctx, candidates)`` is scheduling; ``critical`` and ``standard`` are the same for requests
+    ``schedule(ctx, candidates)`` is scheduling (for a disaggregated request: its decode engine);
+    ``critical`` and ``standard`` are the same for requests
     of priority > 0 and of the rest, each already resolved to what runs (for the criticality handler:
     the profile's own ``run``), so the director's hot path makes no call of the scheduler's own."""
 
-    __slots__ = ("profiles", "handler", "schedule", "critical", "standard", "_critical", "_default")
+    __slots__ = (
+        "profiles",
+        "handler",
+        "disaggregation",
+        "schedule",
+        "critical",
+        "standard",
+        "_critical",
+        "_default",
+    )
 
-    def __init__(self, profiles: Mapping[str, Profile], handler: ProfileHandler) -> None:
+    def __init__(
+        self, profiles: Mapping[str, Profile], handler: ProfileHandler, disaggregation: Any = None
+    ) -> None:
         if not profiles:
             raise ValueError("a scheduler needs at least one profile")
         self.profiles = dict(profiles)
         self.handler = handler
+        # Disaggregated serving's decider and prefill profile (a .disaggregation.Disaggregation), when
+        # the configuration declares them; None: every request is served whole
+        self.disaggregation = disaggregation
         # The common case, one profile and the single-profile handler: scheduling is running that
         # profile, so ``schedule`` is its bound ``run`` (no call of the handler's, none of ours).
         only = next(iter(self.profiles.values())) if len(self.profiles) == 1 else None

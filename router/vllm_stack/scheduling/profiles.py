@@ -19,12 +19,13 @@ from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.config import build_scheduling
 from vllm_stack.scheduling.framework import Scheduler
 from vllm_stack.scheduling.plugins import builtin_registry
+from vllm_stack.scheduling.plugins.pd_profile_handler import PREFILL_PROFILE
 from vllm_stack.scheduling.registry import PluginState
 from vllm_stack.settings.scheduling import ROUTING_LOGICS
 
-#: The profile that picks a disaggregated request's prefill engine (vllm_stack.director.disagg).
-PREFILL_PROFILE = "prefill"
 _PREFIX_PICKER = "prefix-cache-picker"
+_PD_HANDLER = "pd-profile-handler"
+_DECIDER = "uncached-tokens-decider"
 
 
 def _single(name: str, *plugins: dict[str, Any], scorers: dict[str, float] | None = None) -> dict[str, Any]:
@@ -164,10 +165,12 @@ def with_priority(raw: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
 
 
 def with_disaggregation(raw: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
-    """A built-in configuration with the ``prefill`` profile: the circuit-breaker filter and the
-    prefix-cache picker (the strategy's own instance when it has one, so one index serves both), which
-    also estimates the prompt tokens the chosen engine lacks (the decider's input). Its plugins come
-    first: they run only for models that have prefill engines."""
+    """A built-in configuration made a disaggregated strategy, as a user would write it: its profiles
+    pick decode engines (and serve whole requests), the ``prefill`` profile (the circuit-breaker
+    filter and the prefix-cache picker: the strategy's own instance when it has one, so one index
+    serves both) prefill engines, the ``uncached-tokens-decider`` (``disagg_min_uncached_tokens``)
+    decides between them on that picker's estimate, and the ``pd-profile-handler`` ties them together
+    in place of the strategy's handler (whose decode profile, and critical one, it keeps)."""
     plugins = list(raw["plugins"])
     if not any(p.get("type") == _PREFIX_PICKER for p in plugins):
         plugins.append(_prefix_picker(config))
@@ -177,9 +180,35 @@ def with_disaggregation(raw: dict[str, Any], config: RouterConfig) -> dict[str, 
         "plugins": [{"pluginRef": "circuit-breaker-filter"}, {"pluginRef": name}],
     }
     profiles = raw["schedulingProfiles"]
-    if not any(str(p.get("type", "")).endswith("-profile-handler") for p in plugins):  # one profile so far
-        plugins.append({"type": "single-profile-handler", "parameters": {"profile": profiles[0]["name"]}})
-    return {**raw, "plugins": plugins, "schedulingProfiles": [*profiles, prefill]}
+    parameters = {"decode": profiles[0]["name"], "prefill": PREFILL_PROFILE, "decider": _DECIDER}
+    handler = {"type": _PD_HANDLER, "parameters": parameters}
+    for i, plugin in enumerate(plugins):
+        if plugin.get("type") == "criticality-profile-handler":  # with_priority's: its two profiles
+            parameters["decode"] = plugin["parameters"]["default"]
+            parameters["critical"] = plugin["parameters"]["critical"]
+            plugins[i] = handler
+            break
+    else:
+        plugins.append(handler)
+    decider = {"type": _DECIDER, "parameters": {"min_uncached_tokens": config.disagg_min_uncached_tokens}}
+    return {**raw, "plugins": [*plugins, decider], "schedulingProfiles": [*profiles, prefill]}
+
+
+def with_decider(raw: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
+    """A user's configuration written before disaggregation was declared in it (a profile named
+    ``prefill``, no ``pd-profile-handler``, no decider) keeps working as it did: the prefill step is
+    that profile behind an ``uncached-tokens-decider`` of the router's ``disagg_min_uncached_tokens``,
+    and its own handler schedules whole and decode requests (:func:`..disaggregation.disaggregation_of`)."""
+    plugins = raw.get("plugins")
+    profiles = raw.get("schedulingProfiles", raw.get("scheduling_profiles"))
+    if not isinstance(plugins, list) or not isinstance(profiles, list):
+        return raw  # malformed: build_scheduling reports it
+    if not any(isinstance(p, dict) and p.get("name") == PREFILL_PROFILE for p in profiles):
+        return raw
+    if any(isinstance(p, dict) and p.get("type") in (_PD_HANDLER, _DECIDER) for p in plugins):
+        return raw  # declared: the configuration says what it wants
+    decider = {"type": _DECIDER, "parameters": {"min_uncached_tokens": config.disagg_min_uncached_tokens}}
+    return {**raw, "plugins": [*plugins, decider]}
 
 
 def scheduling_config(config: RouterConfig) -> dict[str, Any]:
@@ -187,7 +216,7 @@ def scheduling_config(config: RouterConfig) -> dict[str, Any]:
     (priority-aware unless ``priority_scheduling`` is off; with the LoRA-affinity filter when
     adapters are registered)."""
     if config.scheduling is not None:
-        raw = dict(config.scheduling)
+        raw = with_decider(dict(config.scheduling), config)
     else:
         raw = builtin_config(config)
         if config.priority_scheduling:

@@ -15,6 +15,7 @@ from vllm_stack.scheduling.plugins.lora_affinity import LoraAffinity
 from vllm_stack.scheduling.plugins.max_in_flight_admission import MaxInFlightAdmission
 from vllm_stack.scheduling.plugins.max_score_picker import MaxScorePicker
 from vllm_stack.scheduling.plugins.model_profile_handler import ModelProfileHandler
+from vllm_stack.scheduling.plugins.pd_profile_handler import PdProfileHandler
 from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
 from vllm_stack.scheduling.plugins.prefix_cache_picker import PrefixCachePicker
 from vllm_stack.scheduling.plugins.prompt_length import PromptLength
@@ -24,6 +25,7 @@ from vllm_stack.scheduling.plugins.request_tracker import RequestTracker
 from vllm_stack.scheduling.plugins.round_robin_picker import RoundRobinPicker
 from vllm_stack.scheduling.plugins.saturation_filter import SaturationFilter
 from vllm_stack.scheduling.plugins.single_profile_handler import SingleProfileHandler
+from vllm_stack.scheduling.plugins.uncached_tokens_decider import UncachedTokensDecider
 from vllm_stack.scheduling.plugins.upstream_headers import UpstreamHeaders
 from vllm_stack.scheduling.registry import PluginRegistry
 
@@ -49,6 +51,8 @@ BUILTIN_TYPES = (
     LeastQueueFilter,
     LeastKvCacheFilter,
     CriticalityProfileHandler,
+    PdProfileHandler,
+    UncachedTokensDecider,
 )
 
 

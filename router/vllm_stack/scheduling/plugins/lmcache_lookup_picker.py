@@ -107,31 +107,49 @@ class LmcacheLookupPicker(PrefixCachePicker):
                 return chosen, "lmcache_hit"
         return super().pick(ctx, engines, scores)
 
+    def uncached_tokens(self, ctx: RequestContext, engines: Sequence[Engine]) -> int:
+        """What :meth:`pick` would leave the chosen engine to prefill, nothing recorded: the holder's
+        lack when it would go there, else the fallback's estimate."""
+        holder: Holder | None = ctx.cycle.get(self._holder_key)
+        if holder is not None:
+            index, _, lacking = self._holder_at(ctx, engines, holder)
+            if index is not None:
+                return max(1, lacking)
+        return super().uncached_tokens(ctx, engines)
+
     def _holder(self, ctx: RequestContext, engines: Sequence[Engine], holder: Holder) -> Engine | None:
         """The holder's engine if the request should go there (one outcome counted either way)."""
+        index, outcome, lacking = self._holder_at(ctx, engines, holder)
         prompt = len(ctx.cycle[self._ids_key])
-        lacking = prompt - holder.tokens
-        note = f"lmcache={holder.instance}; matched={holder.tokens}/{prompt}; location={holder.location}"
-        ctx.route_note = note
-        if lacking > self.threshold:
-            self._count(ctx, "below_threshold")
+        ctx.route_note = (
+            f"lmcache={holder.instance}; matched={holder.tokens}/{prompt}; location={holder.location}"
+        )
+        self._count(ctx, outcome)
+        if index is None:
             return None
-        index = next((i for i, e in enumerate(engines) if e.name == holder.instance), None)
-        if index is None:  # not an engine of this model now, unhealthy, saturated, or unknown
-            self._count(ctx, "holder_unavailable")
-            return None
-        if len(engines) > 1:
-            loads = engine_loads(engines)
-            if loads[index] >= bounded_capacity(loads, self.epsilon) + self.slack:
-                self._count(ctx, "holder_busy")
-                return None
         engine = engines[index]
         ctx.prefill_tokens = max(1, lacking)
         # The fallback's index learns where the prompt went, as when it places a request itself.
         keys = self._keys(ctx, engine.kv_block_size or engine.kind.default_block_tokens)
         self.claim(ctx, engine, keys)
-        self._count(ctx, "routed")
         return engine
+
+    def _holder_at(
+        self, ctx: RequestContext, engines: Sequence[Engine], holder: Holder
+    ) -> tuple[int | None, str, int]:
+        """(the holder's position among ``engines`` when the request should go there, else None; the
+        lookup's outcome; the prompt tokens the holder lacks). Changes nothing."""
+        lacking = len(ctx.cycle[self._ids_key]) - holder.tokens
+        if lacking > self.threshold:
+            return None, "below_threshold", lacking
+        index = next((i for i, e in enumerate(engines) if e.name == holder.instance), None)
+        if index is None:  # not an engine of this model now, unhealthy, saturated, or unknown
+            return None, "holder_unavailable", lacking
+        if len(engines) > 1:
+            loads = engine_loads(engines)
+            if loads[index] >= bounded_capacity(loads, self.epsilon) + self.slack:
+                return None, "holder_busy", lacking
+        return index, "routed", lacking
 
     def _count(self, ctx: RequestContext, outcome: str) -> None:
         if self.metrics is not None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -53,7 +52,7 @@ from vllm_stack.config import ConfigError
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.load import bounded_capacity, engine_loads
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.scheduling.framework import DEFERRED_CLAIMS, Completion, RequestContext, Role
+from vllm_stack.scheduling.framework import Completion, RequestContext, Role
 from vllm_stack.scheduling.index.blocks import char_block_keys, salt_of, token_block_keys
 from vllm_stack.scheduling.index.kv_events import EventBatch, KvEventIndexer
 from vllm_stack.scheduling.index.prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex
@@ -221,11 +220,35 @@ class PrefixCachePicker:
     def pick(
         self, ctx: RequestContext, engines: Sequence[Engine], scores: list[float] | None
     ) -> tuple[Engine, str]:
+        placed = self._place(ctx, engines)
+        if placed is None:
+            return self._short.pick(ctx, engines, scores)
+        engine, reason, cached, prompt, keys, recent = placed
+        ctx.prefill_tokens = max(1, int(prompt - cached))
+        ctx.predicted_cached = cached
+        ctx.cycle[self._predicted_key] = (cached, engine.kv_block_size or engine.kind.default_block_tokens)
+        self.index.record(engine.name, keys, engine.kv_blocks)
+        recent.add(engine.name)
+        return engine, reason
+
+    def uncached_tokens(self, ctx: RequestContext, engines: Sequence[Engine]) -> int:
+        """The prompt tokens the engine :meth:`pick` would choose among ``engines`` lacks (what it
+        would set ``ctx.prefill_tokens`` to; 0 for a prompt shorter than a block), without placing
+        the request: nothing recorded (disaggregation's decider, before the prefill profile picks)."""
+        placed = self._place(ctx, engines)
+        return 0 if placed is None else max(1, int(placed[3] - placed[2]))
+
+    def _place(
+        self, ctx: RequestContext, engines: Sequence[Engine]
+    ) -> tuple[Engine, str, int, float, list[int], RecentShares] | None:
+        """Where the request goes by its blocks, and why: (engine, reason, prompt tokens cached there,
+        prompt tokens, its block keys there, the model's recent shares); None for a prompt shorter
+        than one block. Reads the index and the shares, changes neither."""
         if self.tokenizers and ctx.model not in self.tokenizers and ctx.model not in self._bases:
             self._learn_base(ctx.model, engines[0])
         first = self._keys(ctx, engines[0].kv_block_size or engines[0].kind.default_block_tokens)
         if not first:
-            return self._short.pick(ctx, engines, scores)
+            return None
         loads = engine_loads(engines)
         n = len(engines)
         cap = bounded_capacity(loads, self.epsilon) + self.slack
@@ -272,53 +295,22 @@ class PrefixCachePicker:
             if best is None or rank < best:
                 best, chosen = rank, i
         engine = engines[chosen]
-        block_tokens = engine.kv_block_size or engine.kind.default_block_tokens
-        keys = self._keys(ctx, block_tokens)
-        ctx.prefill_tokens = max(1, int(prompt - cached[chosen]))
-        predicted = (cached[chosen], block_tokens)
-        ctx.predicted_cached = cached[chosen]
-        cycle = ctx.cycle
-        deferred = cycle.get(DEFERRED_CLAIMS)
-        if deferred is None:  # inline: the common path, one call less than self.claim
-            cycle[self._predicted_key] = predicted
-            index.record(engine.name, keys, engine.kv_blocks)
-            recent.add(engine.name)
-        else:
-            deferred.append(functools.partial(self._record, ctx, engine, keys, recent, predicted))
+        keys = self._keys(ctx, engine.kv_block_size or engine.kind.default_block_tokens)
+        here = cached[chosen]
         if new_prefix:
-            return engine, "prefix_miss" if most == 0 else "prefix_spread"
-        if cached[chosen] < most:
+            reason = "prefix_miss" if most == 0 else "prefix_spread"
+        elif here < most:
             holders = [i for i, c in enumerate(cached) if c == most]
-            if all(over[i] for i in holders):
-                return engine, "prefix_overflow"  # every engine holding more was over a bound
-            return engine, "prefix_replicate"  # less work there, even prefilling what it lacks
-        return engine, "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
+            # every engine holding more was over a bound; else less work there, even prefilling
+            reason = "prefix_overflow" if all(over[i] for i in holders) else "prefix_replicate"
+        else:
+            reason = "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
+        return engine, reason, here, prompt, keys, recent
 
     def claim(self, ctx: RequestContext, engine: Engine, keys: list[int]) -> None:
-        """Remember that ``engine`` was sent these blocks and took one of the model's decisions; or,
-        while the caller defers claims (:data:`~..framework.DEFERRED_CLAIMS`: the prefill stage before
-        its decider), hand it that record to make if the engine is used."""
-        recent = self.shares_for(ctx.model)
-        deferred = ctx.cycle.get(DEFERRED_CLAIMS)
-        if deferred is None:
-            self._record(ctx, engine, keys, recent, None)
-        else:
-            deferred.append(functools.partial(self._record, ctx, engine, keys, recent, None))
-
-    def _record(
-        self,
-        ctx: RequestContext,
-        engine: Engine,
-        keys: list[int],
-        recent: RecentShares,
-        predicted: tuple[int, int] | None,
-    ) -> None:
-        """The claim: the blocks, the decision, and (a placement of this picker's own) the cached
-        tokens it predicts there, which response-complete compares with the engine's count."""
-        if predicted is not None:
-            ctx.cycle[self._predicted_key] = predicted
+        """Remember that ``engine`` was sent these blocks and took one of the model's decisions."""
         self.index.record(engine.name, keys, engine.kv_blocks)
-        recent.add(engine.name)
+        self.shares_for(ctx.model).add(engine.name)
 
     def shares_for(self, model: str) -> RecentShares:
         """The model's recent decisions (bounded: models come from the engines' cards, few)."""

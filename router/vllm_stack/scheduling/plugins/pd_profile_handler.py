@@ -1,0 +1,79 @@
+"""Profile handler of disaggregated serving: decode profile, decider, prefill profile (llm-d's order).
+
+Parameters:
+- ``decode``: the profile that picks the decode engine (and serves every request that is not
+  disaggregated); empty: the first profile;
+- ``critical``: the decode profile of critical requests (priority > 0); empty: ``decode``;
+- ``prefill``: the profile that picks the prefill engine (``prefill``);
+- ``decider``: the name of the decider plugin (empty: the one the configuration lists, else an
+  ``uncached-tokens-decider`` with its defaults).
+
+As a handler it chooses the decode profile by priority, as the criticality handler does (the
+scheduler runs it directly, no call of the handler's per request). The prefill profile runs only
+when the director asks for a prefill engine and the decider said yes
+(:class:`~..disaggregation.Disaggregation`, built from the names here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from vllm_stack.config import ConfigError
+from vllm_stack.scheduling.framework import Profile, RequestContext, Role, SchedulingResult
+from vllm_stack.scheduling.registry import Parameters, PluginContext
+
+#: The prefill profile's name unless the handler names another (a configuration without this
+#: handler disaggregates with a profile of this name).
+PREFILL_PROFILE = "prefill"
+
+
+class PdProfileHandler:
+    type_name = "pd-profile-handler"
+    roles = (Role.PROFILE_HANDLER,)
+
+    def __init__(
+        self,
+        name: str,
+        decode: str = "",
+        critical: str = "",
+        prefill: str = PREFILL_PROFILE,
+        decider: str = "",
+    ) -> None:
+        self.name = name
+        self.decode_name = decode
+        self.critical_name = critical
+        self.prefill_profile = prefill
+        self.decider_name = decider
+        self._critical: tuple[Profile, ...] = ()
+        self._decode: tuple[Profile, ...] = ()
+
+    @classmethod
+    def create(cls, name: str, parameters: Parameters, context: PluginContext) -> PdProfileHandler:
+        return cls(
+            name,
+            parameters.string("decode", ""),
+            parameters.string("critical", ""),
+            parameters.string("prefill", PREFILL_PROFILE),
+            parameters.string("decider", ""),
+        )
+
+    def check(self, profiles: Mapping[str, Profile]) -> None:
+        """Every profile it names exists, and the decode profile is not the prefill one."""
+        for profile in (self.decode_name, self.critical_name, self.prefill_profile):
+            if profile and profile not in profiles:
+                raise ConfigError(f"{self.name}: no scheduling profile named {profile!r}")
+        decode = profiles[self.decode_name] if self.decode_name else next(iter(profiles.values()))
+        if decode.name == self.prefill_profile:
+            raise ConfigError(f"{self.name}: the decode profile cannot be the prefill profile")
+        self._decode = (decode,)
+        self._critical = (profiles[self.critical_name],) if self.critical_name else self._decode
+
+    def by_priority(self) -> tuple[Profile, Profile]:
+        """(critical requests' decode profile, every other request's): run by the scheduler directly."""
+        return self._critical[0], self._decode[0]
+
+    def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]:
+        return self._critical if ctx.priority > 0 else self._decode
+
+    def combine(self, ctx: RequestContext, results: Mapping[str, SchedulingResult]) -> SchedulingResult:
+        return next(iter(results.values()))
