@@ -11,7 +11,7 @@ import pytest
 
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs
-from tests.router.test_disagg import DISAGG, body, pd_settings
+from tests.router.test_disagg import DISAGG, body, free_port, lmcache_settings, pd_settings
 from vllm_stack.config import ConfigError, load_config
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.scheduling.profiles import build_scheduler
@@ -50,6 +50,25 @@ async def test_a_decode_only_request_runs_no_prefill_pick() -> None:
             r = await c.post("/v1/chat/completions", json=body())
             assert r.status_code == 200
         assert len(prefill.seen) == 1 and prefill_decisions(router) == 1
+
+
+async def test_lmcache_decides_the_decode_engine_first_and_a_decode_only_request_stays_there() -> None:
+    """With LMCache's protocol the prefill request names the decode engine, so the decode profile runs
+    first; when the decider then says decode-only, the request goes to that engine, scheduled once.
+
+    Kills: in ``director/prefill_stage.py`` ``begin``, returning False instead of ``start_decode``
+    (the decode profile would decide twice).
+    """
+    prefill, decode = StubEngine("P"), StubEngine("D")
+    settings = lmcache_settings(free_port(), disagg_min_uncached_tokens=4096, priority_scheduling=False)
+    async with stubs(prefill, decode) as urls, running_router(urls, **settings) as (url, router):
+        async with http(url) as c:
+            r = await c.post("/v1/chat/completions", json=body())
+            assert r.status_code == 200 and r.json()["engine"] == "D"
+        assert not prefill.seen and len(decode.seen) == 1
+        assert metric_value(router, DISAGG, model="stub-model", outcome="short") == 1
+        decided = metric_value(router, DECISIONS, strategy="disaggregated_prefill", reason="least_loaded")
+        assert decided == 1 and prefill_decisions(router) == 0
 
 
 #: A disaggregated strategy written in the YAML, as any other: a least-loaded decode profile, a
