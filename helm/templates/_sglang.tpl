@@ -10,6 +10,9 @@ Call with (dict "root" $ "model" $modelSpec).
 {{- define "vllm-stack.model.engineKind" -}}
 {{- $kind := .model.engineKind | default "vllm" -}}
 {{- if not (has $kind (list "vllm" "sglang")) }}{{ fail (printf "servingEngineSpec.modelSpec (%s): engineKind must be vllm or sglang (got %q)" (toString .model.name) $kind) }}{{ end -}}
+{{- /* The router hands a prompt's KV from prefill to decode as vLLM's connectors do (sequential legs);
+     SGLang's bootstrap hand-over (both engines at once) is declared by its kind but not driven yet. */ -}}
+{{- if and (eq $kind "sglang") (include "vllm-stack.model.givenRole" .) }}{{ fail (printf "servingEngineSpec.modelSpec (%s): engineKind sglang cannot take a prefill/decode role yet (the router drives vLLM's hand-over only); serve it without a role" (toString .model.name)) }}{{ end -}}
 {{- $kind -}}
 {{- end -}}
 

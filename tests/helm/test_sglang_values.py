@@ -130,3 +130,10 @@ def test_keda_scales_an_sglang_model_on_sglangs_own_queue(tmp_path) -> None:
     }
     assert queries["sg"] == 'sum(sglang:num_queue_reqs{model_name="org/tiny",namespace="llm",priority=""})'
     assert queries["vl"] == 'sum(vllm:num_requests_waiting{model_name="org/v",namespace="llm"})'
+
+
+def test_an_sglang_model_with_a_disaggregation_role_is_refused(tmp_path) -> None:
+    """SGLang's prefill/decode hand-over (bootstrap, both engines at once) is not what the router drives
+    (vLLM's sequential legs): a role on an SGLang model fails the render with the reason."""
+    error = render_error([values_file(tmp_path, _values({**SGLANG, "role": "prefill"}, VLLM))])
+    assert "engineKind sglang cannot take a prefill/decode role yet" in error
