@@ -23,7 +23,7 @@ def _models(value: Any) -> tuple[Any, ...]:  # noqa: ANN401 - YAML or a flag's s
 
 @dataclass(frozen=True)
 class PriorityGroup:
-    """Request priority (README "Request priority"): the built-in strategies get the criticality
+    """Request priority (docs/scheduling.md, "Request priority"): the built-in strategies get the criticality
     chains. The saturation rule (vllm_stack.engines.load): queue >= max_waiting or KV usage >= max_kv.
     The per-model queue: requests wait there while every engine is saturated (or none is ready yet)."""
 
