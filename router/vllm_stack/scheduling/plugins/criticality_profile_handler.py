@@ -32,11 +32,19 @@ class CriticalityProfileHandler:
 
     def check(self, profiles: Mapping[str, Profile]) -> None:
         """Every profile it names exists (called once the profiles are built)."""
-        for profile in (self.critical_name, self.default_name):
+        self._require(profiles, self.critical_name, self.default_name)
+        self._critical = (profiles[self.critical_name],)
+        self._default = (self._default_of(profiles),)
+
+    def _require(self, profiles: Mapping[str, Profile], *names: str) -> None:
+        """A ConfigError for the first of ``names`` (empty ones skipped) that is no profile."""
+        for profile in names:
             if profile and profile not in profiles:
                 raise ConfigError(f"{self.name}: no scheduling profile named {profile!r}")
-        self._critical = (profiles[self.critical_name],)
-        self._default = (profiles[self.default_name] if self.default_name else next(iter(profiles.values())),)
+
+    def _default_of(self, profiles: Mapping[str, Profile]) -> Profile:
+        """The profile named ``default``, else the first one."""
+        return profiles[self.default_name] if self.default_name else next(iter(profiles.values()))
 
     def by_priority(self) -> tuple[Profile, Profile]:
         """(the critical requests' profile, every other request's): the scheduler chooses between

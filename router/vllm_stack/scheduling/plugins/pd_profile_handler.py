@@ -16,10 +16,11 @@ when the director asks for a prefill engine and the decider said yes
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from vllm_stack.config import ConfigError
-from vllm_stack.scheduling.framework import Profile, RequestContext, Role, SchedulingResult
+from vllm_stack.scheduling.framework import Profile
+from vllm_stack.scheduling.plugins.criticality_profile_handler import CriticalityProfileHandler
 from vllm_stack.scheduling.registry import Parameters, PluginContext
 
 #: The prefill profile's name unless the handler names another (a configuration without this
@@ -27,9 +28,12 @@ from vllm_stack.scheduling.registry import Parameters, PluginContext
 PREFILL_PROFILE = "prefill"
 
 
-class PdProfileHandler:
+class PdProfileHandler(CriticalityProfileHandler):
+    """The criticality handler's choice of decode profile by priority (``default`` is ``decode`` here,
+    and ``critical`` falls back to it), plus the prefill profile and the decider the disaggregation
+    reads by name."""
+
     type_name = "pd-profile-handler"
-    roles = (Role.PROFILE_HANDLER,)
 
     def __init__(
         self,
@@ -39,13 +43,9 @@ class PdProfileHandler:
         prefill: str = PREFILL_PROFILE,
         decider: str = "",
     ) -> None:
-        self.name = name
-        self.decode_name = decode
-        self.critical_name = critical
+        super().__init__(name, critical, decode)
         self.prefill_profile = prefill
         self.decider_name = decider
-        self._critical: tuple[Profile, ...] = ()
-        self._decode: tuple[Profile, ...] = ()
 
     @classmethod
     def create(cls, name: str, parameters: Parameters, context: PluginContext) -> PdProfileHandler:
@@ -59,21 +59,9 @@ class PdProfileHandler:
 
     def check(self, profiles: Mapping[str, Profile]) -> None:
         """Every profile it names exists, and the decode profile is not the prefill one."""
-        for profile in (self.decode_name, self.critical_name, self.prefill_profile):
-            if profile and profile not in profiles:
-                raise ConfigError(f"{self.name}: no scheduling profile named {profile!r}")
-        decode = profiles[self.decode_name] if self.decode_name else next(iter(profiles.values()))
+        self._require(profiles, self.default_name, self.critical_name, self.prefill_profile)
+        decode = self._default_of(profiles)
         if decode.name == self.prefill_profile:
             raise ConfigError(f"{self.name}: the decode profile cannot be the prefill profile")
-        self._decode = (decode,)
-        self._critical = (profiles[self.critical_name],) if self.critical_name else self._decode
-
-    def by_priority(self) -> tuple[Profile, Profile]:
-        """(critical requests' decode profile, every other request's): run by the scheduler directly."""
-        return self._critical[0], self._decode[0]
-
-    def pick_profiles(self, ctx: RequestContext, profiles: Mapping[str, Profile]) -> Sequence[Profile]:
-        return self._critical if ctx.priority > 0 else self._decode
-
-    def combine(self, ctx: RequestContext, results: Mapping[str, SchedulingResult]) -> SchedulingResult:
-        return next(iter(results.values()))
+        self._default = (decode,)
+        self._critical = (profiles[self.critical_name],) if self.critical_name else self._default
