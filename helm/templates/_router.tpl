@@ -251,6 +251,9 @@ and the weighted names added. A key routerSpec.config gives itself (`models`, a 
 {{- range $key, $v := (include "vllm-stack.router.prioritySettings" . | fromYaml) }}{{ if not (hasKey $config $key) }}{{ $_ := set $config $key $v }}{{ end }}{{ end -}}
 {{- with (include "vllm-stack.router.loraAdapters" .) }}{{ $_ := set $config "lora_adapters" (concat ($config.lora_adapters | default list) (fromYamlArray .)) }}{{ end -}}
 {{- with $r.weightedModels }}{{ $_ := set $config "weighted_models" . }}{{ end -}}
+{{- /* routerSpec.tenants: the declaration beside config.yaml in the same ConfigMap (router-configmap.yaml) */ -}}
+{{- if and $r.tenants (not (hasKey $config "tenants_file")) }}{{ $_ := set $config "tenants_file" "/etc/vllm-stack/router/tenants.yaml" }}{{ end -}}
+{{- if and $r.tenantHeader (ne $r.tenantHeader "x-llm-d-inference-fairness-id") (not (hasKey $config "tenant_header")) }}{{ $_ := set $config "tenant_header" $r.tenantHeader }}{{ end -}}
 {{- with $config }}{{ toYaml . }}{{ end -}}
 {{- end -}}
 

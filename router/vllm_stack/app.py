@@ -58,6 +58,7 @@ from vllm_stack.server.asgi_bridge import AsgiCall
 from vllm_stack.server.body_stream import STREAM_HOLD
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.telemetry.scraper import EngineScraper
+from vllm_stack.tenants.identity import TenantIdentity
 from vllm_stack.tracing import TRACE_HEADERS
 
 if TYPE_CHECKING:
@@ -257,6 +258,9 @@ class Router:
         self.priority = PriorityPolicy(config)
         self.auth = ApiKeyAuth(config.api_keys)
         self.admin_auth = ApiKeyAuth(config.admin_api_keys)
+        # who sent each request (api.proxied), and what the declared tenants are given
+        self.identity = TenantIdentity(config.api_key_names, self.auth.enabled, config.tenant_header)
+        self.tenants = config.tenants
         self.max_body_bytes = config.max_body_bytes
         # what the server's body budget reads (server.budget.BudgetLimits): attributes, no call per body
         self.buffered_body_limit = config.max_buffered_body_bytes

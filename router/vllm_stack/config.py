@@ -29,6 +29,7 @@ from vllm_stack.settings import (
     PriorityGroup,
     SchedulingGroup,
     ServerGroup,
+    TenantsGroup,
     TracingGroup,
     declared,
 )
@@ -38,6 +39,8 @@ from vllm_stack.settings.discovery import DISCOVERY_KINDS, ENGINE_ROLES
 from vllm_stack.settings.scheduling import KV_EVENT_MODES, SWITCH_VALUES, switch_value
 from vllm_stack.settings.server import JSON_PARSERS
 from vllm_stack.settings.tracing import TRACE_PROTOCOLS
+from vllm_stack.tenants.declaration import TenantsError, load_tenants
+from vllm_stack.tenants.identity import split_key_line
 
 __all__ = [
     "DISAGG_PROTOCOLS",
@@ -71,6 +74,7 @@ class RouterConfig(
     TracingGroup,
     GatewayGroup,
     BatchGroup,
+    TenantsGroup,
 ):
     """Every router setting: the groups of :mod:`vllm_stack.settings` in one flat object. Flat, so
     ``config.port`` stays a plain slot read wherever the code reads it (the request path among them) and
@@ -164,21 +168,32 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _normalise(data, str(path))
 
 
+def read_keys(
+    path: str | None, environ: Mapping[str, str], variable: str = "VLLM_STACK_API_KEYS"
+) -> dict[str, str | None]:
+    """API keys from a file (one per line, ``#`` comments) plus the comma list in ``variable``, each
+    with its tenant's name where the line is ``NAME: KEY`` (vllm_stack.tenants.identity), else None."""
+    keys: dict[str, str | None] = {}
+    lines: list[str] = []
+    if path:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read api keys file {path}: {exc}") from exc
+    lines += environ.get(variable, "").split(",")
+    for line in lines:
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, name = split_key_line(line)
+            keys[key] = name or keys.get(key)
+    return keys
+
+
 def load_api_keys(
     path: str | None, environ: Mapping[str, str], variable: str = "VLLM_STACK_API_KEYS"
 ) -> frozenset[str]:
-    """API keys from a file (one per line, ``#`` comments) plus the comma list in ``variable``."""
-    keys: set[str] = set()
-    if path:
-        try:
-            for line in Path(path).read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.add(line)
-        except OSError as exc:
-            raise ConfigError(f"cannot read api keys file {path}: {exc}") from exc
-    keys.update(k.strip() for k in environ.get(variable, "").split(",") if k.strip())
-    return frozenset(keys)
+    """The keys of :func:`read_keys` (a name on a line is not part of its key)."""
+    return frozenset(read_keys(path, environ, variable))
 
 
 def load_config(
@@ -193,9 +208,16 @@ def load_config(
         settings.update(read_yaml(config_file))
     settings.update(_normalise({k: v for k, v in (cli or {}).items() if v is not None}, "command line"))
     config = replace(RouterConfig(), **settings, config_file=config_file)
+    client_keys = read_keys(config.api_keys_file, environ)
+    try:
+        tenants = load_tenants(config.tenants_file)
+    except TenantsError as exc:
+        raise ConfigError(str(exc)) from exc
     config = replace(
         config,
-        api_keys=load_api_keys(config.api_keys_file, environ),
+        api_keys=frozenset(client_keys),
+        api_key_names={key: name for key, name in client_keys.items() if name},
+        tenants=tenants,
         admin_api_keys=load_api_keys(config.admin_api_keys_file, environ, "VLLM_STACK_ADMIN_API_KEYS"),
         priority_api_keys=load_api_keys(
             config.priority_api_keys_file, environ, "VLLM_STACK_PRIORITY_API_KEYS"

@@ -35,6 +35,7 @@ LAYERS = {
     "extproc": 2,  # Envoy's ext_proc messages as the Inference Extension uses them
     "config": 1,
     "settings": 0.5,  # every setting's declaration, by group (config reads files and flags into them)
+    "tenants": 0.4,  # who sent a request, and the declared tenants (read by settings, api, director)
     "metrics": 1,
     "errors": 1,
     "endpoint_table": 0,  # the router's paths and what it does with each: read by every layer above

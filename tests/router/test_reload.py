@@ -22,6 +22,7 @@ from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import running_router, stubs, wait_for
 from vllm_stack.app import RESTART_ONLY, Router
 from vllm_stack.config import ConfigError, RouterConfig, load_config
+from vllm_stack.tenants.declaration import TenantSpec, TenantTable
 
 BACKEND = "http://127.0.0.1:9"  # the discard port: nothing listens on loopback
 KVAWARE = {"routing_logic": "kvaware", "lmcache_controller_url": "http://127.0.0.1:9"}
@@ -58,6 +59,12 @@ def engines(router: Router) -> list[Any]:
 def keys_file(tmp_path: Path, _request: pytest.FixtureRequest) -> str:
     path = tmp_path / "keys.txt"
     path.write_text("sk-reloaded\n")
+    return str(path)
+
+
+def tenants_file(tmp_path: Path, _request: pytest.FixtureRequest) -> str:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: team-a, weight: 2}\n")
     return str(path)
 
 
@@ -150,6 +157,12 @@ PROBES: dict[str, Probe] = {
     "api_keys": Probe(frozenset({"sk-a"}), lambda r: r.auth.enabled, True),
     "admin_api_keys_file": Probe(keys_file, lambda r: r.admin_auth.enabled, True),
     "admin_api_keys": Probe(frozenset({"sk-admin"}), lambda r: r.admin_auth.enabled, True),
+    "api_key_names": Probe({"sk-a": "team-a"}, lambda r: r.identity.of_key(b"sk-a"), "team-a"),
+    "tenant_header": Probe("x-team", lambda r: b"x-team" in r.identity.headers, True),
+    "tenants_file": Probe(tenants_file, lambda r: r.tenants.weight("team-a"), 2.0),
+    "tenants": Probe(
+        TenantTable([TenantSpec("team-a", weight=2.0)]), lambda r: r.tenants.weight("team-a"), 2.0
+    ),
     "json_parser": Probe("orjson", lambda r: r.parser.name),
     "log_level": Probe("debug", lambda _r: logging.getLogger().level, logging.DEBUG),
     "access_log": Probe(True, lambda r: r.director.settings.access_log),
@@ -193,7 +206,7 @@ async def test_every_setting_is_applied_on_reload_or_warned(
         value = other_value(name, getattr(base, name))
     else:
         value = probe.value(tmp_path, request) if callable(probe.value) else probe.value
-    if name.endswith("_keys_file"):  # keys are read from the file as a configuration is loaded
+    if name.endswith("_keys_file") or name == "tenants_file":  # files read as a configuration is loaded
         changed = load_config({**cli, name: value}, environ={})
     else:
         changed = replace(base, **{name: value})

@@ -152,6 +152,8 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     policy = router.priority
     priority_header = policy.header
     priority_value: bytes | None = None
+    tenant_headers = router.identity.headers  # (empty with client keys: the key names the tenant)
+    tenant_value: bytes | None = None
     # One pass over the headers finds the routed ones and builds the upstream header lines.
     lines: list[bytes] = []
     drop = router.request_drop
@@ -170,6 +172,8 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
             content_type = value
         elif name == priority_header:
             priority_value = value
+        elif name in tenant_headers:
+            tenant_value = value
         lines += (name, b": ", value, b"\r\n")
     if connection is not None:  # rare: headers the client declared hop-by-hop stay on this hop
         listed = connection_listed(request.headers)
@@ -196,6 +200,11 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         return
     ctx.request_id = request_id
     ctx.arrived = started
+    identity = router.identity
+    if identity.keyed:  # the key the head check passed (request.holder: the key offered)
+        ctx.tenant = identity.of_key(request.holder)
+    elif tenant_value is not None:
+        ctx.tenant = identity.of_header(tenant_value)
     director = router.director
     key = director.settings.engine_auth
     if key:

@@ -20,6 +20,8 @@ from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.metrics import RouterMetrics
+from vllm_stack.tenants.declaration import TenantTable
+from vllm_stack.tenants.identity import TenantIdentity
 
 
 class BatchEndpoints(Protocol):
@@ -36,6 +38,8 @@ class RouterState(Protocol):
     director: Director
     auth: ApiKeyAuth
     admin_auth: ApiKeyAuth  # keys that may load and unload adapters
+    identity: TenantIdentity  # who sent a request (its tenant)
+    tenants: TenantTable  # the declared tenants
     adapters: AdapterPlacement
     discovery: Discovery
     catalog: AdapterCatalog | None  # None when no adapter or weighted model name is configured

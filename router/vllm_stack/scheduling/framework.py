@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from vllm_stack.engines.adapters import AdapterSpec
 from vllm_stack.engines.engine import Engine
 from vllm_stack.metrics import RouterMetrics, _Value
+from vllm_stack.tenants.identity import DEFAULT_TENANT
 
 
 class Reason(enum.StrEnum):
@@ -80,6 +81,9 @@ class RequestContext:
     pool: str = ""  # the model whose engines are candidates, when it is not ``model``
     # The request's priority (vllm_stack.priority): > 0 critical, 0 standard, < 0 sheddable
     priority: int = 0
+    # Who sent it (vllm_stack.tenants.identity, resolved by the API layer): what the fair queue, rate
+    # limits and eviction count by; it decides when the request is scheduled, never where
+    tenant: str = DEFAULT_TENANT
     # A picker's words on its decision (e.g. where LMCache's controller found the prompt), for the
     # x-vllm-stack-route debug header
     route_note: str = ""

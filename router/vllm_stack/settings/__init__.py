@@ -31,6 +31,7 @@ from vllm_stack.settings.gateway import GatewayGroup
 from vllm_stack.settings.priority import PriorityGroup
 from vllm_stack.settings.scheduling import SchedulingGroup
 from vllm_stack.settings.server import ServerGroup
+from vllm_stack.settings.tenants import TenantsGroup
 from vllm_stack.settings.tracing import TracingGroup
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "SchedulingGroup",
     "ServerGroup",
     "Setting",
+    "TenantsGroup",
     "TracingGroup",
     "declared",
     "setting",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +31,18 @@ class AuthGroup:
 
     api_keys_file: str | None = setting(
         None,
-        doc="client API keys, one per line (or env VLLM_STACK_API_KEYS)",
+        doc="client API keys, one per line, ``NAME: KEY`` to name its tenant (or env VLLM_STACK_API_KEYS)",
         chart="routerSpec.apiKeysSecret",
     )
     api_keys: frozenset[str] = key_set("api_keys_file", "VLLM_STACK_API_KEYS")
+    # The tenant each named client key stands for (vllm_stack.tenants.identity), read with the keys
+    api_key_names: Mapping[str, str] = setting(
+        factory=dict,
+        repr=False,
+        doc="the tenant names of client keys: the ``NAME: KEY`` lines of api_keys_file",
+        flag="",
+        in_file=False,
+    )
     # Keys that may load and unload adapters through the router (none: those endpoints are refused)
     admin_api_keys_file: str | None = setting(
         None,

@@ -1,0 +1,39 @@
+"""Tenants (docs/tenants.md): how a request's tenant is named, and the declared tenants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_stack.settings.declare import setting
+from vllm_stack.tenants.declaration import TenantTable
+from vllm_stack.tenants.identity import FAIRNESS_HEADER
+
+
+@dataclass(frozen=True)
+class TenantsGroup:
+    """Who sent a request when no client key names it, and what each declared tenant is given. The
+    declaration is read from the file as a configuration is loaded, so a reload applies its changes."""
+
+    __slots__ = ()
+
+    tenant_header: str = setting(
+        FAIRNESS_HEADER,
+        doc="the header naming a request's tenant when no client keys are configured "
+        "(x-gateway-inference-fairness-id is read too)",
+        chart="routerSpec.tenantHeader",
+    )
+    tenants_file: str | None = setting(
+        None,
+        doc="the tenants declaration: YAML {tenants: [{name, weight, requests_per_minute, "
+        "tokens_per_minute}]} (docs/tenants.md)",
+        chart="routerSpec.tenants",
+    )
+    tenants: TenantTable = setting(
+        factory=TenantTable,
+        doc="the declared tenants, read from tenants_file",
+        flag="",
+        in_file=False,
+    )
+
+    def check(self) -> None:
+        """Nothing to check: a bad tenants file fails as it is read."""
