@@ -155,7 +155,9 @@ class Router:
             self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
         )
         setup = self._build_scheduling(config)
-        self.queue = RequestQueue(self.metrics, config.queue_max_per_model)
+        self.queue = RequestQueue(
+            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants.weight
+        )
         # LMCache's PD hand-over: the prefill engines notify the router here (bound at start)
         self.pd_notifications = (
             PdNotifications(config.disagg_notify_port)
@@ -371,6 +373,8 @@ class Router:
         self._apply_runtime(config, setup)
         self.adapters.load_timeout = config.lora_load_timeout
         self.queue.max_per_model = config.queue_max_per_model
+        self.queue.max_per_band = config.queue_max_per_band
+        self.queue.weight = config.tenants.weight  # for tenants that start waiting from now on
         self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
         self.registry.set_static_models(_static_models(config))

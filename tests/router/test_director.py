@@ -255,7 +255,8 @@ async def test_plugin_state_survives_a_reload_and_goes_with_its_plugin_or_engine
 
 async def test_each_reason_for_no_engine_is_one_error() -> None:
     """no candidate -> 503; all filtered (breakers open) -> 503; all saturated -> 429 for a sheddable
-    request, a wait in the queue and 503 queue_timeout for a standard one; all with the marker."""
+    request, a wait in the queue and 429 queue_timeout for a standard one (its model has an engine: it
+    was busy), with llm-d's dropped-reason header; all with the marker."""
     a = StubEngine("a", ["stub-model"])
     async with stubs(a) as urls:
         sched = scheduling(
@@ -278,8 +279,9 @@ async def test_each_reason_for_no_engine_is_one_error() -> None:
             assert r.status_code == 429 and r.json()["error"]["code"] == "engines_saturated"
             assert r.headers["retry-after"] == "1" and r.headers[ERROR_MARKER.decode()] == "engines_saturated"
             r = await h.post("/v1/chat/completions", json=BODY)
-            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
             assert r.headers["retry-after"] == "1" and r.headers[ERROR_MARKER.decode()] == "queue_timeout"
+            assert r.headers["x-llm-d-request-dropped-reason"] == "queue_timeout"
             a.waiting = 0
             await wait_for(lambda: engine.fresh_telemetry().waiting == 0, what="scrape")
             for _ in range(10):

@@ -107,7 +107,9 @@ async def test_critical_requests_take_the_least_queue_then_the_least_kv_cache() 
         router.director.settings = dataclasses.replace(router.director.settings, queue_timeout=0.5)
         async with http(url) as h:
             r = await h.post("/v1/chat/completions", json=CHAT)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+        # its engines are busy, not gone: 429 (back off), with the reason llm-d's clients read
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
+        assert r.headers["x-llm-d-request-dropped-reason"] == "queue_timeout" and r.headers["retry-after"]
         assert (
             metric_value(
                 router,
@@ -234,7 +236,9 @@ async def test_scale_from_zero_a_configured_model_without_engines_waits_and_is_c
     async with stubs(a) as urls, running_router(urls, models=models, queue_timeout=0.5) as (url, router):
         async with http(url) as h:
             r = await h.post("/v1/chat/completions", json={**CHAT, "model": "cold-model"})
+            # no engine at all: 503, the same reason
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            assert r.headers["x-llm-d-request-dropped-reason"] == "queue_timeout" and r.headers["retry-after"]
             assert (
                 metric_value(
                     router,
@@ -312,7 +316,7 @@ async def test_critical_headroom_learns_the_engines_slots_and_keeps_one_for_crit
         assert (await router_describe(url))["running_slots"] == 3
         async with http(url) as h:
             r = await h.post("/v1/chat/completions", json=CHAT)
-            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
             r = await h.post("/v1/chat/completions", json=CHAT, headers={PRIO: "sheddable"})
             assert r.status_code == 429
         a.running = 1

@@ -14,16 +14,15 @@ from vllm_stack.metrics import RouterMetrics
 class Req:
     def __init__(self, name: str, priority: int, log: list[str], room: list[int]) -> None:
         self.name = name
-        self._priority = priority
+        self.priority = priority
         self.queue_seq = 0
         self.queued_at = 0.0
         self.log = log
         self.room = room  # engines free now (shared by every request of a test)
         self.was_displaced = False
-
-    @property
-    def priority(self) -> int:
-        return self._priority
+        self.tenant = (
+            "default"  # one tenant: the order within a band is arrival's (fairness: test_fair_queue)
+        )
 
     def try_dispatch(self) -> str | None:
         if not self.room[0]:
@@ -88,12 +87,14 @@ async def test_requests_that_leave_are_dropped_and_the_heap_stays_bounded() -> N
     room = [0]
     keep = Req("keep", 0, log, room)
     assert queue.add("m", keep)
-    for i in range(5000):  # clients that come and go while the head cannot leave
+    for i in range(5000):  # clients that come and go while the head cannot leave, of one tenant or many
         r = Req(f"gone{i}", 0, log, room)
+        r.tenant = "default" if i % 2 else f"tenant{i}"
         assert queue.add("m", r)
         queue.remove("m", r, "client_closed")
-    heap = queue._queues["m"].heap  # noqa: SLF001 - the bound is what is tested
-    assert len(heap) <= 2 * 1 + 16 + 1 and queue.length == 1
+    band = queue._queues["m"].bands[0]  # noqa: SLF001 - the bound is what is tested
+    assert len(band.heap) <= 2 * 2 + 16 + 1 and queue.length == 1  # (two tenants wait at the most)
+    assert list(band.flows) == ["default"] and len(band.flows["default"].requests) == 1
     room[0] = 1
     queue.dispatch("m")
     assert log == ["keep"] and queue.length == 0

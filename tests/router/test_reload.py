@@ -135,7 +135,8 @@ PROBES: dict[str, Probe] = {
     "disagg_receiver_alloc_port": disagg("receiver_alloc_port", 7401),
     "disagg_notify_timeout": disagg("notify_timeout", 5.0),
     "queue_max_per_model": Probe(5, lambda r: r.queue.max_per_model),
-    "queue_timeout": Probe(60.0, lambda r: r.director.settings.queue_timeout),
+    "queue_max_per_band": Probe(3, lambda r: r.queue.max_per_band),
+    "queue_timeout": Probe(90.0, lambda r: r.director.settings.queue_timeout),
     "engine_scrape_interval": Probe(
         2.5, lambda r: (r.scraper.interval, [e.stale_after for e in engines(r)]), (2.5, [7.5])
     ),
@@ -161,7 +162,9 @@ PROBES: dict[str, Probe] = {
     "tenant_header": Probe("x-team", lambda r: b"x-team" in r.identity.headers, True),
     "tenants_file": Probe(tenants_file, lambda r: r.tenants.weight("team-a"), 2.0),
     "tenants": Probe(
-        TenantTable([TenantSpec("team-a", weight=2.0)]), lambda r: r.tenants.weight("team-a"), 2.0
+        TenantTable([TenantSpec("team-a", weight=2.0)]),
+        lambda r: (r.tenants.weight("team-a"), r.queue.weight("team-a")),
+        (2.0, 2.0),
     ),
     "json_parser": Probe("orjson", lambda r: r.parser.name),
     "log_level": Probe("debug", lambda _r: logging.getLogger().level, logging.DEBUG),

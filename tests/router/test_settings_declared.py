@@ -149,7 +149,7 @@ def test_the_charts_priority_defaults_are_the_declared_defaults() -> None:
     """The chart leaves out of the config file what equals the router's default: its copy of those
     defaults must be the declaration's."""
     pairs = re.findall(r'"([a-z_]+)" \(list \$[\w.]+ ([0-9.]+)\)', TEMPLATE)
-    assert len(pairs) == 6
+    assert len(pairs) == 7
     for name, default in pairs:
         assert float(default) == DECLARED[name].default, name
 

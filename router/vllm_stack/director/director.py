@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _RETRY_AFTER = [(b"retry-after", b"1")]
+#: The header llm-d's clients read for why a request was dropped (its values: the error's code)
+DROPPED_REASON = b"x-llm-d-request-dropped-reason"
 
 #: reason -> (status, code, default message, whether to send Retry-After)
 _ERRORS: dict[str, tuple[int, str, str, bool]] = {
@@ -47,12 +49,15 @@ _ERRORS: dict[str, tuple[int, str, str, bool]] = {
     ),
     Reason.QUEUE_FULL: (429, "queue_full", "The queue of model '{model}' is full; try again shortly.", True),
     Reason.QUEUE_TIMEOUT: (
-        503,
+        429,
         "queue_timeout",
         "No engine of model '{model}' had room in time; try again shortly.",
         True,
     ),
 }
+
+#: Reasons a request is dropped from the queue: their answers name it in :data:`DROPPED_REASON`
+_DROPPED = frozenset({Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +68,7 @@ class ProxySettings:
     request_timeout: float = 600.0
     engine_auth: bytes | None = None  # "Bearer <VLLM_API_KEY>" sent to engines
     access_log: bool = False
-    queue_timeout: float = 120.0  # seconds a request may wait in the model's queue
+    queue_timeout: float = 60.0  # seconds a request may wait in the model's queue
     queue_enabled: bool = True  # requests wait for room (False: answered at once, as before)
     # Configured models: one with no ready engine is waited for in its queue (scale from zero)
     served_models: frozenset[str] = frozenset()
@@ -138,6 +143,20 @@ class Director:
             log.error("no error is mapped for scheduling reason %r", reason)
             return RouterError(500, "The router could not route the request.", code="internal_error")
         status, code, default, retry = mapped
-        return RouterError(
-            status, message or default.format(model=model), code=code, headers=_RETRY_AFTER if retry else ()
+        headers = _RETRY_AFTER if retry else []
+        if reason in _DROPPED:
+            headers = [*headers, (DROPPED_REASON, code.encode())]
+        return RouterError(status, message or default.format(model=model), code=code, headers=headers)
+
+    def queue_timed_out(self, model: str, pool: str, waited: float) -> RouterError:
+        """A request waited ``waited`` seconds (the queue's TTL) without an engine: 429 while the model
+        has engines (they were busy: back off and retry), 503 when it has none at all (scale from
+        zero did not bring one in time); either way ``queue_timeout``, with retry-after."""
+        error = self.error_for(
+            Reason.QUEUE_TIMEOUT,
+            model,
+            f"No engine of model '{model}' had room within {waited:g}s; try again shortly.",
         )
+        if not self.registry.candidates(pool):
+            error.status = 503
+        return error

@@ -1,19 +1,32 @@
-"""The router's per-model queue: requests that wait for an engine with room, strictly by priority.
+"""The router's per-model queue: requests that wait for an engine with room, by priority band, and
+within a band by tenant in turn (docs/tenants.md).
 
 A request waits here when every candidate engine is saturated (critical and standard requests; a
 sheddable one is answered 429 instead) or when its model is configured but has no ready engine yet
-(scale from zero). Within a model, the request with the highest priority leaves first, and among
-equals the one that came first. A new request that would overtake a waiting one of at least its
-priority joins the queue behind it instead of being scheduled.
+(scale from zero). A model's queue is split into **bands**, one per priority value: the highest band
+with a waiting request always leaves first, so a higher priority never waits behind a lower one. A
+new request that would overtake a waiting one of at least its priority joins the queue instead of
+being scheduled.
+
+Within a band, waiting requests are held per tenant (``Waiting.tenant``), each tenant's in arrival
+order, and the band hands its turn to the tenants in **weighted fair** order, not in arrival order:
+start-time fair queueing, in which each tenant carries a virtual tag that grows by ``1 / weight`` with
+each of its departures and the tenant with the smallest tag goes next. Under saturation tenants of
+weights 2 and 1 leave 2:1, and a tenant sending ten times another's requests cannot put the other's
+behind all of its own. A tenant that starts waiting takes the band's current virtual time as its tag
+(an idle tenant banks no credit). Weights come from the tenants declaration (1 when undeclared).
 
 It leaves when the scheduler gives it an engine: the queue tries its head whenever room may have
 appeared (a request on one of the model's engines ended, an engine's figures were scraped, the
 engine index changed) and on a half-second tick while anything waits. It also leaves, answered by
-the director, when it waited ``queue_timeout`` (503 ``queue_timeout``), when its client went away, or
-when the queue was full and a request of higher priority took its place (429 ``queue_full``).
+the director, when it waited ``queue_timeout`` (``queue_timeout``), when its client went away, or
+when it was pushed out to make room (``queue_full``, :meth:`RequestQueue.add`).
 
-Bounded: at most ``max_per_model`` live entries per model; entries of requests that left are
-dropped lazily and the heap is compacted when they outnumber the live ones.
+Bounded twice: at most ``max_per_band`` requests per band and ``max_per_model`` per model. A full
+band makes room by displacing the newest request of its heaviest tenant (most waiting per unit of
+weight) when that tenant is heavier than the newcomer's would become, else refuses the newcomer; a
+full model displaces from its lowest band below the newcomer's (its heaviest tenant's newest), else
+treats the newcomer's own band as full.
 """
 
 from __future__ import annotations
@@ -21,7 +34,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from vllm_stack.metrics import RouterMetrics
@@ -34,45 +48,91 @@ TICK = 0.5
 class Waiting(Protocol):
     """What the queue holds: a request that tries to leave when asked."""
 
-    queue_seq: int  # its entry's sequence number while queued; 0 when not queued
+    queue_seq: int  # its sequence number while queued; 0 when not queued
     queued_at: float  # time.perf_counter() when it joined
 
     @property
     def priority(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
 
     def try_dispatch(self) -> str | None:
         """Schedule it: the exit outcome (``dispatched``, ``failed``) when it left, None to stay."""
         ...
 
     def displaced(self) -> None:
-        """It was pushed out of a full queue for a request of higher priority (answer it)."""
+        """It was pushed out of a full queue to make room for another (answer it)."""
         ...
 
 
-_Entry = tuple[int, int, Waiting]  # (-priority, sequence, request): heap order is the leaving order
+class _Flow:
+    """One tenant's waiting requests in one band, oldest first, and its virtual tag."""
+
+    __slots__ = ("tenant", "weight", "requests", "tag", "entry")
+
+    def __init__(self, tenant: str, weight: float, tag: float) -> None:
+        self.tenant = tenant
+        self.weight = weight
+        self.requests: deque[Waiting] = deque()
+        self.tag = tag  # the virtual start of its head request: the smallest goes next
+        self.entry = 0  # the sequence of its live entry in the band's heap
+
+
+class _Band:
+    """The waiting requests of one priority value of one model."""
+
+    __slots__ = ("priority", "flows", "heap", "vtime", "size")
+
+    def __init__(self, priority: int) -> None:
+        self.priority = priority
+        self.flows: dict[str, _Flow] = {}
+        self.heap: list[tuple[float, int, _Flow]] = []  # (tag, entry sequence, flow): stale ones skipped
+        self.vtime = 0.0  # the tag of the last departure: where a tenant that starts waiting begins
+        self.size = 0
+
+    def next_flow(self) -> _Flow | None:
+        """The tenant whose turn it is (the smallest tag), stale heap entries dropped."""
+        heap = self.heap
+        while heap:
+            tag, entry, flow = heap[0]
+            if flow.entry == entry and flow.requests:
+                return flow
+            heapq.heappop(heap)
+        return None
+
+    def heaviest(self) -> _Flow | None:
+        """The tenant with the most waiting per unit of weight (the newest arrival among equals)."""
+        return max(self.flows.values(), key=lambda f: len(f.requests) / f.weight, default=None)
 
 
 class _ModelQueue:
-    __slots__ = ("heap", "size")
+    __slots__ = ("bands", "order", "size")
 
     def __init__(self) -> None:
-        self.heap: list[_Entry] = []
-        self.size = 0  # live entries
+        self.bands: dict[int, _Band] = {}
+        self.order: list[int] = []  # the bands' priorities, highest first
+        self.size = 0  # waiting requests over all bands
 
-    def head(self) -> _Entry | None:
-        heap = self.heap
-        while heap and heap[0][2].queue_seq != heap[0][1]:
-            heapq.heappop(heap)  # a request that left
-        return heap[0] if heap else None
+    def top(self) -> _Band | None:
+        return self.bands[self.order[0]] if self.order else None
 
 
 class RequestQueue:
-    """Per-model priority queues with one length bound each."""
+    """Per-model queues of priority bands, fair by tenant within a band, bounded per band and model."""
 
-    def __init__(self, metrics: RouterMetrics, max_per_model: int = 1000) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        max_per_model: int = 1000,
+        max_per_band: int = 0,
+        weight: Callable[[str], float] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.max_per_model = max_per_model
-        self.length = 0  # live entries over all models (the hot path reads only this)
+        self.max_per_band = max_per_band or 0  # 0: a band may hold as many as its model
+        self.weight: Callable[[str], float] = weight or (lambda _tenant: 1.0)  # the tenants declaration's
+        self.length = 0  # waiting requests over all models (the hot path reads only this)
         self._queues: dict[str, _ModelQueue] = {}
         self._seq = 0
         self._kicked: set[str] = set()
@@ -83,27 +143,44 @@ class RequestQueue:
     def ahead(self, model: str, priority: int) -> bool:
         """Whether a request of at least ``priority`` waits for ``model`` (a new one goes behind it)."""
         q = self._queues.get(model)
-        if q is None or not q.size:
-            return False
-        head = q.head()
-        return head is not None and -head[0] >= priority
+        return q is not None and bool(q.order) and q.order[0] >= priority
 
     def add(self, model: str, request: Waiting) -> bool:
-        """Queue ``request`` for ``model``; False when the queue is full of requests of at least its
-        priority (one of lower priority is displaced to make room otherwise)."""
+        """Queue ``request`` for ``model``; False when there is no room for it (module docstring: a
+        request pushed out to make room is told :meth:`Waiting.displaced`)."""
         q = self._queues.get(model)
         if q is None:
             q = self._queues[model] = _ModelQueue()
-        if q.size >= self.max_per_model:
-            victim = self._last(q)
-            if victim is None or -victim[0] >= request.priority:
+        priority = request.priority
+        band = q.bands.get(priority)
+        tenant = request.tenant
+        if band is not None and band.size >= (self.max_per_band or self.max_per_model):
+            if not self._displace_heavier(model, q, band, tenant):
+                self._drop_empty(model, q)
                 return False
-            self._leave(model, q, victim[2], "displaced")
-            victim[2].displaced()
+        if q.size >= self.max_per_model:
+            lower = [p for p in q.order if p < priority]
+            if lower:
+                self._displace_from(model, q, q.bands[lower[-1]])
+            elif band is None or not self._displace_heavier(model, q, band, tenant):
+                self._drop_empty(model, q)
+                return False
+        self._queues[model] = q  # (again, when making room emptied it)
+        band = q.bands.get(priority)
+        if band is None:
+            band = q.bands[priority] = _Band(priority)
+            q.order.append(priority)
+            q.order.sort(reverse=True)
+        flow = band.flows.get(tenant)
+        if flow is None:
+            flow = band.flows[tenant] = _Flow(tenant, self.weight(tenant), band.vtime)
         self._seq += 1
         request.queue_seq = self._seq
         request.queued_at = time.perf_counter()
-        heapq.heappush(q.heap, (-request.priority, self._seq, request))
+        flow.requests.append(request)
+        if len(flow.requests) == 1:
+            self._push(band, flow)
+        band.size += 1
         q.size += 1
         self.length += 1
         self._set_length(model, q)
@@ -111,31 +188,79 @@ class RequestQueue:
             self._tick = asyncio.get_running_loop().call_later(TICK, self._on_tick)
         return True
 
+    def _displace_heavier(self, model: str, q: _ModelQueue, band: _Band, tenant: str) -> bool:
+        """Room in a full ``band`` for a request of ``tenant``: its heaviest tenant's newest request
+        goes when that tenant would still be heavier than ``tenant`` with the newcomer."""
+        heaviest = band.heaviest()
+        if heaviest is None or heaviest.tenant == tenant:
+            return False
+        mine = band.flows.get(tenant)
+        after = (len(mine.requests) if mine is not None else 0) + 1
+        if len(heaviest.requests) / heaviest.weight <= after / self.weight(tenant):
+            return False
+        self._displace_from(model, q, band, heaviest)
+        return True
+
+    def _displace_from(self, model: str, q: _ModelQueue, band: _Band, flow: _Flow | None = None) -> None:
+        flow = flow or band.heaviest()
+        assert flow is not None and flow.requests
+        victim = flow.requests[-1]
+        self._leave(model, q, band, flow, victim, "displaced")
+        victim.displaced()
+
+    def _drop_empty(self, model: str, q: _ModelQueue) -> None:
+        if not q.size:
+            del self._queues[model]
+
     def remove(self, model: str, request: Waiting, outcome: str) -> None:
         """``request`` leaves without an engine (``timeout``, ``client_closed``)."""
         q = self._queues.get(model)
-        if q is not None and request.queue_seq:
-            self._leave(model, q, request, outcome)
-            if len(q.heap) > 2 * q.size + 16:
-                q.heap = [e for e in q.heap if e[2].queue_seq == e[1]]
-                heapq.heapify(q.heap)
+        if q is None or not request.queue_seq:
+            return
+        band = q.bands.get(request.priority)
+        flow = band.flows.get(request.tenant) if band is not None else None
+        if band is None or flow is None:
+            return
+        self._leave(model, q, band, flow, request, outcome)
 
-    def _leave(self, model: str, q: _ModelQueue, request: Waiting, outcome: str) -> None:
+    def _leave(
+        self, model: str, q: _ModelQueue, band: _Band, flow: _Flow, request: Waiting, outcome: str
+    ) -> None:
+        requests = flow.requests
+        head = requests[0] is request
+        if head:
+            requests.popleft()
+        else:
+            requests.remove(request)
         request.queue_seq = 0
+        band.size -= 1
         q.size -= 1
         self.length -= 1
         self._set_length(model, q)
         cls = criticality(request.priority)
         self.metrics.queue_exit(model, cls, outcome, time.perf_counter() - request.queued_at)
+        if outcome == "dispatched":  # its tenant's turn is taken: the tag moves on by its share
+            band.vtime = flow.tag
+            flow.tag += 1.0 / flow.weight
+            if requests:
+                self._push(band, flow)
+        if not requests:
+            flow.entry = 0  # its heap entry is stale
+            del band.flows[flow.tenant]
+        if not band.size:
+            del q.bands[band.priority]
+            q.order.remove(band.priority)
         if not q.size:
-            q.heap.clear()
             del self._queues[model]
 
-    @staticmethod
-    def _last(q: _ModelQueue) -> _Entry | None:
-        """The live entry that would leave last (lowest priority, newest)."""
-        live = [e for e in q.heap if e[2].queue_seq == e[1]]
-        return max(live, key=lambda e: (e[0], e[1])) if live else None
+    def _push(self, band: _Band, flow: _Flow) -> None:
+        self._seq += 1
+        flow.entry = self._seq
+        heap = band.heap
+        if len(heap) > 2 * len(band.flows) + 16:  # mostly stale entries: keep the live ones
+            heap[:] = [e for e in heap if e[2].entry == e[1] and e[2].requests]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (flow.tag, self._seq, flow))
 
     def _set_length(self, model: str, q: _ModelQueue) -> None:
         self.metrics.queue_length_child(model).set(q.size)
@@ -181,19 +306,19 @@ class RequestQueue:
             self._tick = asyncio.get_running_loop().call_later(TICK, self._on_tick)
 
     def dispatch(self, model: str) -> None:
-        """Hand engines to the head of ``model``'s queue while the scheduler finds one for it."""
+        """Hand engines to the head of ``model``'s queue (the top band's next tenant's oldest request)
+        while the scheduler finds one for it."""
         q = self._queues.get(model)
         while q is not None and q.size:
-            entry = q.head()
-            if entry is None:
+            band = q.top()
+            flow = band.next_flow() if band is not None else None
+            if band is None or flow is None:
                 break
-            heapq.heappop(q.heap)
-            request = entry[2]
+            request = flow.requests[0]
             outcome = request.try_dispatch()
             if outcome is None:  # still no room: it keeps its place
-                heapq.heappush(q.heap, entry)
                 break
-            self._leave(model, q, request, outcome)
+            self._leave(model, q, band, flow, request, outcome)
             q = self._queues.get(model)
 
     def describe(self) -> dict[str, int]:

@@ -203,15 +203,10 @@ class DirectedRequest:
         settings = self.director.settings
         if self.queue_seq:
             if now - self.queued_at >= settings.queue_timeout:
-                self.director.queue.remove(self.ctx.pool or self.ctx.model, self, "timeout")
-                self._fail(
-                    self.director.error_for(
-                        Reason.QUEUE_TIMEOUT,
-                        self.ctx.model,
-                        f"No engine of model '{self.ctx.model}' had room within {settings.queue_timeout:g}s; "
-                        "try again shortly.",
-                    )
-                )
+                director = self.director
+                model = self.ctx.pool or self.ctx.model
+                director.queue.remove(model, self, "timeout")
+                self._fail(director.queue_timed_out(self.ctx.model, model, settings.queue_timeout))
             return True
         if self.waiting is not None:
             if now - self.ctx.arrived >= timeout:
@@ -395,6 +390,11 @@ class DirectedRequest:
     @property
     def priority(self) -> int:
         return self.ctx.priority
+
+    @property
+    def tenant(self) -> str:
+        """Who sent it (:mod:`vllm_stack.tenants.identity`): its turn in its band of the queue."""
+        return self.ctx.tenant
 
     def try_dispatch(self) -> str | None:
         """The queue's try (it is the head of its model's queue): an engine now, or None to stay."""

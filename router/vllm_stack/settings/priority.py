@@ -78,9 +78,16 @@ class PriorityGroup:
         doc="requests the router's queue holds per model (default 1000; 0: off)",
         chart="routerSpec.priority.queue.maxPerModel",
     )
+    queue_max_per_band: int = setting(
+        0,
+        doc="requests the router's queue holds per model and priority band, fair by tenant "
+        "(default 0: as many as queue_max_per_model)",
+        chart="routerSpec.priority.queue.maxPerBand",
+    )
     queue_timeout: float = setting(
-        120.0,
-        doc="seconds a request may wait in the router's queue (default 120)",
+        60.0,
+        doc="seconds a request may wait in the router's queue, then 429 queue_timeout "
+        "(503 when its model has no engine) (default 60)",
         chart="routerSpec.priority.queue.timeoutSeconds",
     )
 
@@ -100,7 +107,7 @@ class PriorityGroup:
             )
         if not 0 < self.saturation_max_kv_cache_usage <= 1:
             raise ConfigError("saturation_max_kv_cache_usage must be in (0, 1]")
-        if self.queue_max_per_model < 0 or self.queue_timeout <= 0:
-            raise ConfigError("queue_max_per_model must be >= 0 and queue_timeout > 0")
+        if self.queue_max_per_model < 0 or self.queue_max_per_band < 0 or self.queue_timeout <= 0:
+            raise ConfigError("queue_max_per_model and queue_max_per_band must be >= 0 and queue_timeout > 0")
         if not self.priority_header or self.priority_header.lower() != self.priority_header.strip().lower():
             raise ConfigError("priority_header must be a header name")
