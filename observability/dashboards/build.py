@@ -588,6 +588,57 @@ def router() -> gd.Dashboard:
         )
     )
 
+    # Tenants (docs/tenants.md): `tenant` is bounded (declared names, default, other).
+    d = d.with_row(gd.Row("Tenants"))
+    d = d.with_panel(
+        timeseries(
+            "Queue wait by tenant (p50, p99)",
+            "Time requests spent in the router's queue by tenant and priority class (band), observed when "
+            "they left it for any reason. Within a band tenants leave in turn, weighted: a quiet tenant's "
+            "wait stays short beside a noisy one.",
+            "s",
+            [
+                (
+                    f"histogram_quantile({q}, sum by (tenant, class, le) (rate(vllm_stack_router_tenant_queue_wait_seconds_bucket{{{RTR}}}[{RATE}])))",
+                    f"p{int(q * 100)} {{{{tenant}}}} {{{{class}}}}",
+                )
+                for q in (0.5, 0.99)
+            ],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Rejections by tenant and reason",
+            "Requests per second turned away, by tenant and reason: queue_full (429), queue_timeout (429; "
+            "503 when the model has no engine), rate_limited (429), evicted (503). Each answer names its "
+            "reason in x-llm-d-request-dropped-reason.",
+            "reqps",
+            [
+                (
+                    f"sum by (tenant, reason) (rate(vllm_stack_router_tenant_rejections_total{{{RTR_NS}}}[{RATE}]))",
+                    "{{tenant}} {{reason}}",
+                )
+            ],
+            width=8,
+        )
+    )
+    d = d.with_panel(
+        timeseries(
+            "Queue departures by tenant",
+            "Requests per second that left the router's queue by tenant (any outcome): under saturation "
+            "their ratio within a band follows the tenants' weights.",
+            "reqps",
+            [
+                (
+                    f"sum by (tenant) (rate(vllm_stack_router_tenant_queue_wait_seconds_count{{{RTR}}}[{RATE}]))",
+                    "{{tenant}}",
+                )
+            ],
+            width=8,
+        )
+    )
+
     # The Batch API (/v1/files, /v1/batches; routerSpec.batch): its series have no model or engine label.
     d = d.with_row(gd.Row("Batch API"))
     d = d.with_panel(

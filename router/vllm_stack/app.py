@@ -156,7 +156,7 @@ class Router:
         )
         setup = self._build_scheduling(config)
         self.queue = RequestQueue(
-            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants.weight
+            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants
         )
         # LMCache's PD hand-over: the prefill engines notify the router here (bound at start)
         self.pd_notifications = (
@@ -374,7 +374,7 @@ class Router:
         self.adapters.load_timeout = config.lora_load_timeout
         self.queue.max_per_model = config.queue_max_per_model
         self.queue.max_per_band = config.queue_max_per_band
-        self.queue.weight = config.tenants.weight  # for tenants that start waiting from now on
+        self.queue.tenants = config.tenants  # weights: for tenants that start waiting from now on
         self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
         self.registry.set_static_models(_static_models(config))

@@ -37,6 +37,10 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 DECISION_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3)
 
+#: Why a request was turned away for its tenant (docs/tenants.md): the queue counts ``queue_full`` and
+#: ``queue_timeout``, the rate limiter ``rate_limited``, eviction ``evicted``; no other value is counted.
+REJECTION_REASONS = ("queue_full", "queue_timeout", "rate_limited", "evicted")
+
 #: Bound on label sets per metric (models x engines x statuses); past it the oldest half is dropped
 #: (a counter reset, which rate() handles) so hostile or churning labels cannot grow memory forever.
 MAX_SERIES = 10_000
@@ -257,6 +261,30 @@ class RouterMetrics:
             "counter",
             ["model", "class", "outcome"],
         )
+        # Tenants (docs/tenants.md): ``tenant`` is a bounded label (declared names, default, other)
+        self.tenant_queue_wait = _Family(
+            PREFIX + "tenant_queue_wait_seconds",
+            "Time requests spent in the router's queue by model, priority class (band) and tenant, observed "
+            "when they left it (any outcome).",
+            "histogram",
+            ["model", "class", "tenant"],
+            LATENCY_BUCKETS,
+        )
+        self.tenant_rejections = _Family(
+            PREFIX + "tenant_rejections_total",
+            "Requests turned away by tenant and reason: queue_full (429: a full band, or pushed out of "
+            "it), queue_timeout (429, 503 with no engine: waited the queue's TTL), rate_limited (429: "
+            "over the tenant's rate limit), evicted (503: a sheddable request aborted for critical work).",
+            "counter",
+            ["tenant", "reason"],
+        )
+        self.tenant_tokens = _Family(
+            PREFIX + "tenant_tokens",
+            "Tokens counted against the tenant's tokens-per-minute limit in its current window (set by "
+            "the rate limiter).",
+            "gauge",
+            ["tenant"],
+        )
         # Disaggregated prefill (vllm_stack.director.disagg)
         self.disagg_requests = _Family(
             PREFIX + "disagg_requests_total",
@@ -342,6 +370,9 @@ class RouterMetrics:
             self.queue_length,
             self.queue_wait,
             self.queue_exits,
+            self.tenant_queue_wait,
+            self.tenant_rejections,
+            self.tenant_tokens,
             self.requests_total,
             self.request_duration,
             self.ttft,
@@ -478,6 +509,21 @@ class RouterMetrics:
     def queue_exit(self, model: str, cls: str, outcome: str, seconds: float) -> None:
         self.queue_wait.child(model, cls).observe(seconds)  # type: ignore[union-attr]
         self.queue_exits.child(model, cls, outcome).inc()
+
+    def tenant_queue_exit(self, model: str, cls: str, tenant: str, seconds: float) -> None:
+        """A request of ``tenant`` (its metric label) left ``model``'s queue after ``seconds``."""
+        self.tenant_queue_wait.child(model, cls, tenant).observe(seconds)  # type: ignore[union-attr]
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        """A request of ``tenant`` (its metric label) was turned away for ``reason``, one of
+        :data:`REJECTION_REASONS` (anything else is a bug of the caller's, refused here)."""
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"not a tenant rejection reason: {reason!r} (REJECTION_REASONS)")
+        self.tenant_rejections.child(tenant, reason).inc()
+
+    def tenant_tokens_child(self, tenant: str) -> _Value:
+        """The gauge of ``tenant``'s (its metric label) tokens in its current rate-limit window."""
+        return self.tenant_tokens.child(tenant)  # type: ignore[return-value]
 
     def lmcache_lookup(self, model: str, outcome: str) -> None:
         self.lmcache_lookups.child(model, outcome).inc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, running_router, stubs, wait_for
@@ -57,7 +58,7 @@ async def test_a_tenant_sending_ten_times_more_cannot_put_another_behind_all_of_
 
 async def test_weights_two_to_one_give_two_to_one_departures_under_saturation() -> None:
     tenants = TenantTable([TenantSpec("gold", weight=2.0), TenantSpec("bronze", weight=1.0)])
-    queue = RequestQueue(RouterMetrics(), max_per_model=1000, weight=tenants.weight)
+    queue = RequestQueue(RouterMetrics(), max_per_model=1000, tenants=tenants)
     log: list[str] = []
     room = [0]
     for i in range(60):
@@ -169,3 +170,43 @@ async def test_over_http_a_full_band_answers_429_queue_full_with_the_reason_head
         a.waiting = 0
         assert (await asyncio.wait_for(quiet, 10)).status_code == 200
         assert (await asyncio.wait_for(noisy[0], 10)).status_code == 200
+
+
+async def test_tenants_metrics_count_waits_and_rejections_under_bounded_labels() -> None:
+    metrics = RouterMetrics()
+    queue = RequestQueue(
+        metrics, max_per_model=100, max_per_band=2, tenants=TenantTable([TenantSpec("gold", weight=1.0)])
+    )
+    log: list[str] = []
+    room = [0]
+    made_up = [req(f"x{i}", f"made-up-{i}", log, room) for i in range(2)]
+    for r in made_up:
+        assert queue.add("m", r)
+    assert not queue.add("m", req("x2", "made-up-2", log, room))  # 1 each already: refused
+    gold = req("g", "gold", log, room)
+    assert queue.add("m", gold) is False  # no tenant is heavier than gold would be: refused too
+    queue.remove("m", made_up[0], "timeout")
+    assert queue.add("m", gold)
+    drain(queue, room, 2)
+    sample = metrics.registry.get_sample_value
+    rejected = "vllm_stack_router_tenant_rejections_total"
+    assert sample(rejected, {"tenant": "other", "reason": "queue_full"}) == 1
+    assert sample(rejected, {"tenant": "gold", "reason": "queue_full"}) == 1
+    assert sample(rejected, {"tenant": "other", "reason": "queue_timeout"}) == 1
+    waits = "vllm_stack_router_tenant_queue_wait_seconds_count"
+    assert sample(waits, {"model": "m", "class": "standard", "tenant": "other"}) == 2
+    assert sample(waits, {"model": "m", "class": "standard", "tenant": "gold"}) == 1
+    # the other developers' reasons are declared; nothing else is counted
+    metrics.tenant_rejected("gold", "rate_limited")
+    metrics.tenant_rejected("gold", "evicted")
+    with pytest.raises(ValueError, match="not a tenant rejection reason"):
+        metrics.tenant_rejected("gold", "made_up")
+    metrics.tenant_tokens_child("gold").set(1234)
+    assert sample("vllm_stack_router_tenant_tokens", {"tenant": "gold"}) == 1234
+    assert {
+        s.labels["tenant"]
+        for f in metrics.registry.collect()
+        if f.name.startswith("vllm_stack_router_tenant")
+        for s in f.samples
+    } <= {"gold", "other"}
+    queue.close()

@@ -163,7 +163,7 @@ PROBES: dict[str, Probe] = {
     "tenants_file": Probe(tenants_file, lambda r: r.tenants.weight("team-a"), 2.0),
     "tenants": Probe(
         TenantTable([TenantSpec("team-a", weight=2.0)]),
-        lambda r: (r.tenants.weight("team-a"), r.queue.weight("team-a")),
+        lambda r: (r.tenants.weight("team-a"), r.queue.tenants.weight("team-a")),
         (2.0, 2.0),
     ),
     "json_parser": Probe("orjson", lambda r: r.parser.name),

@@ -35,14 +35,18 @@ import asyncio
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.priority import criticality
+from vllm_stack.tenants.declaration import TenantTable
 
 #: Seconds between the queue's own tries while anything waits (a safety net under the event kicks).
 TICK = 0.5
+
+#: Exits that turn the request away, as the tenants' rejection reasons (metrics.REJECTION_REASONS)
+_REJECTED = {"displaced": "queue_full", "timeout": "queue_timeout"}
 
 
 class Waiting(Protocol):
@@ -126,12 +130,12 @@ class RequestQueue:
         metrics: RouterMetrics,
         max_per_model: int = 1000,
         max_per_band: int = 0,
-        weight: Callable[[str], float] | None = None,
+        tenants: TenantTable | None = None,
     ) -> None:
         self.metrics = metrics
         self.max_per_model = max_per_model
         self.max_per_band = max_per_band or 0  # 0: a band may hold as many as its model
-        self.weight: Callable[[str], float] = weight or (lambda _tenant: 1.0)  # the tenants declaration's
+        self.tenants = tenants if tenants is not None else TenantTable()  # weights and metric labels
         self.length = 0  # waiting requests over all models (the hot path reads only this)
         self._queues: dict[str, _ModelQueue] = {}
         self._seq = 0
@@ -156,15 +160,13 @@ class RequestQueue:
         tenant = request.tenant
         if band is not None and band.size >= (self.max_per_band or self.max_per_model):
             if not self._displace_heavier(model, q, band, tenant):
-                self._drop_empty(model, q)
-                return False
+                return self._refuse(model, q, tenant)
         if q.size >= self.max_per_model:
             lower = [p for p in q.order if p < priority]
             if lower:
                 self._displace_from(model, q, q.bands[lower[-1]])
             elif band is None or not self._displace_heavier(model, q, band, tenant):
-                self._drop_empty(model, q)
-                return False
+                return self._refuse(model, q, tenant)
         self._queues[model] = q  # (again, when making room emptied it)
         band = q.bands.get(priority)
         if band is None:
@@ -173,7 +175,7 @@ class RequestQueue:
             q.order.sort(reverse=True)
         flow = band.flows.get(tenant)
         if flow is None:
-            flow = band.flows[tenant] = _Flow(tenant, self.weight(tenant), band.vtime)
+            flow = band.flows[tenant] = _Flow(tenant, self.tenants.weight(tenant), band.vtime)
         self._seq += 1
         request.queue_seq = self._seq
         request.queued_at = time.perf_counter()
@@ -196,7 +198,7 @@ class RequestQueue:
             return False
         mine = band.flows.get(tenant)
         after = (len(mine.requests) if mine is not None else 0) + 1
-        if len(heaviest.requests) / heaviest.weight <= after / self.weight(tenant):
+        if len(heaviest.requests) / heaviest.weight <= after / self.tenants.weight(tenant):
             return False
         self._displace_from(model, q, band, heaviest)
         return True
@@ -208,9 +210,12 @@ class RequestQueue:
         self._leave(model, q, band, flow, victim, "displaced")
         victim.displaced()
 
-    def _drop_empty(self, model: str, q: _ModelQueue) -> None:
+    def _refuse(self, model: str, q: _ModelQueue, tenant: str) -> bool:
+        """No room for a request of ``tenant`` (its caller answers 429 ``queue_full``): counted."""
         if not q.size:
             del self._queues[model]
+        self.metrics.tenant_rejected(self.tenants.label(tenant), "queue_full")
+        return False
 
     def remove(self, model: str, request: Waiting, outcome: str) -> None:
         """``request`` leaves without an engine (``timeout``, ``client_closed``)."""
@@ -238,7 +243,13 @@ class RequestQueue:
         self.length -= 1
         self._set_length(model, q)
         cls = criticality(request.priority)
-        self.metrics.queue_exit(model, cls, outcome, time.perf_counter() - request.queued_at)
+        waited = time.perf_counter() - request.queued_at
+        metrics = self.metrics
+        metrics.queue_exit(model, cls, outcome, waited)
+        label = self.tenants.label(flow.tenant)
+        metrics.tenant_queue_exit(model, cls, label, waited)
+        if outcome in _REJECTED:
+            metrics.tenant_rejected(label, _REJECTED[outcome])
         if outcome == "dispatched":  # its tenant's turn is taken: the tag moves on by its share
             band.vtime = flow.tag
             flow.tag += 1.0 / flow.weight
