@@ -34,14 +34,19 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m vllm_stack_dev.protofix  # xds-protos overwrites opentelemetry-proto's modules
 	@touch $@
 
-# The engine environment and the test tools (vllm_stack_dev.devsetup), then PostgreSQL's server from Debian
-# when missing: the Batch API tests start their own (vllm_stack_dev.testbed.postgres). Needs root, as on CI.
+# The engine environment and the test tools (vllm_stack_dev.devsetup), then PostgreSQL's and Redis's servers
+# from Debian when missing: the Batch API tests start their own PostgreSQL (vllm_stack_dev.testbed.postgres),
+# the rate-limit tests their own Redis (vllm_stack_dev.testbed.redis_server). Needs root, as on CI.
 install: $(STAMP)
 	@$(BIN)/python -m vllm_stack_dev.devsetup
 	@compgen -G '/usr/lib/postgresql/*/bin/postgres' > /dev/null || { \
 	  echo "==> PostgreSQL server (Debian's postgresql package; the Batch API tests start one)"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "postgresql missing: run \`sudo apt-get install -y postgresql\`" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql > /dev/null; }
+	@command -v redis-server > /dev/null || { \
+	  echo "==> Redis server (Debian's redis-server package; the rate-limit store tests start one)"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "redis-server missing: run \`sudo apt-get install -y redis-server\`" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server > /dev/null; }
 
 # The images the chart names (docs/images.md): built with podman from a Debian base made here,
 # cached by content under ~/.cache/vllm-stack. REGISTRY=registry.example.com/team tags them

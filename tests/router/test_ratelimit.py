@@ -1,0 +1,196 @@
+"""The rate limiter alone, on a fake clock: buckets, reservations and their correction, OpenAI's
+header formats, and a failing shared store failing open to this replica's buckets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from vllm_stack.tenants.limiter import RateLimiter, correction, used_tokens
+from vllm_stack.tenants.ratelimit import LocalBuckets, TenantLimits, duration, max_tokens, request_tokens
+
+
+class FakeClock:
+    """Seconds that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _headers(raw: bytes) -> dict[str, str]:
+    lines = raw.decode().split("\r\n")
+    return dict(line.split(": ", 1) for line in lines if line)
+
+
+def test_requests_per_minute_refuse_past_the_limit_and_refill_over_the_minute() -> None:
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    limits = TenantLimits(requests_per_minute=3)
+    assert [buckets.take("a", limits, 0).allowed for _ in range(4)] == [True, True, True, False]
+    refused = buckets.take("a", limits, 0)
+    assert not refused.allowed and refused.retry_after == pytest.approx(20.0)
+    assert refused.retry_after_header() == b"20"
+    clock.now += 19.9
+    assert not buckets.take("a", limits, 0).allowed
+    clock.now += 0.1
+    assert buckets.take("a", limits, 0).allowed
+    assert not buckets.take("a", limits, 0).allowed
+    # another tenant has its own buckets
+    assert buckets.take("b", limits, 0).allowed
+
+
+def test_tokens_per_minute_take_both_or_neither() -> None:
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    limits = TenantLimits(requests_per_minute=10, tokens_per_minute=600)
+    first = buckets.take("a", limits, 500)
+    assert first.allowed and first.reserved == 500
+    refused = buckets.take("a", limits, 200)  # 100 left: needs 100 more, at 10 tokens per second
+    assert not refused.allowed and refused.reserved == 0
+    assert refused.retry_after == pytest.approx(10.0)
+    # the refused request took no request either: 9 requests remain
+    assert refused.requests is not None and refused.requests.remaining == pytest.approx(9.0)
+    clock.now += 10
+    assert buckets.take("a", limits, 200).allowed
+
+
+def test_a_request_larger_than_the_minute_passes_on_a_full_bucket_and_leaves_debt() -> None:
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    limits = TenantLimits(tokens_per_minute=100)
+    big = buckets.take("a", limits, 250)
+    assert big.allowed and big.tokens is not None and big.tokens.remaining == pytest.approx(-150.0)
+    after = buckets.take("a", limits, 1)
+    assert not after.allowed and after.retry_after == pytest.approx(151 * 60 / 100)
+
+
+def test_adjust_corrects_the_reservation_both_ways_and_never_past_full() -> None:
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    limits = TenantLimits(tokens_per_minute=1000)
+    buckets.take("a", limits, 800)
+    buckets.adjust("a", limits, -700)  # used 100 of the 800 reserved
+    assert buckets.take("a", limits, 900).allowed
+    buckets.adjust("a", limits, 50)  # used 50 more than reserved
+    refused = buckets.take("a", limits, 1)
+    assert refused.tokens is not None and refused.tokens.remaining == pytest.approx(-50.0)
+    buckets.adjust("a", limits, -10_000)
+    full = buckets.take("a", limits, 0)
+    assert full.tokens is not None and full.tokens.remaining == pytest.approx(1000.0)
+
+
+def test_headers_are_openais() -> None:
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    decision = buckets.take("a", TenantLimits(requests_per_minute=60, tokens_per_minute=150_000), 16)
+    assert _headers(decision.headers()) == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "150000",
+        "x-ratelimit-remaining-tokens": "149984",
+        "x-ratelimit-reset-tokens": "6ms",
+    }
+    only_requests = buckets.take("b", TenantLimits(requests_per_minute=5), 16)
+    assert set(_headers(only_requests.headers())) == {
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+    }
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (0.017, "17ms"),
+        (1, "1s"),
+        (1.5, "1.5s"),
+        (360, "6m0s"),
+        (90.25, "1m30.25s"),
+        (3600, "1h0m0s"),
+    ],
+)
+def test_duration_is_written_as_go_and_openai_write_it(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
+
+
+def test_what_a_request_reserves() -> None:
+    assert max_tokens(b'{"max_tokens": 30}') == 30
+    assert max_tokens(b'{"max_completion_tokens": 40, "max_tokens": 30}') == 40
+    assert max_tokens(b'{"max_output_tokens": 7}') == 7
+    assert max_tokens(b'{"max_tokens": "many"}') is None
+    assert max_tokens(b"not json") is None
+    # counted by the routing tokenizer: its count; else the prompt's bytes / 4, rounded up
+    assert request_tokens(12, b"x" * 100, b'{"max_tokens": 30}', 256) == 42
+    assert request_tokens(None, b"x" * 101, b'{"max_tokens": 30}', 256) == 26 + 30
+    assert request_tokens(None, b"x" * 8, b"{}", 256) == 2 + 256
+
+
+def test_usage_corrects_the_reservation() -> None:
+    clock = FakeClock()
+    decision = LocalBuckets(clock).take("a", TenantLimits(tokens_per_minute=1000), 300)
+    body = b'{"id":"x","usage":{"prompt_tokens":20,"total_tokens":25,"completion_tokens":5}}'
+    assert used_tokens(body) == 25
+    stream = b'data: {"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":9}}\n\ndata: [DONE]\n\n'
+    assert used_tokens(stream) == 29
+    assert correction(decision, "200", body) == 25 - 300
+    assert correction(decision, "200", b'{"choices":[]}') == 0  # no usage: the reservation stays
+    assert correction(decision, "client_closed", None) == 0
+    assert correction(decision, "400", b'{"error":{}}') == -300  # refused: nothing generated
+
+
+class _BrokenStore:
+    url = "redis://:secret@127.0.0.1:1/0"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def take(self, tenant: str, limits: TenantLimits, tokens: int) -> object:
+        self.calls += 1
+        raise ConnectionError("refused")
+
+    async def adjust(self, tenant: str, limits: TenantLimits, delta: int) -> None:
+        raise ConnectionError("refused")
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_failing_store_fails_open_to_this_replicas_buckets(caplog: pytest.LogCaptureFixture) -> None:
+    errors: list[int] = []
+    store = _BrokenStore()
+    clock = FakeClock()
+    limits = TenantLimits(requests_per_minute=2)
+    limiter = RateLimiter(
+        {"a": limits}, shared=store, local=LocalBuckets(clock), on_store_error=lambda: errors.append(1)
+    )
+
+    async def run() -> list[bool]:
+        out = []
+        for _ in range(3):
+            decision = limiter.take("a", limits, 0)
+            assert not isinstance(decision, type(None))
+            out.append((await decision).allowed)  # type: ignore[misc]
+        return out
+
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(run()) == [True, True, False]  # still limited: per replica
+    assert len(errors) == 3 and store.calls == 3
+    warnings = [r.getMessage() for r in caplog.records if "rate-limit store" in r.getMessage()]
+    assert len(warnings) == 1 and "secret" not in warnings[0], warnings
+
+
+def test_limits_for_a_tenant_and_the_default() -> None:
+    limiter = RateLimiter(
+        {"a": TenantLimits(requests_per_minute=5), "b": TenantLimits()},
+        default=TenantLimits(tokens_per_minute=100),
+    )
+    assert limiter.limits_for("a") == TenantLimits(requests_per_minute=5)
+    assert limiter.limits_for("b") == TenantLimits(tokens_per_minute=100)  # b sets none: the default's
+    assert limiter.limits_for("zz") == TenantLimits(tokens_per_minute=100)
+    assert RateLimiter({}).limits_for("zz") is None

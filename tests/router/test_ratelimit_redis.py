@@ -1,0 +1,86 @@
+"""The rate limits' shared store against a real Redis (Debian's redis-server, started and stopped by PID
+on a loopback port): two router replicas' limiters, one tenant, the limit holds within one request;
+corrections land in the shared buckets; a stopped server fails open to each replica's own buckets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from vllm_stack_dev.testbed.redis_server import RedisServer
+
+from vllm_stack.tenants.limiter import RateLimiter
+from vllm_stack.tenants.ratelimit import Decision, TenantLimits
+from vllm_stack.tenants.redis_store import RedisBuckets
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[RateLimiter, RateLimiter, list[str]]]:
+    """Two replicas' limiters on one Redis, each with its own connections; their store errors."""
+    errors: list[str] = []
+    made = [
+        RateLimiter({}, shared=RedisBuckets(redis_server.url), on_store_error=lambda n=n: errors.append(n))
+        for n in ("a", "b")
+    ]
+    yield made[0], made[1], errors
+    for limiter in made:
+        await limiter.close()
+
+
+async def _take(limiter: RateLimiter, tenant: str, limits: TenantLimits, tokens: int) -> Decision:
+    decision = limiter.take(tenant, limits, tokens)
+    return decision if isinstance(decision, Decision) else await decision
+
+
+async def test_two_replicas_hold_one_requests_limit_within_one_request(
+    replicas: tuple[RateLimiter, RateLimiter, list[str]],
+) -> None:
+    one, two, errors = replicas
+    limits = TenantLimits(requests_per_minute=20)
+    # 60 requests at once, alternating between the replicas; the bucket refills 1 per 3 s meanwhile
+    decisions = await asyncio.gather(*(_take(one if i % 2 else two, "t", limits, 0) for i in range(60)))
+    allowed = sum(d.allowed for d in decisions)
+    assert 20 <= allowed <= 21, allowed
+    assert errors == []
+    refused = [d for d in decisions if not d.allowed]
+    assert all(0 < d.retry_after <= 3.0 for d in refused)
+    assert all(d.requests is not None and d.requests.remaining < 1 for d in refused)
+
+
+async def test_two_replicas_hold_one_tokens_limit_and_share_the_corrections(
+    replicas: tuple[RateLimiter, RateLimiter, list[str]],
+) -> None:
+    one, two, errors = replicas
+    limits = TenantLimits(tokens_per_minute=1000)
+    decisions = await asyncio.gather(*(_take(one if i % 2 else two, "t", limits, 100) for i in range(30)))
+    admitted = [d for d in decisions if d.allowed]
+    assert 10 <= len(admitted) <= 11, len(admitted)
+    # replica one learns the answers used 10 tokens each: the refunds free room on replica two too
+    for decision in admitted:
+        one.settle("t", limits, decision, "200", b'"usage":{"prompt_tokens":6,"completion_tokens":4}')
+    await one.close()  # waits for the pending corrections
+    later = await _take(two, "t", limits, 100)
+    assert later.allowed and later.tokens is not None
+    assert later.tokens.remaining >= 1000 - 100 - 10 * len(admitted) - 100
+    assert errors == []
+
+
+async def test_a_stopped_store_fails_open_to_each_replicas_buckets(
+    redis_server: RedisServer, replicas: tuple[RateLimiter, RateLimiter, list[str]]
+) -> None:
+    one, _, errors = replicas
+    limits = TenantLimits(requests_per_minute=2)
+    assert (await _take(one, "t", limits, 0)).allowed
+    redis_server.stop()
+    outcomes = [(await _take(one, "t", limits, 0)).allowed for _ in range(3)]
+    assert outcomes == [True, True, False]  # this replica's own bucket, full at first
+    assert errors == ["a", "a", "a"]
