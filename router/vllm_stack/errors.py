@@ -50,6 +50,7 @@ class RouterError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: Iterable[tuple[bytes, bytes]] = (),
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -57,9 +58,12 @@ class RouterError(Exception):
         self.code = code
         self.param = param
         self.headers = list(headers)
+        self.error_type = error_type  # the body's ``type`` when not the status's (see error_body)
 
     def body(self) -> bytes:
-        return error_body(self.status, self.message, code=self.code, param=self.param)
+        return error_body(
+            self.status, self.message, code=self.code, param=self.param, error_type=self.error_type
+        )
 
     def marker(self) -> bytes:
         """The value of :data:`ERROR_MARKER`: the error's code (its status when it has none)."""
@@ -78,13 +82,21 @@ def model_not_found(
     )
 
 
-def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> bytes:
-    """The JSON body of an OpenAI-style error."""
+def error_body(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    error_type: str | None = None,
+) -> bytes:
+    """The JSON body of an OpenAI-style error; ``type`` is the status's unless ``error_type`` says (a rate
+    limit's is ``rate_limit_exceeded``, as OpenAI's)."""
     return orjson.dumps(
         {
             "error": {
                 "message": message,
-                "type": _TYPES.get(status, "error"),
+                "type": error_type or _TYPES.get(status, "error"),
                 "param": param,
                 "code": code or status,
             }

@@ -408,6 +408,12 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+        self.rate_limit_store_errors = Counter(
+            PREFIX + "rate_limit_store_errors_total",
+            "Rate-limit decisions or corrections the shared store (Redis) failed; each decision then "
+            "falls back to this replica's own buckets.",
+            registry=r,
+        )
         # LoRA adapters (not on the plain path): loads, unloads and where adapter requests were sent.
         self.adapter_loads = Counter(
             PREFIX + "adapter_loads_total",

@@ -271,6 +271,22 @@ class StubEngine:
             if gone.is_set():
                 self.aborted += 1
                 return
+            if (doc.get("stream_options") or {}).get("include_usage"):  # vLLM's last chunk: usage only
+                usage = {
+                    "id": "chatcmpl-stub",
+                    "object": "chat.completion.chunk",
+                    "created": 1700000000,
+                    "model": model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
+                }
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + orjson.dumps(usage) + b"\n\n",
+                        "more_body": True,
+                    }
+                )
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             self.completed += 1
         finally:

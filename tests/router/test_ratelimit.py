@@ -8,7 +8,14 @@ import asyncio
 import pytest
 
 from vllm_stack.tenants.limiter import RateLimiter, correction, used_tokens
-from vllm_stack.tenants.ratelimit import LocalBuckets, TenantLimits, duration, max_tokens, request_tokens
+from vllm_stack.tenants.ratelimit import (
+    LocalBuckets,
+    TenantLimits,
+    duration,
+    max_tokens,
+    prompt_tokens,
+    request_tokens,
+)
 
 
 class FakeClock:
@@ -126,9 +133,11 @@ def test_what_a_request_reserves() -> None:
     assert max_tokens(b'{"max_tokens": "many"}') is None
     assert max_tokens(b"not json") is None
     # counted by the routing tokenizer: its count; else the prompt's bytes / 4, rounded up
-    assert request_tokens(12, b"x" * 100, b'{"max_tokens": 30}', 256) == 42
-    assert request_tokens(None, b"x" * 101, b'{"max_tokens": 30}', 256) == 26 + 30
-    assert request_tokens(None, b"x" * 8, b"{}", 256) == 2 + 256
+    assert prompt_tokens(12, b"x" * 100) == 12
+    assert prompt_tokens(None, b"x" * 101) == 26
+    assert prompt_tokens(None, None) == 0
+    assert request_tokens(12, b'{"max_tokens": 30}', 256) == 42
+    assert request_tokens(2, b"{}", 256) == 2 + 256
 
 
 def test_usage_corrects_the_reservation() -> None:

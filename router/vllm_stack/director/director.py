@@ -34,6 +34,8 @@ DROPPED_REASON = b"x-llm-d-request-dropped-reason"
 
 #: reason -> (status, code, default message, whether to send Retry-After)
 _ERRORS: dict[str, tuple[int, str, str, bool]] = {
+    # retry-after and the x-ratelimit-* headers come with the refusal (vllm_stack.tenants.gate)
+    Reason.RATE_LIMITED: (429, "rate_limit_exceeded", "Rate limit reached; try again later.", False),
     Reason.ALL_SATURATED: (
         429,
         "engines_saturated",
@@ -146,7 +148,13 @@ class Director:
         headers = _RETRY_AFTER if retry else []
         if reason in _DROPPED:
             headers = [*headers, (DROPPED_REASON, code.encode())]
-        return RouterError(status, message or default.format(model=model), code=code, headers=headers)
+        return RouterError(
+            status,
+            message or default.format(model=model),
+            code=code,
+            headers=headers,
+            error_type=code if reason == Reason.RATE_LIMITED else None,
+        )
 
     def queue_timed_out(self, model: str, pool: str, waited: float) -> RouterError:
         """A request waited ``waited`` seconds (the queue's TTL) without an engine: 429 while the model

@@ -468,7 +468,10 @@ class DirectedRequest:
     def _refused(self, refusal: Refusal) -> None:
         if self.ctx.trace is not None:
             self.ctx.trace.stage_end(str(refusal.reason))
-        self._fail(self.director.error_for(refusal.reason, self.ctx.model, refusal.message))
+        error = self.director.error_for(refusal.reason, self.ctx.model, refusal.message)
+        if refusal.headers:
+            error.headers.extend(refusal.headers)
+        self._fail(error)
 
     def _plugin_failed(self) -> None:
         self._fail(RouterError(500, "A routing plugin failed; see the router's log.", code="plugin_error"))

@@ -322,8 +322,11 @@ class Leg(PooledExchange):
         elif _HOP_BY_HOP_HEADER.search(lowered) is not None or not head.startswith(b"HTTP/1.1 "):
             head = _without_hop_by_hop(status, head, _HOP_BY_HOP_BUT_FRAMING)
         extra = []
+        ctx = self.owner.ctx
         if b"\r\nx-request-id:" not in lowered:
-            extra += (b"x-request-id: ", self.owner.ctx.request_id, b"\r\n")
+            extra += (b"x-request-id: ", ctx.request_id, b"\r\n")
+        if ctx.response_headers:  # e.g. the tenant's x-ratelimit-* (vllm_stack.tenants.gate)
+            extra.append(ctx.response_headers)
         route = self.owner.route
         if route is not None:
             extra += (b"x-vllm-stack-route: ", route, b"\r\n")

@@ -31,6 +31,7 @@ class Reason(enum.StrEnum):
     ADAPTER_UNAVAILABLE = "adapter_unavailable"  # pre-request: the LoRA adapter could not be loaded
     QUEUE_FULL = "queue_full"  # the model's queue is full of requests of at least this priority
     QUEUE_TIMEOUT = "queue_timeout"  # it waited the queue's timeout and no engine had room
+    RATE_LIMITED = "rate_limited"  # its tenant is over a rate limit (vllm_stack.tenants.limiter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class Refusal:
 
     reason: Reason
     message: str = ""
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # added to the error's (a rate limit's retry-after)
 
 
 class CycleState(dict[str, Any]):
@@ -71,10 +73,14 @@ class RequestContext:
     arrived: float = 0.0  # time.perf_counter() when the request was parsed
     excluded: set[str] | frozenset[str] = _NO_ENGINES  # engines already tried (retries): see exclude()
     upstream_headers: bytes = b""  # header lines pre-request plugins add to the upstream request
+    response_headers: bytes = b""  # header lines (CRLF-terminated) added to the engine's answer
     keep_answer_end: bool = False  # a plugin wants Completion.answer_end (e.g. the engine's usage)
     # The picker's estimate of the prompt tokens the chosen engine must prefill (not cached there):
     # booked on Engine.prefill_tokens while the request waits for its first token (0: no estimate).
     prefill_tokens: int = 0
+    # The prompt's tokens as the routing tokenizer counted them (prefix-cache routing in token mode;
+    # None: not tokenized). Read by the tenants' token rate limits.
+    prompt_tokens: int | None = None
     # A registered LoRA adapter: the engines of its base model are the candidates (``pool``), and the
     # lora-affinity filter narrows them to where it is loaded or can be.
     adapter: AdapterSpec | None = None

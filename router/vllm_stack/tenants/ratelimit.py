@@ -64,18 +64,25 @@ class Decision:
     tokens: BucketState | None
     reserved: int
 
-    def headers(self) -> bytes:
-        """OpenAI's ``x-ratelimit-*`` header lines (CRLF-terminated) for the limited axes."""
-        parts = []
+    def header_pairs(self) -> list[tuple[bytes, bytes]]:
+        """OpenAI's ``x-ratelimit-*`` headers for the limited axes, as (name, value) pairs."""
+        pairs = []
         for axis, bucket in (("requests", self.requests), ("tokens", self.tokens)):
             if bucket is None:
                 continue
-            parts.append(
-                f"x-ratelimit-limit-{axis}: {bucket.limit}\r\n"
-                f"x-ratelimit-remaining-{axis}: {max(0, math.floor(bucket.remaining))}\r\n"
-                f"x-ratelimit-reset-{axis}: {duration(bucket.reset)}\r\n"
+            pairs += (
+                (f"x-ratelimit-limit-{axis}".encode(), str(bucket.limit).encode()),
+                (
+                    f"x-ratelimit-remaining-{axis}".encode(),
+                    str(max(0, math.floor(bucket.remaining))).encode(),
+                ),
+                (f"x-ratelimit-reset-{axis}".encode(), duration(bucket.reset).encode()),
             )
-        return "".join(parts).encode("ascii")
+        return pairs
+
+    def headers(self) -> bytes:
+        """:meth:`header_pairs` as header lines, each CRLF-terminated."""
+        return b"".join(name + b": " + value + b"\r\n" for name, value in self.header_pairs())
 
     def retry_after_header(self) -> bytes:
         """``retry-after`` in whole seconds, at least 1 (clients sleep this long before retrying)."""
@@ -199,16 +206,18 @@ def max_tokens(body: bytes) -> int | None:
     return None
 
 
-def request_tokens(
-    prompt_tokens: int | None, prompt: bytes | memoryview | None, body: bytes, default_max_tokens: int
-) -> int:
-    """What a request reserves: its prompt tokens (``prompt_tokens`` when the routing tokenizer counted
-    them, else the prompt's raw JSON bytes / :data:`CHARS_PER_TOKEN`, rounded up) plus its
-    ``max_tokens`` (``default_max_tokens``, the model's default, when it sets none)."""
-    if prompt_tokens is None:
-        prompt_tokens = math.ceil(len(prompt or b"") / CHARS_PER_TOKEN)
+def prompt_tokens(counted: int | None, prompt: bytes | memoryview | None) -> int:
+    """The prompt's tokens: ``counted`` when the routing tokenizer counted them, else the prompt's raw
+    JSON bytes / :data:`CHARS_PER_TOKEN`, rounded up (an estimate: JSON quoting and a chat template's
+    own tokens make it inexact; the answer's usage corrects it)."""
+    return counted if counted is not None else math.ceil(len(prompt or b"") / CHARS_PER_TOKEN)
+
+
+def request_tokens(prompt: int, body: bytes, default_max_tokens: int) -> int:
+    """What a request reserves: its ``prompt`` tokens plus its ``max_tokens`` (``default_max_tokens``,
+    the model's default, when it sets none)."""
     completion = max_tokens(body)
-    return prompt_tokens + (default_max_tokens if completion is None else completion)
+    return prompt + (default_max_tokens if completion is None else completion)
 
 
 def limits_for(

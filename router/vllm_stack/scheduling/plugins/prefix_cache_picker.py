@@ -199,6 +199,7 @@ class PrefixCachePicker:
             log.debug("tokenizing for %s failed, character blocks instead: %s", ctx.model, exc)
             return
         ctx.cycle[self._ids_key] = ids
+        ctx.prompt_tokens = len(ids)
 
     def _keys(self, ctx: RequestContext, block_tokens: int) -> list[int]:
         cache = ctx.cycle.get(self.name)
