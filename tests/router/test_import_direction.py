@@ -39,7 +39,6 @@ LAYERS = {
     "metrics": 1,
     "errors": 1,
     "endpoint_table": 0,  # the router's paths and what it does with each: read by every layer above
-    "tenants": 4.5,  # who sent a request and its rate limits: below the director, above nothing it needs
     "priority": 0,
     "json_depth": 0,
     "request_id": 0,

@@ -10,7 +10,7 @@ import pytest
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import running_router, stubs
 from vllm_stack.app import Router
-from vllm_stack.tenants.gate import RateLimitGate, with_gate
+from vllm_stack.director.rate_gate import RateLimitGate, with_gate
 from vllm_stack.tenants.limiter import RateLimiter
 from vllm_stack.tenants.ratelimit import TenantLimits
 

@@ -34,7 +34,7 @@ DROPPED_REASON = b"x-llm-d-request-dropped-reason"
 
 #: reason -> (status, code, default message, whether to send Retry-After)
 _ERRORS: dict[str, tuple[int, str, str, bool]] = {
-    # retry-after and the x-ratelimit-* headers come with the refusal (vllm_stack.tenants.gate)
+    # retry-after and the x-ratelimit-* headers come with the refusal (vllm_stack.director.rate_gate)
     Reason.RATE_LIMITED: (429, "rate_limit_exceeded", "Rate limit reached; try again later.", False),
     Reason.ALL_SATURATED: (
         429,

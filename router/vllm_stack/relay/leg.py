@@ -325,7 +325,7 @@ class Leg(PooledExchange):
         ctx = self.owner.ctx
         if b"\r\nx-request-id:" not in lowered:
             extra += (b"x-request-id: ", ctx.request_id, b"\r\n")
-        if ctx.response_headers:  # e.g. the tenant's x-ratelimit-* (vllm_stack.tenants.gate)
+        if ctx.response_headers:  # e.g. the tenant's x-ratelimit-* (vllm_stack.director.rate_gate)
             extra.append(ctx.response_headers)
         route = self.owner.route
         if route is not None:
