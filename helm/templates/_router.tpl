@@ -313,6 +313,18 @@ never a flag, never a literal). A YAML list, or nothing. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* The router container's env for the rate limits' shared store: the Redis URL from its Secret (it may
+hold a password: never a flag, never a literal). A YAML list, or nothing. */}}
+{{- define "vllm-stack.router.rateLimitEnv" -}}
+{{- with .Values.routerSpec.rateLimitStore -}}
+- name: VLLM_STACK_RATE_LIMIT_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secretName }}
+      key: {{ .secretKey | default "url" }}
+{{- end -}}
+{{- end -}}
+
 {{/* The router container's env before routerSpec.env (vllm-stack.env.merged: one entry per name). */}}
 {{- define "vllm-stack.router.chartEnv" -}}
 - name: TMPDIR

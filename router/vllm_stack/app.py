@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
+import operator
 import os
 import ssl
 from collections.abc import Mapping
@@ -34,6 +36,7 @@ from vllm_stack.director.director import Director, ProxySettings
 from vllm_stack.director.disagg import DisaggSettings
 from vllm_stack.director.pd_notify import PdNotifications
 from vllm_stack.director.queue import RequestQueue
+from vllm_stack.director.rate_gate import RateLimitGate, with_gate
 from vllm_stack.endpoint_table import ENDPOINTS, EndpointTable
 from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
@@ -59,6 +62,7 @@ from vllm_stack.server.body_stream import STREAM_HOLD
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.telemetry.scraper import EngineScraper
 from vllm_stack.tenants.identity import TenantIdentity
+from vllm_stack.tenants.limiter import RateLimiter, declared_limits
 from vllm_stack.tracing import TRACE_HEADERS
 
 if TYPE_CHECKING:
@@ -186,6 +190,12 @@ class Router:
         # Room may have appeared for requests waiting in the queue: new figures, a changed index.
         self.scraper.on_scraped.append(lambda engine: self.queue.kick_models(engine.models))
         self.registry.on_rebuilt.append(self.queue.kick_all)
+        # The tenants' rate limits: built once (its buckets outlive reloads), limits set by _apply_runtime
+        self.rate_limiter = RateLimiter(
+            {},
+            shared=_rate_limit_store(config.rate_limit_redis_url, config.rate_limit_store_timeout),
+            on_store_error=self.metrics.rate_limit_store_errors.inc,
+        )
         self._apply_runtime(config, setup)
         # What the server asks of each request's head (api.head.refusal), bound once: a call less
         self.check_head = functools.partial(head.refusal, self)
@@ -248,9 +258,27 @@ class Router:
             config.debug_headers,
         )
 
+    def _with_rate_limits(self, config: RouterConfig, setup: SchedulingSetup) -> SchedulingSetup:
+        """``setup`` with the rate gate's hooks when a declared tenant has a limit; unchanged otherwise,
+        so a router without limits runs the request path it ran before."""
+        limits = declared_limits(config.tenants)
+        self.rate_limiter.configure(limits)
+        if not limits:
+            return setup
+        tenants = config.tenants
+        metrics = self.metrics
+        gate = RateLimitGate(
+            self.rate_limiter,
+            operator.attrgetter("tenant"),
+            self.registry.candidates,
+            lambda tenant: metrics.tenant_rejected(tenants.label(tenant), "rate_limited"),
+        )
+        return dataclasses.replace(setup, hooks=with_gate(setup.hooks, gate))
+
     def _apply_runtime(self, config: RouterConfig, setup: SchedulingSetup) -> None:
         """Settings that can change while running (hot reload): swapped as whole objects."""
         self.config = config
+        setup = self._with_rate_limits(config, setup)
         self._scheduling = setup
         self.director.configure(setup, self._proxy_settings(config))
         self.kv_feed.consumers = tuple(
@@ -545,6 +573,7 @@ class Router:
         await self.plugin_state.close()
         if self.control_session is not None:
             await self.control_session.close()
+        await self.rate_limiter.close()
         if self.tracer is not None:  # the spans still buffered go out (blocking: off the loop)
             await asyncio.to_thread(self.tracer.shutdown)
 
@@ -624,6 +653,16 @@ def _mtime(path: str) -> float | None:
         return os.stat(path).st_mtime_ns
     except OSError:
         return None
+
+
+def _rate_limit_store(url: str | None, timeout: float) -> Any:  # noqa: ANN401 - a RedisBuckets, imported only with a URL
+    """The rate limits' shared store at ``url`` (None: each replica its own buckets). The redis client is
+    imported only here, when one is configured."""
+    if not url:
+        return None
+    from vllm_stack.tenants.redis_store import RedisBuckets  # noqa: PLC0415 - only with a store
+
+    return RedisBuckets(url, timeout)
 
 
 def _build_batch(router: Router, config: RouterConfig) -> BatchRunner | None:

@@ -27,6 +27,7 @@ from vllm_stack.settings import (
     EngineGroup,
     GatewayGroup,
     PriorityGroup,
+    RateLimitGroup,
     SchedulingGroup,
     ServerGroup,
     TenantsGroup,
@@ -75,6 +76,7 @@ class RouterConfig(
     GatewayGroup,
     BatchGroup,
     TenantsGroup,
+    RateLimitGroup,
 ):
     """Every router setting: the groups of :mod:`vllm_stack.settings` in one flat object. Flat, so
     ``config.port`` stays a plain slot read wherever the code reads it (the request path among them) and
@@ -223,5 +225,6 @@ def load_config(
             config.priority_api_keys_file, environ, "VLLM_STACK_PRIORITY_API_KEYS"
         ),
         batch_database_url=environ.get("VLLM_STACK_BATCH_DATABASE_URL") or None,
+        rate_limit_redis_url=environ.get("VLLM_STACK_RATE_LIMIT_REDIS_URL") or None,
     )
     return config.validate()

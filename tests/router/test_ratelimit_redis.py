@@ -1,20 +1,31 @@
 """The rate limits' shared store against a real Redis (Debian's redis-server, started and stopped by PID
-on a loopback port): two router replicas' limiters, one tenant, the limit holds within one request;
+on a loopback port): two router replicas (their limiters, then two whole in-process routers), one
+tenant, the limit holds within one request;
 corrections land in the shared buckets; a stopped server fails open to each replica's own buckets."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 from vllm_stack_dev.testbed.redis_server import RedisServer
 
+from tests.fakes.stub_engine import StubEngine
+from tests.router.helpers import metric_value, running_router, stubs
 from vllm_stack.tenants.limiter import RateLimiter
 from vllm_stack.tenants.ratelimit import Decision, TenantLimits
 from vllm_stack.tenants.redis_store import RedisBuckets
 
 pytestmark = pytest.mark.redis
+
+#: The store's timeout here: the test machines' two cores are shared, and a decision that times out
+#: fails open (its own test below), which would make the exactness tests measure the load instead.
+SLOW_MACHINE = 10.0
 
 
 @pytest.fixture
@@ -28,7 +39,11 @@ async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[RateLimiter
     """Two replicas' limiters on one Redis, each with its own connections; their store errors."""
     errors: list[str] = []
     made = [
-        RateLimiter({}, shared=RedisBuckets(redis_server.url), on_store_error=lambda n=n: errors.append(n))
+        RateLimiter(
+            {},
+            shared=RedisBuckets(redis_server.url, SLOW_MACHINE),
+            on_store_error=lambda n=n: errors.append(n),
+        )
         for n in ("a", "b")
     ]
     yield made[0], made[1], errors
@@ -84,3 +99,39 @@ async def test_a_stopped_store_fails_open_to_each_replicas_buckets(
     outcomes = [(await _take(one, "t", limits, 0)).allowed for _ in range(3)]
     assert outcomes == [True, True, False]  # this replica's own bucket, full at first
     assert errors == ["a", "a", "a"]
+
+
+async def test_two_routers_one_tenant_the_limit_holds_within_one_request(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two router replicas (in-process, each with its own server and Redis connections) over one engine,
+    one tenant limited to 10 requests a minute: 30 requests at once, spread over both, get 10 answers
+    (11 if the bucket refilled one meanwhile, at 1 per 6 s) and 429s for the rest."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump({"tenants": [{"name": "t", "requests_per_minute": 10}]}))
+    environ = {"VLLM_STACK_RATE_LIMIT_REDIS_URL": redis_server.url}
+    slow = {"rate_limit_store_timeout": SLOW_MACHINE}
+    engine = StubEngine()
+    async with (
+        stubs(engine) as urls,
+        running_router(urls, environ, tenants_file=str(tenants), **slow) as (one, router_one),
+        running_router(urls, environ, tenants_file=str(tenants), **slow) as (two, router_two),
+        httpx.AsyncClient(timeout=30, headers={"x-llm-d-inference-fairness-id": "t"}) as http,
+    ):
+        body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+        answers = await asyncio.gather(
+            *(http.post(f"{one if i % 2 else two}/v1/chat/completions", json=body) for i in range(30))
+        )
+        errors = [
+            metric_value(r, "vllm_stack_router_rate_limit_store_errors_total")
+            for r in (router_one, router_two)
+        ]
+    statuses = Counter(a.status_code for a in answers)
+    assert set(statuses) == {200, 429}, statuses
+    assert 10 <= statuses[200] <= 11, statuses
+    assert engine.completed == statuses[200]
+    assert errors == [0, 0]
+    # both replicas answered and refused: the limit was shared, not split
+    by_replica = Counter((str(a.request.url).startswith(one), a.status_code) for a in answers)
+    assert all(by_replica[(side, 429)] > 0 for side in (True, False)), by_replica
+    assert all(int(a.headers["retry-after"]) >= 1 for a in answers if a.status_code == 429)

@@ -1,20 +1,22 @@
-"""Rate limits through a router: OpenAI's x-ratelimit-* headers on answers, 429 rate_limit_exceeded
-with retry-after past the limit (the engine never sees it), the token reservation corrected from the
-answer's usage, streamed too (include_usage)."""
+"""Rate limits through a router, declared in its tenants file: OpenAI's x-ratelimit-* headers on answers,
+429 rate_limit_exceeded with retry-after past the limit (the engine never sees it), the token
+reservation corrected from the answer's usage (streamed too: include_usage), and no gate at all where
+no tenant has a limit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
+import yaml
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import running_router, stubs
-from vllm_stack.app import Router
-from vllm_stack.director.rate_gate import RateLimitGate, with_gate
-from vllm_stack.tenants.limiter import RateLimiter
-from vllm_stack.tenants.ratelimit import TenantLimits
+from tests.router.helpers import metric_value, running_router, stubs
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+TENANT_HEADER = "x-llm-d-inference-fairness-id"
+TENANT = {TENANT_HEADER: "t"}
 RATE_HEADERS = {
     "x-ratelimit-limit-requests",
     "x-ratelimit-remaining-requests",
@@ -25,22 +27,25 @@ RATE_HEADERS = {
 }
 
 
-def _limit(router: Router, limits: TenantLimits) -> RateLimiter:
-    """Every request of this router is tenant "t", limited by ``limits`` (this replica's buckets)."""
-    limiter = RateLimiter({"t": limits})
-    gate = RateLimitGate(limiter, lambda ctx: "t", router.registry.candidates)
-    router.director.hooks = with_gate(router.director.hooks, gate)
-    return limiter
+def tenants_file(tmp_path: Path, **fields: object) -> str:
+    """A tenants file declaring tenant "t" with ``fields`` (its limits, its weight)."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": [{"name": "t", **fields}]}))
+    return str(path)
 
 
-async def test_answers_carry_the_headers_and_the_limit_answers_429() -> None:
+async def test_answers_carry_the_headers_and_the_limit_answers_429(tmp_path: Path) -> None:
     engine = StubEngine()
-    async with stubs(engine) as urls, running_router(urls) as (url, router):
-        _limit(router, TenantLimits(requests_per_minute=2, tokens_per_minute=100_000))
-        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+    tenants = tenants_file(tmp_path, requests_per_minute=2, tokens_per_minute=100_000)
+    async with stubs(engine) as urls, running_router(urls, tenants_file=tenants) as (url, router):
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=TENANT) as http:
             answers = [
                 await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4}) for _ in range(3)
             ]
+            other = await http.post("/v1/chat/completions", json=CHAT, headers={TENANT_HEADER: "someone"})
+        refused = metric_value(
+            router, "vllm_stack_router_tenant_rejections_total", tenant="t", reason="rate_limited"
+        )
     first, second, third = answers
     assert first.status_code == second.status_code == 200
     assert RATE_HEADERS <= set(first.headers)
@@ -54,30 +59,43 @@ async def test_answers_carry_the_headers_and_the_limit_answers_429() -> None:
     assert "tenant 't'" in error["message"] and "requests per minute" in error["message"]
     assert int(third.headers["retry-after"]) == 30  # 2 per minute: the next one in 30 s
     assert third.headers["x-ratelimit-remaining-requests"] == "0"
-    assert engine.completed == 2  # the refused one never reached the engine
+    assert refused == 1
+    # the refused one never reached the engine; an undeclared tenant has no limits, nor their headers
+    assert engine.completed == 3
+    assert other.status_code == 200 and not RATE_HEADERS & set(other.headers)
+
+
+async def test_no_limits_no_headers_and_no_gate(tmp_path: Path) -> None:
+    """Tenants declared without limits: the request path has no rate gate at all."""
+    tenants = tenants_file(tmp_path, weight=2)
+    async with stubs(StubEngine()) as urls, running_router(urls, tenants_file=tenants) as (url, router):
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=TENANT) as http:
+            answer = await http.post("/v1/chat/completions", json=CHAT)
+        hooks = router.director.hooks
+    assert answer.status_code == 200 and not RATE_HEADERS & set(answer.headers)
+    assert not [h for h in (*hooks.prepare, *hooks.response_complete) if "RateLimitGate" in repr(h)]
 
 
 @pytest.mark.parametrize(
     ("stream", "usage", "corrected"),
-    [(False, False, True), (True, True, True), (True, False, False)],
+    [(False, True, True), (True, True, True), (True, False, False)],
     ids=["json", "stream-include-usage", "stream-without-usage"],
 )
 async def test_the_token_reservation_is_corrected_from_usage(
-    stream: bool, usage: bool, corrected: bool
+    stream: bool, usage: bool, corrected: bool, tmp_path: Path
 ) -> None:
     """No max_tokens: the model's default (the stub's context, 2048, less the prompt) is reserved; the
     stub answers 8 tokens, so the usage gives almost all of it back. Without usage it stays reserved."""
     engine = StubEngine(max_model_len=2048)
-    async with stubs(engine) as urls, running_router(urls) as (url, router):
-        _limit(router, TenantLimits(tokens_per_minute=6000))  # refills 100 a second
+    tenants = tenants_file(tmp_path, tokens_per_minute=6000)  # refills 100 a second
+    async with stubs(engine) as urls, running_router(urls, tenants_file=tenants) as (url, _):
         body: dict[str, object] = {**CHAT, "stream": stream}
         if usage and stream:
             body["stream_options"] = {"include_usage": True}
-        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=TENANT) as http:
             first = await http.post("/v1/chat/completions", json=body)
             assert first.status_code == 200
-            if stream:
-                assert (b'"usage"' in first.content) == usage
+            assert (b'"usage"' in first.content) == usage
             second = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
     assert second.status_code == 200
     assert first.headers["x-ratelimit-remaining-tokens"] == str(6000 - 2048)  # prompt + default reserved

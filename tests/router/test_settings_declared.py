@@ -99,7 +99,10 @@ def test_the_reload_rule_is_the_declaration() -> None:
 @pytest.mark.parametrize("name", [n for n, i in DECLARED.items() if i.setting.env])
 def test_declared_environment_variables_are_read(name: str) -> None:
     env = DECLARED[name].setting.env
-    value = "postgresql://u:p@db/batches" if name == "batch_database_url" else "sk-from-env"
+    value = {
+        "batch_database_url": "postgresql://u:p@db/batches",
+        "rate_limit_redis_url": "redis://:p@redis:6379/0",
+    }.get(name, "sk-from-env")
     config = load_config({"static_backends": "http://e:8000"}, environ={env: value})
     assert getattr(config, name) in (value, frozenset({value})), f"{name}: {env} not read"
 

@@ -29,6 +29,7 @@ from vllm_stack.settings.discovery import DiscoveryGroup
 from vllm_stack.settings.engines import EngineGroup
 from vllm_stack.settings.gateway import GatewayGroup
 from vllm_stack.settings.priority import PriorityGroup
+from vllm_stack.settings.ratelimit import RateLimitGroup
 from vllm_stack.settings.scheduling import SchedulingGroup
 from vllm_stack.settings.server import ServerGroup
 from vllm_stack.settings.tenants import TenantsGroup
@@ -44,6 +45,7 @@ __all__ = [
     "EngineGroup",
     "GatewayGroup",
     "PriorityGroup",
+    "RateLimitGroup",
     "SchedulingGroup",
     "ServerGroup",
     "Setting",

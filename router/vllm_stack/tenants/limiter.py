@@ -3,7 +3,7 @@ does, and the correction of a reservation from the answer's ``usage``.
 
 A shared store's failure fails open to this replica's own buckets (:class:`LocalBuckets`): the limits
 then hold per replica, not across them, for as long as Redis does not answer (each failed call waits at
-most :data:`~.redis_store.TIMEOUT`). Each failure counts in
+most ``rate_limit_store_timeout``, 0.5 s by default). Each failure counts in
 ``vllm_stack_router_rate_limit_store_errors_total``; the first of an outage and the recovery are logged
 once each. Rate limits share capacity fairly; refusing every request because their bookkeeping is
 unreachable would turn a Redis outage into a whole-fleet outage.
@@ -17,6 +17,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from vllm_stack.tenants.declaration import TenantTable
 from vllm_stack.tenants.ratelimit import Decision, LocalBuckets, TenantLimits
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,16 @@ def correction(decision: Decision, status: str, answer_end: bytes | None) -> int
     return 0
 
 
+def declared_limits(table: TenantTable) -> dict[str, TenantLimits]:
+    """The limits of the declared tenants that have any (a tenant nobody declared has none)."""
+    out = {}
+    for spec in table.specs.values():
+        limits = TenantLimits(spec.requests_per_minute, spec.tokens_per_minute)
+        if limits.limited:
+            out[spec.name] = limits
+    return out
+
+
 class RateLimiter:
     """Limits per tenant, decided in ``shared`` (Redis) when set, else in this replica's buckets."""
 
@@ -84,6 +95,10 @@ class RateLimiter:
         self._on_store_error = on_store_error
         self._failing = False
         self._tasks: set[asyncio.Task[Any]] = set()
+
+    def configure(self, limits: Mapping[str, TenantLimits]) -> None:
+        """New limits (a reload); the buckets, and what they hold, stay."""
+        self.limits = {name: lim for name, lim in limits.items() if lim.limited}
 
     def limits_for(self, tenant: str) -> TenantLimits | None:
         """``tenant``'s limits (the default's for a tenant without its own), None: not limited."""

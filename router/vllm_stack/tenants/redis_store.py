@@ -18,8 +18,9 @@ from vllm_stack.tenants.ratelimit import Decision, TenantLimits, _decision
 
 #: Keys are this prefix and the tenant's name (hash fields: r, t: the levels; s: the stamp).
 KEY_PREFIX = "vllm-stack:ratelimit:"
-#: Seconds a decision may take before the store counts as failing (the request must not wait long).
-TIMEOUT = 0.25
+#: Seconds a decision may take before the store counts as failing (the request must not wait long; the
+#: router's ``rate_limit_store_timeout``).
+TIMEOUT = 0.5
 
 # KEYS[1]: the tenant's hash. ARGV: rpm, tpm (-1: not limited), tokens, mode ("take"; "adjust": take
 # ``tokens`` more from the token bucket, a refund when negative). Returns {allowed, wait, req, tok} as
