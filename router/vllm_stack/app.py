@@ -272,6 +272,7 @@ class Router:
             operator.attrgetter("tenant"),
             self.registry.candidates,
             lambda tenant: metrics.tenant_rejected(tenants.label(tenant), "rate_limited"),
+            lambda tenant, used: metrics.tenant_tokens_child(tenants.label(tenant)).set(used),
         )
         return dataclasses.replace(setup, hooks=with_gate(setup.hooks, gate))
 

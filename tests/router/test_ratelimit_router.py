@@ -88,7 +88,7 @@ async def test_the_token_reservation_is_corrected_from_usage(
     stub answers 8 tokens, so the usage gives almost all of it back. Without usage it stays reserved."""
     engine = StubEngine(max_model_len=2048)
     tenants = tenants_file(tmp_path, tokens_per_minute=6000)  # refills 100 a second
-    async with stubs(engine) as urls, running_router(urls, tenants_file=tenants) as (url, _):
+    async with stubs(engine) as urls, running_router(urls, tenants_file=tenants) as (url, router):
         body: dict[str, object] = {**CHAT, "stream": stream}
         if usage and stream:
             body["stream_options"] = {"include_usage": True}
@@ -97,9 +97,11 @@ async def test_the_token_reservation_is_corrected_from_usage(
             assert first.status_code == 200
             assert (b'"usage"' in first.content) == usage
             second = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+        gauge = metric_value(router, "vllm_stack_router_tenant_tokens", tenant="t")
     assert second.status_code == 200
     assert first.headers["x-ratelimit-remaining-tokens"] == str(6000 - 2048)  # prompt + default reserved
     left = int(second.headers["x-ratelimit-remaining-tokens"])
+    assert abs(gauge - (6000 - left)) <= 1  # the tenant_tokens gauge: what the last decision counted
     if corrected:  # 2048 reserved, 5 + 8 used: back to nearly full before the second's own ~20
         assert left > 5900, left
     else:  # the 2048 stay taken; at most a few seconds' refill came back

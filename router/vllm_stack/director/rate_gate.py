@@ -36,11 +36,12 @@ def remaining_context(engines: Sequence[Engine], model: str, prompt_tokens: int)
 
 class RateLimitGate:
     """The hooks; ``tenant_of`` names a request's tenant, ``candidates`` a model's engines (their
-    cards give the model's default ``max_tokens``), ``refused`` counts a refusal by tenant."""
+    cards give the model's default ``max_tokens``), ``refused`` counts a refusal by tenant, ``tokens``
+    is told a tenant's tokens counted against its tokens-per-minute after each decision."""
 
     name = "rate-limit"
 
-    __slots__ = ("limiter", "_tenant_of", "_candidates", "_refused")
+    __slots__ = ("limiter", "_tenant_of", "_candidates", "_refused", "_tokens")
 
     def __init__(
         self,
@@ -48,11 +49,13 @@ class RateLimitGate:
         tenant_of: Callable[[RequestContext], str],
         candidates: Callable[[str], Sequence[Engine]],
         refused: Callable[[str], None] | None = None,
+        tokens: Callable[[str, float], None] | None = None,
     ) -> None:
         self.limiter = limiter
         self._tenant_of = tenant_of
         self._candidates = candidates
         self._refused = refused
+        self._tokens = tokens
 
     def prepare(self, ctx: RequestContext) -> Refusal | Awaitable[Refusal | None] | None:
         tenant = self._tenant_of(ctx)
@@ -77,6 +80,9 @@ class RateLimitGate:
     def _decided(
         self, ctx: RequestContext, tenant: str, limits: TenantLimits, decision: Decision
     ) -> Refusal | None:
+        bucket = decision.tokens
+        if bucket is not None and self._tokens is not None:
+            self._tokens(tenant, bucket.limit - bucket.remaining)
         if not decision.allowed:
             if self._refused is not None:
                 self._refused(tenant)
