@@ -232,10 +232,12 @@ serve the same name become one, and must agree. Renders a YAML list, or nothing.
 {{- $p := .Values.routerSpec.priority | default dict -}}
 {{- $sat := $p.saturation | default dict -}}
 {{- $queue := $p.queue | default dict -}}
+{{- $eviction := $p.eviction | default dict -}}
 {{- $out := dict -}}
 {{- if eq (toString $p.enabled) "false" }}{{ $_ := set $out "priority_scheduling" false }}{{ end -}}
+{{- if eq (toString $eviction.enabled) "true" }}{{ $_ := set $out "eviction_enabled" true }}{{ end -}}
 {{- with $p.header }}{{ if ne (lower (toString .)) "x-request-priority" }}{{ $_ := set $out "priority_header" (toString .) }}{{ end }}{{ end -}}
-{{- range $key, $v := dict "saturation_max_waiting" (list $sat.maxWaiting 5.0) "saturation_max_kv_cache_usage" (list $sat.maxKvCacheUsage 0.8) "critical_max_waiting" (list $p.criticalMaxWaiting 50.0) "critical_reserve_slots" (list $p.criticalReserveSlots 0.0) "queue_max_per_model" (list $queue.maxPerModel 1000.0) "queue_max_per_band" (list $queue.maxPerBand 0.0) "queue_timeout" (list $queue.timeoutSeconds 60.0) -}}
+{{- range $key, $v := dict "saturation_max_waiting" (list $sat.maxWaiting 5.0) "saturation_max_kv_cache_usage" (list $sat.maxKvCacheUsage 0.8) "critical_max_waiting" (list $p.criticalMaxWaiting 50.0) "critical_reserve_slots" (list $p.criticalReserveSlots 0.0) "queue_max_per_model" (list $queue.maxPerModel 1000.0) "queue_max_per_band" (list $queue.maxPerBand 0.0) "queue_timeout" (list $queue.timeoutSeconds 60.0) "eviction_after" (list $eviction.afterSeconds 2.0) -}}
 {{- $given := index $v 0 -}}
 {{- if and (not (kindIs "invalid" $given)) (ne (float64 $given) (index $v 1)) }}{{ $_ := set $out $key $given }}{{ end -}}
 {{- end -}}

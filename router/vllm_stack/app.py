@@ -256,6 +256,7 @@ class Router:
             if config.disaggregated
             else None,
             config.debug_headers,
+            config.eviction_after if config.eviction_enabled else None,
         )
 
     def _with_rate_limits(self, config: RouterConfig, setup: SchedulingSetup) -> SchedulingSetup:

@@ -104,11 +104,9 @@ def error_body(
     )
 
 
-def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
+def sse_error_event(message: str, code: str = "upstream_error", error_type: str = "upstream_error") -> bytes:
     """An SSE event that ends a stream broken mid-way, so clients see an error instead of a silent cut."""
-    payload = orjson.dumps(
-        {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
-    )
+    payload = orjson.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}})
     return b"data: " + payload + b"\n\n"
 
 

@@ -232,9 +232,24 @@ def test_priority_settings_reach_the_router(tmp_path) -> None:
     assert (loaded.critical_max_waiting, loaded.queue_max_per_model, loaded.queue_timeout) == (64, 200, 45)
 
 
+def test_eviction_values_reach_the_router(tmp_path) -> None:
+    base = models({"name": "m", "modelURL": "org/m"})
+    off = router_config(render([values_file(tmp_path, base)]))
+    assert "eviction_enabled" not in off and "eviction_after" not in off  # off: the router's default
+    values = {**base, "routerSpec": {"priority": {"eviction": {"enabled": True, "afterSeconds": 5}}}}
+    config = router_config(render([values_file(tmp_path, values, "eviction.yaml")]))
+    assert (config["eviction_enabled"], config["eviction_after"]) == (True, 5)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    loaded = load_config({"static_backends": "http://e:8000"}, str(path))
+    assert (loaded.eviction_enabled, loaded.eviction_after) == (True, 5)
+
+
 @pytest.mark.parametrize(
     "priority, where",
     [
+        ({"eviction": {"afterSeconds": 0}}, "afterSeconds"),
+        ({"eviction": {"enabled": "yes"}}, "enabled"),
         ({"saturation": {"maxKvCacheUsage": 1.5}}, "maxKvCacheUsage"),
         ({"queue": {"timeoutSeconds": 0}}, "timeoutSeconds"),
         ({"queue": {"maxPerModel": -1}}, "maxPerModel"),

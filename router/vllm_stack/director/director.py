@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_stack.director.disagg import DisaggSettings
+from vllm_stack.director.eviction import DROPPED_REASON, Evictor
 from vllm_stack.director.pd_notify import PdNotifications
 from vllm_stack.director.queue import RequestQueue
 from vllm_stack.engines.registry import EngineRegistry
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _RETRY_AFTER = [(b"retry-after", b"1")]
-#: The header llm-d's clients read for why a request was dropped (its values: the error's code)
-DROPPED_REASON = b"x-llm-d-request-dropped-reason"
 
 #: reason -> (status, code, default message, whether to send Retry-After)
 _ERRORS: dict[str, tuple[int, str, str, bool]] = {
@@ -77,6 +76,9 @@ class ProxySettings:
     # Disaggregated prefill for models with prefill-role engines (None: off, no request checks)
     disagg: DisaggSettings | None = None
     debug_headers: bool = False  # answers carry x-vllm-stack-route (see route_header)
+    # Seconds a critical request waits for its first token before sheddable work is evicted for it
+    # (director.eviction; None: eviction off, nothing tracked)
+    eviction_after: float | None = None
 
 
 class Director:
@@ -94,6 +96,7 @@ class Director:
         "pd_notifications",
         "tracer",
         "endpoint_picker",
+        "evictor",
     )
 
     def __init__(
@@ -120,6 +123,8 @@ class Director:
         self.tracer = tracer  # None: tracing off (vllm_stack.tracing is then never imported)
         # Gateway mode: engines are asked of this external endpoint picker (None: scheduled here)
         self.endpoint_picker = endpoint_picker
+        # In-flight sheddable requests while eviction is on (settings.eviction_after)
+        self.evictor = Evictor(registry, metrics, lambda: self.queue.tenants)
 
     def configure(self, setup: SchedulingSetup, settings: ProxySettings) -> None:
         """A reload: new scheduling and settings for the requests that start from now on."""

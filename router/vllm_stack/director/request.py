@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from vllm_stack.director.eviction import DROPPED_REASON, EVICTED
 from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.director.stages import DirectedRequest, route_header
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
-from vllm_stack.errors import RouterError
+from vllm_stack.errors import RouterError, sse_error_event
 from vllm_stack.relay.leg import Leg
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
@@ -58,7 +59,7 @@ class Pick(enum.Enum):
 class ProxiedRequest(DirectedRequest):
     """The state of one proxied request; the client connection's handler while it runs."""
 
-    __slots__ = ("conn", "request", "tail", "leg", "pick", "picked", "disagg_pending", "pd")
+    __slots__ = ("conn", "request", "tail", "leg", "pick", "picked", "disagg_pending", "pd", "evictable")
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class ProxiedRequest(DirectedRequest):
         disagg = director.settings.disagg
         self.disagg_pending = disagg is not None and ctx.path in disagg.paths
         self.pd: PrefillStage | None = None  # while its prefill stage runs
+        self.evictable = False  # tracked by the director's evictor (sheddable, eviction on)
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         tracer = director.tracer
@@ -262,6 +264,9 @@ class ProxiedRequest(DirectedRequest):
         )
         if ctx.keep_answer_end:
             leg.answer_end = b""  # before any read: none is handled before this returns
+        if ctx.priority < 0 and director.settings.eviction_after is not None:
+            self.evictable = True
+            director.evictor.track(ctx.pool or ctx.model, self)
 
     # ---- what the leg reports ----------------------------------------------------------------------------
     def retry_on_status(self, leg: Leg, status: int) -> bool:
@@ -365,6 +370,12 @@ class ProxiedRequest(DirectedRequest):
         """
         if self.done:
             return
+        if self.ctx.priority > 0:
+            after = self.director.settings.eviction_after
+            if after is not None:
+                self._evict_for(now, after)
+                if self.done:
+                    return
         timeout = self.director.settings.request_timeout
         if self.pd is not None:
             self.pd.check_timeout(now, timeout)
@@ -391,8 +402,66 @@ class ProxiedRequest(DirectedRequest):
             FAILURE,
         )
 
+    # ---- eviction (.eviction) ----------------------------------------------------------------------------
+    def _evict_for(self, now: float, after: float) -> None:
+        """A critical request: while it waits for its first token (a stream whose first event has not
+        come, or in the router's queue), sheddable work on its engine (any, from the queue) may be
+        evicted for it. A non-streamed answer shows nothing until it is whole, so running and waiting
+        cannot be told apart: it does not count as waiting."""
+        leg = self.leg
+        if leg is not None:
+            if leg.ttft is not None or not (leg.sse or (leg.status == 0 and _streamed(self.ctx.body))):
+                return
+            engine = self.engine
+        elif self.queue_seq:
+            engine = None
+        else:
+            return
+        ctx = self.ctx
+        self.director.evictor.for_waiting(ctx.pool or ctx.model, engine, now - ctx.arrived, after)
+
+    def eviction_engine(self) -> Engine | None:
+        """The engine its answer is relayed from (eviction's view); None when no leg is open."""
+        return self.engine if self.leg is not None else None
+
+    def answer_begun(self) -> bool:
+        """Its first streamed event (its first token) arrived: it holds a running slot."""
+        leg = self.leg
+        return leg is not None and leg.ttft is not None
+
+    def evict(self, message: str) -> bool:
+        """Abort it on its engine (the leg's connection closes: the engine aborts the request and frees
+        its slot) and tell its client: 503 ``evicted`` with ``x-llm-d-request-dropped-reason: evicted``
+        when nothing was forwarded yet, else an error event that ends the stream. The engine's breaker
+        is not told: the engine did nothing wrong."""
+        leg = self.leg
+        if leg is None or self.done:
+            return False
+        ctx = self.ctx
+        ctx.ttft = leg.ttft
+        if ctx.trace is not None:
+            ctx.trace.leg_end(leg.status, "evicted", stream=leg.sse)
+        if leg.committed:
+            leg.end_stream(sse_error_event(message, EVICTED, "server_error"))
+            self._end(EVICTED, RELEASED)  # the leg stays set: _answer finishes the connection as it was left
+            return True
+        leg.abort()
+        self.leg = None
+        self._fail(
+            RouterError(
+                503,
+                message,
+                code=EVICTED,
+                headers=[(b"retry-after", b"1"), (DROPPED_REASON, EVICTED.encode())],
+            )
+        )
+        return True
+
     # ---- the end (DirectedRequest._end) --------------------------------------------------------------------
     def _answer(self, error: RouterError | None) -> None:
+        if self.evictable:
+            self.evictable = False
+            self.director.evictor.forget(self.ctx.pool or self.ctx.model, self)
         if error is not None:
             self.conn.send_error(error, self.ctx.request_id, self.request.keep_alive)
             return
@@ -427,6 +496,15 @@ class ProxiedRequest(DirectedRequest):
                 duration * 1e3,
                 f" trace_id={trace.trace_id}" if trace is not None and trace.trace_id else "",
             )
+
+
+def _streamed(body: bytes) -> bool:
+    """Whether the request asked for a streamed answer (read only for a critical request that waits)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(doc, dict) and doc.get("stream") is True
 
 
 def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) -> RouterError:

@@ -506,22 +506,27 @@ class Leg(PooledExchange):
             error,
             self.owner.ctx.log_ref(),
         )
+        self.end_stream(sse_error_event(message))
+        self.owner.leg_broken(self, error)
+
+    def end_stream(self, event: bytes) -> None:
+        """Stop the exchange (the engine aborts its request) and end the client's answer with ``event``
+        where its framing allows (an SSE stream), else cut the connection. The owner is not told: the
+        caller says how the request ended (a break, an eviction)."""
         self.abort()
         conn = self.conn
         # An event can be appended only where the engine's framing left off cleanly: after a whole
         # chunk that ended an SSE event (vLLM writes one event per chunk), or right after the head.
         at_boundary = self.last_data is None or self.last_data.endswith(b"\n\n\r\n")
         if self.sse and self.chunked and self.dechunker is None and at_boundary and not conn.closed:
-            event = sse_error_event(message)
             conn.transport.write(b"%x\r\n%b\r\n%b" % (len(event), event, _CHUNK_END))
         elif self.sse and self.close_delimited and not conn.closed:
-            conn.transport.write(sse_error_event(message))
+            conn.transport.write(event)
             conn.close()
             self.keep_alive = False
         else:
             conn.close()
             self.keep_alive = False
-        self.owner.leg_broken(self, error)
 
     # ---- the client's pace ---------------------------------------------------------------------------
     def pause(self) -> None:

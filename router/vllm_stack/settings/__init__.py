@@ -27,6 +27,7 @@ from vllm_stack.settings.declare import ConfigError, Declared, Setting, declared
 from vllm_stack.settings.disagg import DisaggGroup
 from vllm_stack.settings.discovery import DiscoveryGroup
 from vllm_stack.settings.engines import EngineGroup
+from vllm_stack.settings.eviction import EvictionGroup
 from vllm_stack.settings.gateway import GatewayGroup
 from vllm_stack.settings.priority import PriorityGroup
 from vllm_stack.settings.ratelimit import RateLimitGroup
@@ -43,6 +44,7 @@ __all__ = [
     "DiscoveryGroup",
     "DisaggGroup",
     "EngineGroup",
+    "EvictionGroup",
     "GatewayGroup",
     "PriorityGroup",
     "RateLimitGroup",
