@@ -141,8 +141,8 @@ async def _httpx_one(client: httpx.AsyncClient, tenant: Tenant, sent_at: float, 
             out["ok"] += 1
             if ttft is not None:
                 out["ttft"].append(ttft)
-    except httpx.HTTPError:
-        out["error"] += 1
+    except httpx.HTTPError as e:
+        _error(out, e)
 
 
 async def _sdk_one(sdk: object, tenant: Tenant, sent_at: float, out: dict) -> None:
@@ -165,8 +165,15 @@ async def _sdk_one(sdk: object, tenant: Tenant, sent_at: float, out: dict) -> No
         out["429_retry_after" if "retry-after" in e.response.headers else "429_bare"] += 1
     except openai.APIStatusError as e:
         out["503" if e.status_code == 503 else "other"] += 1
-    except openai.APIError:
-        out["error"] += 1
+    except openai.APIError as e:
+        _error(out, e)
+
+
+def _error(out: dict, error: BaseException) -> None:
+    """A transport error, counted by its kind (a timeout, the router closing the connection...)."""
+    out["error"] += 1
+    kinds = out.setdefault("error_kinds", {})
+    kinds[type(error).__name__] = kinds.get(type(error).__name__, 0) + 1
 
 
 async def open_loop(url: str, tenants: tuple[Tenant, ...], cap: float, duration: float, seed: int) -> dict:
@@ -297,7 +304,7 @@ def render(report: dict) -> str:
         f"{report['duration_s']:g} s per tenant at its load x C. Medians over the rounds, min-max in "
         "brackets; TTFT from the intended send time to the first SSE event, of 200s only. 'other' "
         "includes streams ended by an error event (evicted mid-stream: "
-        "`evicted_midstream` in the JSON).",
+        "`evicted_midstream` in the JSON); 'error' is a transport error (its kinds: `error_kinds` in the JSON).",
         "",
         *engine_bench.markdown_table(COLUMNS, rows(report), left_columns=2),
         "",
