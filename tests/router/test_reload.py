@@ -137,6 +137,10 @@ PROBES: dict[str, Probe] = {
     "queue_max_per_model": Probe(5, lambda r: r.queue.max_per_model),
     "queue_max_per_band": Probe(3, lambda r: r.queue.max_per_band),
     "queue_timeout": Probe(90.0, lambda r: r.director.settings.queue_timeout),
+    "eviction_enabled": Probe(True, lambda r: r.director.settings.eviction_after, 2.0),
+    "eviction_after": Probe(
+        5.0, lambda r: r.director.settings.eviction_after, base={"eviction_enabled": True}
+    ),
     "engine_scrape_interval": Probe(
         2.5, lambda r: (r.scraper.interval, [e.stale_after for e in engines(r)]), (2.5, [7.5])
     ),
