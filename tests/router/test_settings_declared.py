@@ -152,7 +152,7 @@ def test_the_charts_priority_defaults_are_the_declared_defaults() -> None:
     """The chart leaves out of the config file what equals the router's default: its copy of those
     defaults must be the declaration's."""
     pairs = re.findall(r'"([a-z_]+)" \(list \$[\w.]+ ([0-9.]+)\)', TEMPLATE)
-    assert len(pairs) == 7
+    assert len(pairs) == 8  # queue_max_per_band and eviction_after among them
     for name, default in pairs:
         assert float(default) == DECLARED[name].default, name
 
