@@ -43,6 +43,10 @@ class Req:
         self.evicted = False
         self.tenant = "batch-team"  # undeclared: counted as "other"
 
+    @property
+    def priority(self) -> int:
+        return self._priority
+
     def eviction_engine(self) -> Engine | None:
         return self.on
 
