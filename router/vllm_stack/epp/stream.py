@@ -340,15 +340,7 @@ class Exchange:
         engine = min(engines, key=lambda e: e.in_flight)
         self.service.metrics.ext_proc_streams.child("header_only").inc()
         endpoint = engine.address
-        mutation = wire.set_headers([(wire.DESTINATION_HEADER, endpoint)])
-        return [
-            wire.ProcessingResponse(
-                request_headers=wire.pb.HeadersResponse(
-                    response=wire.pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
-                ),
-                dynamic_metadata=wire.destination_metadata(endpoint),
-            )
-        ]
+        return [wire.destination_answer([(wire.DESTINATION_HEADER, endpoint)], endpoint)]
 
     # ---- what the request reports (PickListener) ----------------------------------------------------
     def picked(self, request: PickedRequest) -> None:
@@ -375,16 +367,7 @@ class Exchange:
             for name, value in self.headers
             if name not in wire.SYSTEM_HEADERS and name not in owned and name != "authorization"
         ]
-        answers = [
-            wire.ProcessingResponse(
-                request_headers=wire.pb.HeadersResponse(
-                    response=wire.pb.CommonResponse(
-                        header_mutation=wire.set_headers(pairs), clear_route_cache=True
-                    )
-                ),
-                dynamic_metadata=wire.destination_metadata(listed),
-            )
-        ]
+        answers = [wire.destination_answer(pairs, listed)]
         answers += [wire.streamed_body("request_body", chunk, eos) for chunk, eos in wire.body_chunks(body)]
         self.service.metrics.ext_proc_streams.child("picked").inc()
         self._resolve(answers)

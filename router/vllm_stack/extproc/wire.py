@@ -75,21 +75,44 @@ def headers_of(message: pb.HttpHeaders) -> list[tuple[str, str]]:
 
 def header_map(pairs: Iterable[tuple[str, str | bytes]]) -> base_pb2.HeaderMap:
     """A HeaderMap with raw values, as Envoy sends them with ``send_header_raw_value``."""
-    return base_pb2.HeaderMap(
-        headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v if isinstance(v, bytes) else v.encode("latin-1"))
-            for k, v in pairs
-        ]
-    )
+    header_map = base_pb2.HeaderMap()
+    add = header_map.headers.add
+    for k, v in pairs:
+        header = add()
+        header.key = k
+        header.raw_value = v if isinstance(v, bytes) else v.encode("latin-1")
+    return header_map
 
 
 def set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[
-            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1")))
-            for k, v in pairs
-        ]
-    )
+    """A mutation setting each pair (raw values)."""
+    mutation = pb.HeaderMutation()
+    _fill(mutation, pairs)
+    return mutation
+
+
+def _fill(mutation: pb.HeaderMutation, pairs: Iterable[tuple[str, str]]) -> None:
+    """Each pair into ``mutation``'s set_headers, field by field with ``add()``: a third of the CPU of
+    nested constructors with keyword arguments, and every pick's answer carries a dozen headers."""
+    add = mutation.set_headers.add
+    for k, v in pairs:
+        header = add().header
+        header.key = k
+        header.raw_value = v.encode("latin-1")
+
+
+def destination_answer(pairs: Iterable[tuple[str, str]], endpoints: str) -> pb.ProcessingResponse:
+    """The answer to the request headers that names the pick: ``pairs`` set (the destination header among
+    them), the route cache cleared, and ``endpoints`` (the picked one, then fallbacks) as the ``envoy.lb``
+    metadata. Built in place, as :func:`set_headers`."""
+    answer = pb.ProcessingResponse()
+    common = answer.request_headers.response
+    common.clear_route_cache = True
+    _fill(common.header_mutation, pairs)
+    answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[
+        DESTINATION_HEADER
+    ].string_value = endpoints
+    return answer
 
 
 def subset_hint(message: pb.ProcessingRequest) -> list[str] | None:
@@ -129,13 +152,6 @@ def served_metadata(endpoint: str) -> base_pb2.Metadata:
     return metadata
 
 
-def destination_metadata(endpoints: str) -> struct_pb2.Struct:
-    """``{"envoy.lb": {"x-gateway-destination-endpoint": endpoints}}``."""
-    metadata = struct_pb2.Struct()
-    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = endpoints
-    return metadata
-
-
 def destination_of(response: pb.ProcessingResponse) -> tuple[str, list[str]]:
     """The picked endpoint and the whole list (fallbacks after it) of a request-headers answer: from the
     ``envoy.lb`` metadata when it is there, else from the header."""
@@ -164,13 +180,13 @@ def body_chunks(body: bytes, end_of_stream: bool = True) -> Iterator[tuple[bytes
 
 
 def streamed_body(direction: str, chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-    """A ``request_body`` or ``response_body`` answer carrying ``chunk`` back (full-duplex mode)."""
-    mutation = pb.BodyMutation(
-        streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
-    )
-    return pb.ProcessingResponse(
-        **{direction: pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))}
-    )
+    """A ``request_body`` or ``response_body`` answer carrying ``chunk`` back (full-duplex mode). Field by
+    field, as :func:`set_headers`: every body chunk of every answer passes here."""
+    answer = pb.ProcessingResponse()
+    streamed = getattr(answer, direction).response.body_mutation.streamed_response
+    streamed.body = chunk
+    streamed.end_of_stream = end_of_stream  # (setting a field marks the messages above it present)
+    return answer
 
 
 def immediate(status: int, body: bytes, headers: Iterable[tuple[str, str]] = ()) -> pb.ProcessingResponse:
