@@ -94,7 +94,7 @@ class Exchange:
         "expired",
     )
 
-    def __init__(self, service: StreamService, task: asyncio.Task[Any]) -> None:
+    def __init__(self, service: StreamService, task: asyncio.Task[Any] | None) -> None:
         self.service = service
         self.router: RouterState = service.router
         self.headers: list[tuple[str, str]] = []
@@ -113,7 +113,7 @@ class Exchange:
         # at the stream cap it may give way to a new stream (.slots); False from the pick (or the
         # answer at once) on, when the engine's answer is what the stream waits for
         self.waiting_request = True
-        self.task = task  # the gRPC handler's, which reads the stream's messages
+        self.task = task  # the gRPC handler's, which reads the stream's messages (None once ended)
         self.reading = False  # the task waits for the stream's next message
         self.since = 0.0  # ... since then (time.monotonic)
         self.evicted = False  # a new stream took this one's place (.slots): answered 408
@@ -193,7 +193,8 @@ class Exchange:
         if not self.reading or self.expired:
             return False
         self.expired = True
-        self.task.cancel()
+        if self.task is not None:
+            self.task.cancel()
         return True
 
     def evict(self) -> bool:
@@ -451,6 +452,12 @@ class Exchange:
         answer = self.answer
         if answer is not None and not answer.done():
             answer.cancel()
+        # The exchange refers to its request, which refers back to it (its listener), and to the task
+        # whose frames refer to it: cycles that only the garbage collector would free, a few dozen
+        # objects per stream kept alive until the next collection, whose cost grows with them.
+        self.request = None
+        self.answer = None
+        self.task = None
 
 
 def _in_subset(engine: Engine, allowed: set[str]) -> bool:
