@@ -18,6 +18,8 @@ every picker), sent as a chat completion for the stub engines' model.
 
 The pickers (each started fresh for a cell, the order rotated every repeat):
 - ``ours``: ``vllm-stack epp --routing-logic prefixaware`` over the two stub engines (static backends);
+- ``ours-before`` (with ``--before-tree DIR``): the same, running the router package of another checkout
+  (DIR/router first on PYTHONPATH), so a change is measured against its base in one run;
 - ``grpc-floor`` (with ``--pickers``): grpcio's asyncio server answering each pick with nothing behind it
   (``extproc_floor.py``), the part of our picker's cost that is grpcio's;
 - ``upstream-epp``: the EPP v1.5.0 (``make install`` builds it) with its default configuration;
@@ -169,7 +171,7 @@ def _wait_listening(process: subprocess.Popen[bytes], host: str, port: int, time
 class Picker:
     """A picker started for one cell: its ext_proc target and its PID; :meth:`stop` ends it."""
 
-    def __init__(self, name: str, site: PoolSite, work: Path) -> None:
+    def __init__(self, name: str, site: PoolSite, work: Path, before: Path | None = None) -> None:
         self.name = name
         self.upstream: UpstreamEpp | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -179,12 +181,13 @@ class Picker:
             self.process = process
             _wait_listening(process, "127.0.0.1", grpc_port)
             self.target, self.pid = f"127.0.0.1:{grpc_port}", process.pid
-        elif name == "ours":
+        elif name in ("ours", "ours-before"):
             http, grpc_port = free_port(), free_port()
             backends = ",".join(f"http://{h}:{site.port}" for h in site.hosts)
             process = start([PY, "-m", "vllm_stack.cli", "epp", "--host", "127.0.0.1", "--port", str(http),
                              "--ext-proc-port", str(grpc_port), "--static-backends", backends,
-                             "--routing-logic", "prefixaware", "--log-level", "warning"], 0)  # fmt: skip
+                             "--routing-logic", "prefixaware", "--log-level", "warning"], 0,
+                            env=_before_env(before) if name == "ours-before" else None)  # fmt: skip
             self.process = process
             wait_ready(process, http, "/ready")
             self.target, self.pid = f"127.0.0.1:{grpc_port}", process.pid
@@ -203,6 +206,13 @@ class Picker:
             end_all([self.process])
         if self.upstream is not None:
             self.upstream.stop()
+
+
+def _before_env(tree: Path | None) -> dict[str, str]:
+    """``ours-before``: the router package of another checkout (``--before-tree``) ahead of ours."""
+    if tree is None:
+        raise SystemExit("the ours-before picker needs --before-tree")
+    return {"PYTHONPATH": str(tree / "router")}
 
 
 def measure(picker: Picker, bodies: list[bytes], concurrency: int) -> dict[str, float]:
@@ -268,6 +278,12 @@ def main() -> int:
     parser.add_argument("--tokens", default="1000,16000")
     parser.add_argument("--pickers", default="ours,upstream-epp,llmd-router")
     parser.add_argument("--name", default="picker_cost")
+    parser.add_argument(
+        "--before-tree",
+        type=Path,
+        help="a checkout (e.g. git archive REV router | tar -x -C DIR) whose router package the "
+        "ours-before picker runs: the same run measures our picker before and after a change",
+    )
     args = parser.parse_args()
     names = args.pickers.split(",")
     if "llmd-router" in names and llmd_epp_binary() is None:
@@ -295,7 +311,7 @@ def main() -> int:
                 picks = args.picks if conc == 16 else args.picks // 4
                 bodies = prompts(tokens, picks, seed=repeat * 1000 + tokens)
                 for name in order:
-                    picker = Picker(name, site, work)
+                    picker = Picker(name, site, work, args.before_tree)
                     try:
                         row = measure(picker, bodies, conc)
                     finally:
@@ -307,7 +323,7 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)
     (RESULTS / f"{args.name}.json").write_text(
-        json.dumps({"args": vars(args), "load": load, "results": results}, indent=1)
+        json.dumps({"args": vars(args), "load": load, "results": results}, indent=1, default=str)
     )
     return 0
 
