@@ -7,14 +7,21 @@ empty headers answer and the request body's end with an empty body answer naming
 destination header, as a picker's answer is shaped. Its CPU per pick (``picker_cost.py --pickers
 grpc-floor,...``) is the part of ours that no picking code can remove.
 
-Usage: ``python benchmarks/router/extproc_floor.py --port 9100``.
+Two other ways to serve it, each measured (``picker_cost.py --pickers grpc-floor-sync,grpc-floor-raw,...``)
+to see what they could save our picker before porting it: ``--server sync``, grpcio's synchronous server
+(a thread per stream from a pool) instead of grpc.aio; ``--raw``, a generic handler with identity
+(de)serialisers: each message stays bytes (the pick's answers pre-serialised, the request's messages
+counted, never parsed), the most that hand-parsing only the fields a pick needs could save.
+
+Usage: ``python benchmarks/router/extproc_floor.py --port 9100 [--server aio|sync] [--raw]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -49,18 +56,91 @@ class FloorProcessor(pb_grpc.ExternalProcessorServicer):
                 return
 
 
-async def serve(port: int) -> None:
+class SyncFloorProcessor(FloorProcessor):
+    """The same answers from grpcio's synchronous server: a pool thread runs each stream."""
+
+    def Process(  # type: ignore[override]  # noqa: N802 (the gRPC method's name)
+        self, request_iterator: Iterator[wire.ProcessingRequest], context: grpc.ServicerContext
+    ) -> Iterator[wire.ProcessingResponse]:
+        for message in request_iterator:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                if message.request_headers.end_of_stream:
+                    yield self.body_answer
+                    return
+            elif kind == "request_body" and message.request_body.end_of_stream:
+                yield self.headers_answer
+                yield self.body_answer
+                return
+
+
+METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class RawHandler(grpc.GenericRpcHandler):
+    """Process with identity (de)serialisers: the driver's second message (the body's end) is answered
+    with the two answers as bytes, serialised once; nothing is parsed."""
+
+    def __init__(self, processor: FloorProcessor, sync: bool) -> None:
+        answers = (processor.headers_answer.SerializeToString(), processor.body_answer.SerializeToString())
+
+        async def process_aio(requests: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+            seen = 0
+            async for _ in requests:
+                seen += 1
+                if seen == 2:
+                    for answer in answers:
+                        yield answer
+                    return
+
+        def process_sync(requests: Iterator[bytes], context: object) -> Iterator[bytes]:
+            seen = 0
+            for _ in requests:
+                seen += 1
+                if seen == 2:
+                    yield from answers
+                    return
+
+        self.handler = grpc.stream_stream_rpc_method_handler(process_sync if sync else process_aio)
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self.handler if handler_call_details.method == METHOD else None  # type: ignore[attr-defined]
+
+
+async def serve(port: int, raw: bool) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(FloorProcessor("127.0.0.1:8000"), server)
+    processor = FloorProcessor("127.0.0.1:8000")
+    if raw:
+        server.add_generic_rpc_handlers((RawHandler(processor, sync=False),))
+    else:
+        pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
+def serve_sync(port: int, raw: bool) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    processor = SyncFloorProcessor("127.0.0.1:8000")
+    if raw:
+        server.add_generic_rpc_handlers((RawHandler(processor, sync=True),))
+    else:
+        pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
-    asyncio.run(serve(parser.parse_args().port))
+    parser.add_argument("--server", choices=("aio", "sync"), default="aio")
+    parser.add_argument("--raw", action="store_true", help="identity (de)serialisers, nothing parsed")
+    args = parser.parse_args()
+    if args.server == "sync":
+        serve_sync(args.port, args.raw)
+    else:
+        asyncio.run(serve(args.port, args.raw))
 
 
 if __name__ == "__main__":

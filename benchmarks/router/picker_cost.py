@@ -21,7 +21,8 @@ The pickers (each started fresh for a cell, the order rotated every repeat):
 - ``ours-before`` (with ``--before-tree DIR``): the same, running the router package of another checkout
   (DIR/router first on PYTHONPATH), so a change is measured against its base in one run;
 - ``grpc-floor`` (with ``--pickers``): grpcio's asyncio server answering each pick with nothing behind it
-  (``extproc_floor.py``), the part of our picker's cost that is grpcio's;
+  (``extproc_floor.py``), the part of our picker's cost that is grpcio's; ``grpc-floor-sync``, ``-raw``
+  and ``-sync-raw``: the same on grpcio's synchronous server and/or with raw-bytes handlers;
 - ``upstream-epp``: the EPP v1.5.0 (``make install`` builds it) with its default configuration;
 - ``llmd-router``: llm-d's router (``VLLM_STACK_LLMD_EPP``, benchmarks/routing/llmd.md), its default
   profile; both upstream pickers read an InferencePool of two Pods on a test cluster's real API server,
@@ -175,9 +176,11 @@ class Picker:
         self.name = name
         self.upstream: UpstreamEpp | None = None
         self.process: subprocess.Popen[bytes] | None = None
-        if name == "grpc-floor":
+        if name.startswith("grpc-floor"):
             grpc_port = free_port()
-            process = start([PY, "benchmarks/router/extproc_floor.py", "--port", str(grpc_port)], 0)
+            variant = ["--server", "sync"] if "-sync" in name else []
+            variant += ["--raw"] if name.endswith("-raw") else []
+            process = start([PY, "benchmarks/router/extproc_floor.py", "--port", str(grpc_port), *variant], 0)
             self.process = process
             _wait_listening(process, "127.0.0.1", grpc_port)
             self.target, self.pid = f"127.0.0.1:{grpc_port}", process.pid
