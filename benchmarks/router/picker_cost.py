@@ -192,7 +192,7 @@ class Picker:
                              "--routing-logic", "prefixaware", "--log-level", "warning"], 0,
                             env=_before_env(before) if name == "ours-before" else None)  # fmt: skip
             self.process = process
-            wait_ready(process, http, "/ready")
+            wait_ready(process, http, "/ready", timeout=120)  # a loaded machine starts it slowly
             self.target, self.pid = f"127.0.0.1:{grpc_port}", process.pid
         else:
             kind = UpstreamEpp if name == "upstream-epp" else LlmdRouterEpp
