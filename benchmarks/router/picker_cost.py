@@ -69,6 +69,7 @@ WORDS_PER_TOKEN = 0.77
 DOCUMENTS = 16
 QUESTION_WORDS = 20
 IDLE_SECONDS = 3.0
+STOP_SECONDS = 60.0  # a picker's graceful stop, at most (minutes on a machine loaded 20 times over)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu river stone cloud field market "
          "window garden engine silver purple orange yellow winter summer autumn spring").split()  # fmt: skip
@@ -204,9 +205,16 @@ class Picker:
             pin(self.pid, 0)
 
     def stop(self) -> None:
-        """Ours by its PID (SIGTERM, then wait), the upstream ones by their process group's leader."""
-        if self.process is not None:
-            end_all([self.process])
+        """Ours by its PID (SIGTERM, then wait; SIGKILL after STOP_SECONDS), the upstream ones by their
+        process group's leader."""
+        process = self.process
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:  # a loaded machine: its graceful stop ran long
+                process.kill()
+                process.wait(STOP_SECONDS)
         if self.upstream is not None:
             self.upstream.stop()
 
