@@ -287,6 +287,7 @@ def main() -> int:
         "--picks", type=int, default=600, help="picks per cell at concurrency 16 (c=1: a quarter)"
     )
     parser.add_argument("--tokens", default="1000,16000")
+    parser.add_argument("--concurrency", default="1,16", help="the cells' concurrencies, comma-separated")
     parser.add_argument("--pickers", default="ours,upstream-epp,llmd-router")
     parser.add_argument("--name", default="picker_cost")
     parser.add_argument(
@@ -302,7 +303,7 @@ def main() -> int:
         names.remove("llmd-router")
     os.sched_setaffinity(0, {1})
     load = os.getloadavg()
-    cells = [(int(t), c) for t in args.tokens.split(",") for c in (1, 16)]
+    cells = [(int(t), int(c)) for t in args.tokens.split(",") for c in args.concurrency.split(",")]
     results: dict[str, dict[str, list[dict[str, float]]]] = {
         f"{t}/{c}": {n: [] for n in names} for t, c in cells
     }
