@@ -193,7 +193,11 @@ class Picker:
                              "--routing-logic", "prefixaware", "--log-level", "warning"], 0,
                             env=_before_env(before) if name == "ours-before" else None)  # fmt: skip
             self.process = process
-            wait_ready(process, http, "/ready", timeout=120)  # a loaded machine starts it slowly
+            try:
+                wait_ready(process, http, "/ready", timeout=120)  # a loaded machine starts it slowly
+            except TimeoutError:  # raised from the constructor: no stop() will come for it
+                self.stop()
+                raise
             self.target, self.pid = f"127.0.0.1:{grpc_port}", process.pid
         else:
             kind = UpstreamEpp if name == "upstream-epp" else LlmdRouterEpp
