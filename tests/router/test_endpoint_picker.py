@@ -159,7 +159,8 @@ async def test_a_stream_that_ends_after_the_pick_releases_the_engine() -> None:
 
 async def test_an_ended_stream_leaves_no_cycle_for_the_garbage_collector() -> None:
     """A stream's exchange, request and task are freed when the stream ends, not at the next collection:
-    each stream's few dozen objects kept alive until then made every collection longer (picker_cost.md)."""
+    each stream's few dozen objects kept alive until then made every collection longer
+    (picker_cost_profile.md). The router's own requests: test_no_reference_cycles.py."""
     answer = b'{"id":"x","choices":[]}'
     async with picker() as (target, router, _, _):
         open_streams = router.picker_server.service.slots.open
