@@ -17,7 +17,7 @@ import logging
 import operator
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.kinds import kind_named
 from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.engines.registry import EngineRegistry
+from vllm_stack.engines.sleep import SleepControl
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.priority import served_models
 from vllm_stack.relay.headers import REQUEST_DROP
@@ -182,6 +183,9 @@ class Router:
             self.tracer,
             _build_endpoint_picker(config, self.metrics),
         )
+        # Sleeping engines: /sleep, /wake_up, /is_sleeping through the router, and waking one for a request
+        self.sleep = SleepControl(self.registry, self.metrics, self._call_engine)
+        self.director.waker = self.sleep.wake_for
         self.picker_server: Any = None  # the endpoint picker's gRPC server (ext_proc_port), built at start
         self.batch: BatchRunner | None = _build_batch(self, config)
         self.batch_endpoints = batch_api.BatchEndpoints(self.batch, self) if self.batch is not None else None
@@ -257,6 +261,7 @@ class Router:
             else None,
             config.debug_headers,
             config.eviction_after if config.eviction_enabled else None,
+            config.wake_sleeping_engines,
         )
 
     def _with_rate_limits(self, config: RouterConfig, setup: SchedulingSetup) -> SchedulingSetup:
@@ -465,6 +470,17 @@ class Router:
         async with self.control_session.post(engine.url + path, json=doc, headers=headers) as resp:
             return resp.status, await resp.read()
 
+    async def _call_engine(
+        self, engine: Engine, method: str, path: str, params: Sequence[tuple[str, str]]
+    ) -> tuple[int, bytes, str]:
+        """One control call to an engine (the sleep endpoints): its status, body and content type."""
+        assert self.control_session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout)
+        async with self.control_session.request(
+            method, engine.url + path, params=list(params), headers=self._engine_headers(), timeout=timeout
+        ) as resp:
+            return resp.status, await resp.read(), resp.headers.get("content-type", "application/json")
+
     async def _fetch_metrics(self, engine: Engine) -> str:
         assert self.control_session is not None
         # 1.5 intervals: two timed-out scrapes in a row (a hang, see EngineRegistry.engine_silent)
@@ -570,6 +586,7 @@ class Router:
         self._tasks = []
         self.queue.close()
         await self.adapters.close()
+        await self.sleep.close()
         await self.registry.close()
         self.pools.close()
         await self.plugin_state.close()

@@ -22,7 +22,9 @@ from typing import Literal
 
 #: Who may call an endpoint: anyone (probes, metrics), a client API key (when keys are configured), or
 #: an admin key (checked by its handler, which refuses when no admin key is configured).
-Auth = Literal["open", "client", "admin"]
+#: ``admin_if_keys``: an admin key when admin keys are configured, else open (production-stack's sleep
+#: endpoints are open; checked by the route table).
+Auth = Literal["open", "client", "admin", "admin_if_keys"]
 
 PROXY = ""  # an endpoint's ``handler`` when an engine of the request's model answers it
 BATCH = "batch"  # ... when the Batch API answers it (and the paths below it: its objects)
@@ -91,6 +93,7 @@ class EndpointTable:
         )
         self.open = frozenset(r.path for r in answered if r.auth == "open")
         self.admin = frozenset(r.path for r in answered if r.auth == "admin")
+        self.admin_if_keys = frozenset(r.path for r in answered if r.auth == "admin_if_keys")
         #: The 405's ``Allow`` of every path but the Batch API's (whose handler knows its objects' methods).
         self.allow: Mapping[str, bytes] = MappingProxyType(
             {r.path: r.allow.encode() for r in (*proxied, *answered)}
@@ -160,6 +163,10 @@ ENDPOINTS = EndpointTable(
         Endpoint("/v1/models", GET, "client", "models"),
         Endpoint("/v1/load_lora_adapter", POST, "admin", "lora_fanout"),
         Endpoint("/v1/unload_lora_adapter", POST, "admin", "lora_fanout"),
+        # vLLM's sleep mode, sent to the engine named by ?id= (production-stack's engine id).
+        Endpoint("/sleep", POST, "admin_if_keys", "sleep_control"),
+        Endpoint("/wake_up", POST, "admin_if_keys", "sleep_control"),
+        Endpoint("/is_sleeping", GET, "admin_if_keys", "sleep_control"),
         # The Batch API (vllm_stack.batch.api: it answers the paths below these too, and their methods).
         Endpoint("/v1/files", ("GET", "HEAD", "POST"), "client", BATCH, streamed=True),
         Endpoint("/v1/batches", ("GET", "HEAD", "POST"), "client", BATCH),

@@ -396,6 +396,17 @@ class RouterMetrics:
             ["engine", "model"],
             registry=r,
         )
+        self.engines_sleeping = Gauge(
+            PREFIX + "engines_sleeping",
+            "Healthy engines asleep (vLLM's sleep mode): not candidates until woken.",
+            registry=r,
+        )
+        self.engine_wakeups = Counter(
+            PREFIX + "engine_wakeups_total",
+            "Sleeping engines the router woke for a request that had no awake engine, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
         self.circuit_breaker_state = Gauge(
             PREFIX + "circuit_breaker_state",
             "Circuit breaker state per engine: 0 closed, 1 half-open, 2 open.",

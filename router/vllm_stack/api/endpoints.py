@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import parse_qsl
 
 import orjson
 
@@ -74,6 +75,14 @@ def _check_admin(router: RouterState, headers: list[tuple[bytes, bytes]]) -> Non
         )
     if not router.admin_auth.check(headers):
         raise RouterError(403, "This endpoint needs an admin API key.", code="admin_key_required")
+
+
+def admin_if_keys_refusal(router: RouterState, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
+    """The sleep endpoints' rule: an admin key when admin keys are configured; open without them, as
+    production-stack's router serves them (no client key asked either)."""
+    if router.admin_auth.enabled and not router.admin_auth.check(headers):
+        return RouterError(403, "This endpoint needs an admin API key.", code="admin_key_required")
+    return None
 
 
 async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -177,3 +186,42 @@ async def lora_fanout(router: RouterState, scope: dict[str, Any], receive: Recei
         f"LoRA operation failed on some engines: {detail}",
         code="lora_fanout_failed",
     )
+
+
+async def sleep_control(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` with ``?id=ENGINE_ID``, as production-stack's
+    router answers them: sent to that one engine with the other query parameters (vLLM's ``level``,
+    ``mode``, ``tags``); ``/is_sleeping`` answers the engine's ``{"is_sleeping": ...}``, the other two
+    ``{"status": "success"}`` with the engine's status. Unlike production-stack's (a 500), an engine's
+    refusal comes back with its status and text, as an OpenAI-style error naming the engine."""
+    path = scope["path"]
+    params = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    wanted = next((v for k, v in params if k == "id"), None)
+    if not wanted:
+        raise RouterError(
+            400, "Invalid request: missing target Engine Id.", param="id", code="missing_engine_id"
+        )
+    engine = router.registry.by_engine_id(wanted)
+    if engine is None:
+        raise RouterError(400, f"Engine with Id {wanted} not found.", param="id", code="engine_not_found")
+    forwarded = [(k, v) for k, v in params if k != "id"]
+    try:
+        status, body, ctype = await router.sleep.forward(engine, scope["method"], path, forwarded)
+    except Exception as exc:  # noqa: BLE001 - the engine could not be reached: a 502 that says so
+        raise RouterError(
+            502,
+            f"Engine {engine.name} did not answer {path}: {type(exc).__name__}: {exc}",
+            code="upstream_error",
+        ) from None
+    if status >= 300:
+        text = body[:500].decode(errors="replace")
+        hint = " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)" if status == 404 else ""
+        raise RouterError(
+            status if 400 <= status < 500 else 502,  # an engine's failure is a bad gateway here, never a 500
+            f"Engine {engine.name} refused {path}{hint}: {status} {text}",
+            code="engine_refused",
+        )
+    if scope["method"] != "POST":  # /is_sleeping: the engine's answer
+        await send_bytes(send, status, body, ctype.encode())
+        return
+    await send_json(send, status, {"status": "success"})

@@ -10,7 +10,7 @@ and the hot path's (:mod:`.proxied`), which then need not check again.
 
 from __future__ import annotations
 
-from vllm_stack.api.endpoints import _check_admin  # the admin endpoints' own check, the one rule
+from vllm_stack.api.endpoints import _check_admin, admin_if_keys_refusal  # the admin endpoints' own rules
 from vllm_stack.api.proxied import UNKNOWN_MODEL_LABEL
 from vllm_stack.api.routes import batch_off
 from vllm_stack.api.state import RouterState
@@ -58,6 +58,8 @@ def refusal(
         )
     if path in table.open:
         return None
+    if path in table.admin_if_keys:
+        return admin_if_keys_refusal(router, headers)
     if path in table.admin:
         try:
             _check_admin(router, headers)

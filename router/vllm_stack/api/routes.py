@@ -56,6 +56,10 @@ async def control(router: RouterState, scope: dict[str, Any], receive: Receive, 
         if path in table.allow:  # the server asked api.head first, whose 405 carries Allow
             raise RouterError(405, f"Method {method} not allowed on {path}.", code="method_not_allowed")
         raise RouterError(404, f"Unknown path {path}.", code="not_found")
-    if path not in table.open and path not in table.admin and not router.auth.check(scope["headers"]):
+    if path in table.admin_if_keys:
+        refused = endpoints.admin_if_keys_refusal(router, scope["headers"])
+        if refused is not None:
+            raise refused
+    elif path not in table.open and path not in table.admin and not router.auth.check(scope["headers"]):
         raise RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
     await found(router, scope, receive, send)

@@ -19,6 +19,7 @@ from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.registry import EngineRegistry
+from vllm_stack.engines.sleep import SleepControl
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.tenants.declaration import TenantTable
 from vllm_stack.tenants.identity import TenantIdentity
@@ -50,6 +51,7 @@ class RouterState(Protocol):
     max_body_bytes: int
     engine_api_key: str | None
     control_session: aiohttp.ClientSession | None
+    sleep: SleepControl  # the engines' sleep endpoints (vllm_stack.engines.sleep)
     batch_endpoints: BatchEndpoints | None  # the Batch API's (vllm_stack.batch.api); None: it is off
 
     def discovery_running(self) -> bool: ...

@@ -9,6 +9,7 @@ the director knows nothing of the application that assembled it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,22 @@ _ERRORS: dict[str, tuple[int, str, str, bool]] = {
 _DROPPED = frozenset({Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT})
 
 
+def engines_asleep(model: str, waking: bool) -> RouterError:
+    """The 503 for a model whose healthy engines all sleep and that the request could not wake."""
+    how = (
+        "waking one did not finish in time"
+        if waking
+        else "the router does not wake them (router setting wake_sleeping_engines is off)"
+    )
+    return RouterError(
+        503,
+        f"Every engine of model '{model}' is asleep and {how}; wake one with POST /wake_up?id=ENGINE_ID "
+        "(ids in GET /engines).",
+        code="engine_sleeping",
+        headers=_RETRY_AFTER,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     """What a proxied request reads of the configuration; swapped as a whole on reload."""
@@ -79,6 +96,8 @@ class ProxySettings:
     # Seconds a critical request waits for its first token before sheddable work is evicted for it
     # (director.eviction; None: eviction off, nothing tracked)
     eviction_after: float | None = None
+    # A request whose model's engines all sleep wakes one and waits for it (False: refused, 503)
+    wake_sleeping: bool = True
 
 
 class Director:
@@ -97,6 +116,7 @@ class Director:
         "tracer",
         "endpoint_picker",
         "evictor",
+        "waker",
     )
 
     def __init__(
@@ -125,6 +145,8 @@ class Director:
         self.endpoint_picker = endpoint_picker
         # In-flight sheddable requests while eviction is on (settings.eviction_after)
         self.evictor = Evictor(registry, metrics, lambda: self.queue.tenants)
+        # Wakes a sleeping engine of a model (engines.sleep.SleepControl.wake_for; None: nothing wakes)
+        self.waker: Callable[[str], bool] | None = None
 
     def configure(self, setup: SchedulingSetup, settings: ProxySettings) -> None:
         """A reload: new scheduling and settings for the requests that start from now on."""
@@ -140,10 +162,17 @@ class Director:
         schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
         return schedule(ctx, self.registry.candidates(ctx.pool or ctx.model))
 
-    @staticmethod
-    def error_for(reason: str, model: str, message: str = "") -> RouterError:
+    def wake_for(self, model: str) -> bool:
+        """A request of ``model`` found no awake engine: whether it may wait for one of its sleeping
+        engines, which is being woken (wake_sleeping on, and one sleeps)."""
+        waker = self.waker
+        return waker is not None and self.settings.wake_sleeping and waker(model)
+
+    def error_for(self, reason: str, model: str, message: str = "") -> RouterError:
         """The client's error for a request that got no engine: every reason, one place."""
         if reason in (Reason.NO_CANDIDATE, Reason.ALL_FILTERED):
+            if reason == Reason.NO_CANDIDATE and self.registry.sleeping(model):
+                return engines_asleep(model, self.settings.wake_sleeping)
             return no_healthy_engine(model)
         mapped = _ERRORS.get(reason)
         if mapped is None:

@@ -369,13 +369,18 @@ class DirectedRequest:
 
     def _may_wait(self, reason: str) -> bool:
         """Whether the request waits in its model's queue for ``reason`` (not a sheddable one when
-        the engines are saturated; one for a configured model that has no ready engine)."""
+        the engines are saturated; one for a configured model that has no ready engine, or whose
+        engines all sleep and one is being woken)."""
         settings = self.director.settings
         if not settings.queue_enabled or self.director.queue.max_per_model <= 0:
             return False
         if reason == Reason.ALL_SATURATED:
             return self.ctx.priority >= 0
-        return reason == Reason.NO_CANDIDATE and (self.ctx.pool or self.ctx.model) in settings.served_models
+        if reason != Reason.NO_CANDIDATE:
+            return False
+        model = self.ctx.pool or self.ctx.model
+        # its engines all sleep: one is woken (as KEDA wakes a model from zero), or it is refused
+        return self.director.wake_for(model) or model in settings.served_models
 
     def _wait_or_fail(self, reason: str) -> None:
         director = self.director

@@ -6,6 +6,7 @@ live in :mod:`vllm_stack.engines.load`, the module below this one.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from vllm_stack.config import ENGINE_ROLES
@@ -62,6 +63,9 @@ class Engine:
         "models_changed",
         "role",
         "kind",
+        "engine_id",
+        "sleeping",
+        "sleep_level",
     )
 
     def __init__(
@@ -111,6 +115,14 @@ class Engine:
         # Bumped when the router itself loads or unloads an adapter there: a /v1/models answer to a
         # probe sent before that is older than what the router knows, and is not learned.
         self.models_changed = 0
+        # production-stack's engine id (its ``/engines`` ``engine_id``, the ``id`` of ``/sleep``, ``/wake_up``
+        # and ``/is_sleeping``): uuid5 of the engine's name in the DNS namespace, as its Kubernetes discovery
+        # makes it of the pod's name, so the ids in users' scripts stay the same after a switch.
+        self.engine_id = engine_id(name)
+        # Asleep (vLLM's sleep mode): not a candidate, yet healthy (no breaker, no ejection). Set from its
+        # scrape (vllm:engine_sleep_state) and from its answers to the router's sleep and wake-up calls.
+        self.sleeping = False
+        self.sleep_level = 0  # vLLM's level while asleep (1: weights offloaded, 2: discarded); 0 awake
 
     def fresh_telemetry(self, now: float | None = None) -> EngineTelemetry | None:
         """Scraped figures under the stale rule of :mod:`vllm_stack.engines.load` (unknown is not zero)."""
@@ -121,7 +133,8 @@ class Engine:
         return [c["id"] for c in self.model_cards if c.get("parent")]
 
     def routable(self) -> bool:
-        return self.ready and self.healthy
+        """A candidate: ready, healthy and awake (read when the index is rebuilt, never per request)."""
+        return self.ready and self.healthy and not self.sleeping
 
     @property
     def address(self) -> str:
@@ -133,11 +146,14 @@ class Engine:
         t = self.fresh_telemetry()
         return {
             "name": self.name,
+            "engine_id": self.engine_id,
             "url": self.url,
             "role": self.role,
             "kind": self.kind.name,
             "ready": self.ready,
             "healthy": self.healthy,
+            "sleeping": self.sleeping,
+            "sleep_level": self.sleep_level,
             "ejected_reason": self.ejected_reason,
             "models": sorted(self.models),
             "circuit_breaker": self.breaker.state.name.lower(),
@@ -162,3 +178,10 @@ class Engine:
             },
             "last_error": self.last_error,
         }
+
+
+def engine_id(name: str) -> str:
+    """production-stack's id of an engine named ``name`` (a pod's name under Kubernetes discovery):
+    ``uuid5(NAMESPACE_DNS, name)``. Under static discovery the name is ``host:port``; production-stack
+    draws a random uuid4 per start there, so no script can have kept one."""
+    return str(uuid.uuid5(uuid.NAMESPACE_DNS, name))

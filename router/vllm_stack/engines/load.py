@@ -65,6 +65,9 @@ class EngineTelemetry:
     max_loras: int | None = None
     running_adapters: frozenset[str] | None = None
     waiting_adapters: frozenset[str] | None = None
+    # vllm:engine_sleep_state: 0 awake, else vLLM's sleep level (1: weights offloaded, 2: discarded);
+    # None: the engine does not publish it (another kind, an older vLLM)
+    sleep_level: int | None = None
     # The router's own in-flight count there when the figures arrived: what it sent or finished
     # since moves the queue estimate between scrapes (:func:`queue_estimate`).
     in_flight: int = 0

@@ -68,6 +68,8 @@ class EngineRegistry:
         self._by_model: dict[str, tuple[Engine, ...]] = {}
         # Prefill-only engines apart: they take no whole request, only the prefill leg of one.
         self._prefill_by_model: dict[str, tuple[Engine, ...]] = {}
+        # Healthy engines asleep (vLLM's sleep mode), by model: what a request may wake when no candidate is awake.
+        self._sleeping_by_model: dict[str, tuple[Engine, ...]] = {}
         self._known_models: frozenset[str] = frozenset()
         self._healthy_count = 0
         self.snapshots_seen = 0
@@ -98,6 +100,30 @@ class EngineRegistry:
         """Healthy, ready prefill-only engines of ``model`` (empty: it is not served disaggregated)."""
         return self._prefill_by_model.get(model, ())
 
+    def sleeping(self, model: str) -> tuple[Engine, ...]:
+        """Healthy, ready engines of ``model`` that are asleep (read only when it has no candidate)."""
+        return self._sleeping_by_model.get(model, ())
+
+    def by_engine_id(self, engine_id: str) -> Engine | None:
+        """The engine of a production-stack engine id (``/sleep?id=...``), or of that name; None: unknown."""
+        for engine in self._engines.values():
+            if engine.engine_id == engine_id or engine.name == engine_id:
+                return engine
+        return None
+
+    def set_sleeping(self, engine: Engine, sleeping: bool, level: int = 0) -> None:
+        """The engine fell asleep or woke (its scrape, or its answer to a sleep or wake-up call): it
+        leaves or rejoins the candidates now, in one index rebuild, so no request pays for a check."""
+        level = level if sleeping else 0
+        if engine.sleeping == sleeping and engine.sleep_level == level:
+            return
+        engine.sleep_level = level
+        if engine.sleeping != sleeping:
+            engine.sleeping = sleeping
+            log.info("engine %s %s", engine.name, "asleep" if sleeping else "awake")
+            if self._engines.get(engine.name) is engine:
+                self._rebuild()
+
     def is_known(self, model: str) -> bool:
         """Served by some engine, healthy or not (decides 503 versus 404)."""
         return model in self._known_models
@@ -123,7 +149,7 @@ class EngineRegistry:
         """The union of ``/v1/models`` entries over healthy engines, deduplicated by id."""
         seen: dict[str, dict[str, Any]] = {}
         for engine in self._engines.values():
-            if not engine.routable():
+            if not (engine.ready and engine.healthy):  # an engine asleep still serves its models when woken
                 continue
             for card in engine.model_cards:
                 seen.setdefault(card["id"], card)
@@ -362,17 +388,23 @@ class EngineRegistry:
     def _rebuild(self) -> None:
         by_model: dict[str, list[Engine]] = {}
         prefill_by_model: dict[str, list[Engine]] = {}
+        sleeping_by_model: dict[str, list[Engine]] = {}
         known: set[str] = set()
         healthy = 0
+        asleep = 0
         for engine in self._engines.values():
             known.update(engine.models)
-            ok = engine.routable()
-            healthy += ok
+            alive = engine.ready and engine.healthy  # an engine asleep is healthy, not a candidate
+            ok = alive and not engine.sleeping
+            healthy += alive
+            asleep += alive and engine.sleeping
             routed = prefill_by_model if engine.role == ROLE_PREFILL else by_model
             for model in engine.models:
                 if ok:
                     routed.setdefault(model, []).append(engine)
-                self._metrics.engine_healthy.labels(engine.name, model).set(1 if ok else 0)
+                elif alive:
+                    sleeping_by_model.setdefault(model, []).append(engine)
+                self._metrics.engine_healthy.labels(engine.name, model).set(1 if alive else 0)
         series = {(e.name, m) for e in self._engines.values() for m in e.models}
         for stale in self._health_series - series:
             try:
@@ -382,6 +414,8 @@ class EngineRegistry:
         self._health_series = series
         self._by_model = {m: tuple(es) for m, es in by_model.items()}
         self._prefill_by_model = {m: tuple(es) for m, es in prefill_by_model.items()}
+        self._sleeping_by_model = {m: tuple(es) for m, es in sleeping_by_model.items()}
+        self._metrics.engines_sleeping.set(asleep)
         self._known_models = frozenset(known)
         self._healthy_count = healthy
         self.changed.set()

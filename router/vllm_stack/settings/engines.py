@@ -52,6 +52,12 @@ class EngineGroup:
         restart="the engines' TLS context (pooled connections, control session) is built at start",
     )
     retries: int = setting(2, doc="extra attempts on another engine (default 2)")
+    wake_sleeping_engines: bool = setting(
+        True,
+        doc="a request whose model's engines all sleep (vLLM's sleep mode) wakes one and waits for it "
+        "in the queue (default); off: it is answered 503 engine_sleeping",
+        negatable=True,
+    )
     # LoRA adapters (vllm_stack.engines.adapters): [{name, source, base_model, tier}], checked there
     lora_adapters: tuple[Mapping[str, Any], ...] = setting(
         (),

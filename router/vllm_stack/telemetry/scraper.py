@@ -39,6 +39,8 @@ class Liveness(Protocol):
 
     def engine_unreachable(self, engine: Engine) -> None: ...
 
+    def set_sleeping(self, engine: Engine, sleeping: bool, level: int = 0) -> None: ...
+
 
 class EngineScraper:
     """Periodic concurrent scrape of every engine known to a registry.
@@ -89,6 +91,9 @@ class EngineScraper:
             engine.kv_blocks = telemetry.num_blocks
         if telemetry.max_loras is not None:
             engine.max_loras = telemetry.max_loras
+        level = telemetry.sleep_level
+        if level is not None and liveness is not None and (level > 0) != engine.sleeping:
+            liveness.set_sleeping(engine, level > 0, level)  # asleep or awoken without the router's call
         if telemetry.waiting > 0 and telemetry.running > (engine.running_slots or 0):
             engine.running_slots = int(telemetry.running)
         for fn in self.on_scraped:

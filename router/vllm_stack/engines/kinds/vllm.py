@@ -23,6 +23,9 @@ _LABEL = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
 # vLLM sets this gauge to the current time under a new label set whenever the running or waiting
 # adapters change, and the old label sets stay in the exposition: the latest (largest value) is now.
 _LORA_INFO = "vllm:lora_requests_info{"
+# vLLM's sleep gauge, one series per state: awake 1 or 0, weights_offloaded (level 1), discard_all (level 2).
+_SLEEP_STATE = "vllm:engine_sleep_state{"
+_SLEEP_LEVELS = {'sleep_state="weights_offloaded"': 1, 'sleep_state="discard_all"': 2}
 _LORA_LABEL = re.compile(r'(max_lora|running_lora_adapters|waiting_lora_adapters)="([^"]*)"')
 
 #: The prefill request's hand-over request in vLLM's protocol (its toy proxy's and NixlConnector's).
@@ -47,8 +50,20 @@ def parse_metrics(text: str, now: float | None = None) -> EngineTelemetry:
     geometry: dict[str, int] = {}
     lora: dict[str, str] | None = None
     lora_at = float("-inf")
+    awake: bool | None = None
+    sleep_level = 0
     for line in text.splitlines():
         if not line.startswith("vllm:"):
+            continue
+        if line.startswith(_SLEEP_STATE):
+            try:
+                on = float(line.rsplit("}", 1)[1].split()[0]) > 0
+            except (IndexError, ValueError):
+                continue
+            if 'sleep_state="awake"' in line:
+                awake = on if awake is None else awake and on  # data-parallel ranks: awake when all are
+            elif on:
+                sleep_level = max(sleep_level, next((v for k, v in _SLEEP_LEVELS.items() if k in line), 1))
             continue
         if line.startswith(_CACHE_CONFIG):
             geometry.update((k, int(v)) for k, v in _LABEL.findall(line))
@@ -93,6 +108,7 @@ def parse_metrics(text: str, now: float | None = None) -> EngineTelemetry:
         max_loras=max_loras,
         running_adapters=None if lora is None else _adapter_set(lora.get("running_lora_adapters", "")),
         waiting_adapters=None if lora is None else _adapter_set(lora.get("waiting_lora_adapters", "")),
+        sleep_level=None if awake is None else 0 if awake else max(sleep_level, 1),
     )
 
 
@@ -122,6 +138,7 @@ class VllmKind(EngineKind):
         **_WANTED,
         "vllm:cache_config_info{block_size,num_gpu_blocks}": "block_size, num_blocks",
         "vllm:lora_requests_info{max_lora,running_lora_adapters,waiting_lora_adapters}": "LoRA slots, adapters",
+        "vllm:engine_sleep_state{sleep_state}": "asleep or awake, and the sleep level",
     }
     default_block_tokens = 128  # vLLM's CPU block size; engines report theirs in vllm:cache_config_info
     priority_sign = -1  # vLLM schedules lower values first (--scheduling-policy priority)
