@@ -123,10 +123,6 @@ def test_files_with_only_differs_or_info_lines_pass_the_default_gate():
     "name, words",
     [
         ("tutorials__values-16-disagg-prefill.yaml", "older than LMCache 0.5"),
-        (
-            "tutorials__values-19-sleep-mode-aware.yaml",
-            "--enable-sleep-mode: the vllm-stack router serves no",
-        ),
     ],
 )
 def test_what_will_not_work_breaks_the_default_gate(name, words):

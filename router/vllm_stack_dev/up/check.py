@@ -41,7 +41,7 @@ SHORT = 150
 RULES: list[tuple[str, str]] = [
     # the workload will not start, or not work as the file meant
     ("breaks", r"older than LMCache 0\.5"),
-    ("breaks", r"--enable-sleep-mode: the vllm-stack router serves no"),
+    ("breaks", r"--enable-sleep-mode without VLLM_SERVER_DEV_MODE=1"),
     ("breaks", r"\.chatTemplate: --chat-template .* as given; the file must be in the image"),
     ("info", r"with routingLogic \S+ this chart deploys no controller, so it stays off"),
     # said for the record: production-stack's behaviour, or a key that asks for nothing here
