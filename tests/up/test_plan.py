@@ -435,3 +435,15 @@ def test_an_sglang_engine_is_refused_with_the_reason(tmp_path) -> None:
         PlanError, match="an SGLang engine .engineKind: sglang. does not run under `vllm-stack up`"
     ):
         _plan([ROOT / "tests/helm/data/sglang-beside-vllm.yaml"], tmp_path)
+
+
+def test_tutorial_19s_sleep_mode_runs_on_a_cpu_engine_with_its_dev_endpoints(tmp_path: Path) -> None:
+    """production-stack's sleep-mode file: the CPU build refuses --enable-sleep-mode at start, so it is
+    dropped and said; VLLM_SERVER_DEV_MODE=1 stays, so the engine serves /sleep, /wake_up, /is_sleeping."""
+    plan, _ = _plan([require(PS_DIR / "tutorials__values-19-sleep-mode-aware.yaml")], tmp_path)
+    (engine,) = plan.engines
+    assert "--enable-sleep-mode" not in engine.argv
+    assert engine.env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert any(
+        "--enable-sleep-mode -> dropped" in s.line() and "CPU build" in s.line() for s in plan.substitutions
+    )

@@ -596,6 +596,15 @@ class Planner:
             if flag in args:
                 self._say(pod.name, f"{flag} {_flag(args, flag)}", "dropped", why)
                 _drop(args, flag)
+        if "--enable-sleep-mode" in args:
+            self._say(
+                pod.name,
+                "--enable-sleep-mode",
+                "dropped",
+                "vLLM's CPU build refuses it at start (sleep mode is CUDA, ROCm and XPU only); with "
+                "VLLM_SERVER_DEV_MODE=1 its /sleep still pauses the engine, freeing nothing",
+            )
+            args = _drop(args, "--enable-sleep-mode", with_value=False)
         rendered_len = _flag(args, "--max-model-len")
         if rendered_len is not None and int(rendered_len) > TINY_MAX_MODEL_LEN:
             self._say(
