@@ -209,3 +209,16 @@ async def test_waking_is_one_call_per_engine_for_many_waiting_requests() -> None
         )
         assert len(answers) == 5 and stub.completed == 5
         assert [c for c in sleep_calls(sa) if c[1] == "/wake_up"] == [("POST", "/wake_up", [])]
+
+
+async def test_with_the_queue_off_nothing_can_wait_for_a_wake_up_and_the_error_says_so() -> None:
+    stub, sa = sleepy("a")
+    async with stubs(sa) as urls, running_router(urls, queue_max_per_model=0) as (url, router):
+        engine = router.registry.engines()[0]
+        async with http(url) as h:
+            assert (await h.post(f"/sleep?id={engine.engine_id}")).status_code == 200
+            r = await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert error["code"] == "engine_sleeping" and "queue is off" in error["message"]
+        assert stub.completed == 0

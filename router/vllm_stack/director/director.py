@@ -63,9 +63,10 @@ _DROPPED = frozenset({Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT})
 
 
 def engines_asleep(model: str, waking: bool) -> RouterError:
-    """The 503 for a model whose healthy engines all sleep and that the request could not wake."""
+    """The 503 for a model whose healthy engines all sleep and that the request could not wake (a
+    request that waits for a wake-up and is not served in time gets ``queue_timeout`` instead)."""
     how = (
-        "waking one did not finish in time"
+        "no request can wait for one to wake (the router's queue is off: queue_max_per_model 0)"
         if waking
         else "the router does not wake them (router setting wake_sleeping_engines is off)"
     )
