@@ -42,8 +42,10 @@ from vllm_stack.engines.adapter_placement import AdapterPlacement
 from vllm_stack.engines.adapters import AdapterCatalog
 from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.discovery.collector import DiscoveryCollector
+from vllm_stack.engines.discovery.external import with_providers
 from vllm_stack.engines.discovery.static import StaticDiscovery
 from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.external import ExternalProviders, load_providers
 from vllm_stack.engines.kinds import kind_named
 from vllm_stack.engines.load import SaturationLimits
 from vllm_stack.engines.registry import EngineRegistry
@@ -131,18 +133,23 @@ class Router:
         self.plugin_state = PluginState()  # outlives reloads: indexes and positions plugins keep
         self._cli_settings = dict(cli_settings or {})
         self.engine_api_key = environ.get("VLLM_API_KEY") or None
+        # External OpenAI-compatible providers: engines of the openai kind, their keys from ``environ``
+        self.external = _external_providers(config, environ)
+        self.external_aliases = self.external.aliases  # the hot path's check: empty when none is set
+        self.external_models = self.external.models
         self.metrics = RouterMetrics()
         self.registry = EngineRegistry(
             self._fetch_models,
             self.metrics,
-            static_models=_static_models(config),
+            static_models=self._static_models(config),
             **_registry_limits(config),
         )
+        self.registry.on_engine_joined.append(self._engine_joined)
         _model_kinds(config)  # an unknown engine kind is a configuration error, whatever the discovery
         self.discovery: Discovery = discovery if discovery is not None else self._build_discovery(config)
         self.metrics.registry.register(DiscoveryCollector(self.discovery.status))
         self.scraper = EngineScraper(
-            self.registry.engines,
+            self._scraped_engines,
             self._fetch_metrics,
             self.metrics,
             liveness=self.registry,
@@ -152,10 +159,10 @@ class Router:
         self.engine_tls = (
             ssl.create_default_context(cafile=config.engine_ca_file) if config.engine_ca_file else None
         )
-        self.pools = EnginePools(config.connect_timeout, self.engine_tls)
+        self.pools = EnginePools(config.connect_timeout, self.engine_tls, self.external.tls)
         self.registry.on_engine_left.append(lambda engine: self.pools.forget(engine.url))
         self.registry.on_engine_left.append(lambda engine: self.plugin_state.forget_engine(engine.name))
-        self.kv_feed = KvEventFeed(self.registry.engines, self._fetch_kv_sources)
+        self.kv_feed = KvEventFeed(self._kv_event_engines, self._fetch_kv_sources)
         self.adapters = AdapterPlacement(
             self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
         )
@@ -366,6 +373,25 @@ class Router:
         else:
             AsgiCall(self, conn, request).start()
 
+    def _static_models(self, config: RouterConfig) -> dict[str, tuple[str, ...]]:
+        """Engine URL -> the models it is given: ``--static-models``' and the external providers'."""
+        return {**_static_models(config), **self.external.static_models()}
+
+    def _engine_joined(self, engine: Engine) -> None:
+        """An external provider's engine gets its key's header lines and its owner's name."""
+        provider = self.external.by_url.get(engine.url)
+        if provider is not None:
+            engine.head_lines = provider.head_lines
+            engine.owner = provider.owned_by
+
+    def _scraped_engines(self) -> list[Engine]:
+        """The engines that publish metrics (not external providers)."""
+        return [e for e in self.registry.engines() if e.kind.metrics_path]
+
+    def _kv_event_engines(self) -> list[Engine]:
+        """The engines that publish KV events (not external providers)."""
+        return [e for e in self.registry.engines() if e.kind.kv_sources_path]
+
     @staticmethod
     def _build_discovery(config: RouterConfig) -> Discovery:
         if config.service_discovery == "k8s":
@@ -381,6 +407,10 @@ class Router:
                 port=config.k8s_port,
                 roles_by_model_label=roles,
             )
+        if config.service_discovery == "external-only":  # no engine of its own: the providers only
+            discovery = StaticDiscovery(())
+            discovery.status.source = "external-only"
+            return discovery
         return StaticDiscovery(config.static_backends, config.static_roles, _static_kinds(config))
 
     def reload(self, config: RouterConfig) -> None:
@@ -412,7 +442,7 @@ class Router:
         self.queue.tenants = config.tenants  # weights: for tenants that start waiting from now on
         self.adapters.set_catalog(catalog)
         self.catalog = catalog if catalog else None
-        self.registry.set_static_models(_static_models(config))
+        self.registry.set_static_models(self._static_models(config))
         self.registry.configure(**_registry_limits(config))
         self.scraper.interval = config.engine_scrape_interval
         self.pools.set_connect_timeout(config.connect_timeout)
@@ -444,8 +474,14 @@ class Router:
     async def _fetch_models(self, engine: Engine) -> list[dict[str, Any]]:
         assert self.control_session is not None
         timeout = aiohttp.ClientTimeout(total=max(2.0, min(10.0, self.config.health_check_interval)))
+        provider = self.external.by_url.get(engine.url)
+        headers = self._engine_headers() if provider is None else provider.control_headers()
+        tls = self.external.tls.get(engine.url)
         async with self.control_session.get(
-            engine.url + engine.kind.models_path, headers=self._engine_headers(), timeout=timeout
+            engine.url + engine.kind.models_path,
+            headers=headers,
+            timeout=timeout,
+            **({"ssl": tls} if tls is not None else {}),
         ) as resp:
             resp.raise_for_status()
             doc = await resp.json(content_type=None)
@@ -543,7 +579,7 @@ class Router:
         try:
             if self.config.inference_pool:
                 await self._read_inference_pool()
-            await self.discovery.run(self.registry.apply_snapshot)
+            await self.discovery.run(with_providers(self.registry.apply_snapshot, self.external.providers))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -642,6 +678,16 @@ def _build_tracer(
         sample_ratio=config.trace_sample_ratio,
     )
     return RequestTracer(settings, exporter, endpoints.operations)
+
+
+def _external_providers(config: RouterConfig, environ: Mapping[str, str]) -> ExternalProviders:
+    """The providers of ``--external-providers-config`` (none without it); ``ConfigError`` when the
+    file cannot work, a key variable it names is unset among them."""
+    if not config.external_providers_config:
+        return ExternalProviders(())
+    return ExternalProviders(
+        load_providers(config.external_providers_config, environ), config.external_ca_file
+    )
 
 
 def _registry_limits(config: RouterConfig) -> dict[str, Any]:

@@ -126,6 +126,9 @@ def resolve(
         model, body = _retarget(catalog, model, session_key, body, multipart)
         spec = catalog.get(model) if model else None
     model, model_label = _resolve_model(router, path, model, spec)
+    aliases = router.external_aliases
+    if aliases and not multipart and model in aliases:  # the provider knows the model by its own id
+        body = with_top_level(body, "model", aliases[model])
     priority = 0
     policy = router.priority
     if priority_value is not None or body_priority is not None or policy.defaults:
@@ -207,7 +210,7 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         ctx.tenant = identity.of_header(tenant_value)
     director = router.director
     key = director.settings.engine_auth
-    if key:
+    if key and ctx.model not in router.external_models:  # a provider gets its own key (the leg's)
         lines += (b"authorization: ", key, b"\r\n")
     body = ctx.body
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)

@@ -50,6 +50,8 @@ class RouterState(Protocol):
     request_drop: frozenset[bytes]  # request headers not sent upstream (hop-by-hop; traceparent when tracing)
     max_body_bytes: int
     engine_api_key: str | None
+    external_aliases: Mapping[str, str]  # an external provider's alias -> its own id (empty: none)
+    external_models: frozenset[str]  # the names external providers serve (they get their own key)
     control_session: aiohttp.ClientSession | None
     sleep: SleepControl  # the engines' sleep endpoints (vllm_stack.engines.sleep)
     batch_endpoints: BatchEndpoints | None  # the Batch API's (vllm_stack.batch.api); None: it is off

@@ -110,6 +110,13 @@ class BatchLineRequest(DirectedRequest):
         ctx = self.ctx
         headers = {"content-type": "application/json", "x-request-id": ctx.request_id.decode("latin-1")}
         key = self.director.settings.engine_auth
+        engine = self.engine
+        if engine is not None and engine.head_lines:  # an external provider: its own key, not the engines'
+            key = None
+            for line in engine.head_lines.split(b"\r\n"):
+                name, sep, value = line.partition(b": ")
+                if sep:
+                    headers[name.decode("latin-1")] = value.decode("latin-1")
         if key:
             headers["authorization"] = key.decode("latin-1")
         for line in ctx.upstream_headers.split(b"\r\n"):  # a pre-request plugin's header lines

@@ -170,10 +170,18 @@ class Director:
         return waker is not None and self.settings.wake_sleeping and waker(model)
 
     def error_for(self, reason: str, model: str, message: str = "") -> RouterError:
-        """The client's error for a request that got no engine: every reason, one place."""
+        """The client's error for a request that got no engine: every reason, one place. A model of an
+        external provider that fails its checks is a 502 that says why (a certificate its CA bundle does
+        not verify, a refused key): the operator's mistake, which waiting would not mend."""
         if reason in (Reason.NO_CANDIDATE, Reason.ALL_FILTERED):
             if reason == Reason.NO_CANDIDATE and self.registry.sleeping(model):
                 return engines_asleep(model, self.settings.wake_sleeping)
+            failing = self.registry.failing_provider(model)
+            if failing is not None:
+                name, error = failing
+                return RouterError(
+                    502, f"External provider {name} is unreachable: {error}", code="upstream_unreachable"
+                )
             return no_healthy_engine(model)
         mapped = _ERRORS.get(reason)
         if mapped is None:

@@ -249,11 +249,12 @@ class ProxiedRequest(DirectedRequest):
         director = self.director
         pool = director.pools.get(engine.url)
         request = self.request
-        line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n" % (
+        line = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%s" % (
             request.method.encode(),
             pool.path_prefix,
             request.target,
             pool.host_header,
+            engine.head_lines,  # an external provider's key (b"" for an engine of the stack)
         )
         ctx = self.ctx
         trace = ctx.trace

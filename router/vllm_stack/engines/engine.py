@@ -66,6 +66,8 @@ class Engine:
         "engine_id",
         "sleeping",
         "sleep_level",
+        "head_lines",
+        "owner",
     )
 
     def __init__(
@@ -82,6 +84,9 @@ class Engine:
         self.role = role
         # What it is (vLLM, SGLang, ...): its paths, metrics, events and APIs. Fixed while it runs.
         self.kind = kind
+        # Header lines every proxied request to it carries (an external provider's key); never shown.
+        self.head_lines = b""
+        self.owner = "vllm"  # its /v1/models cards' owned_by for the names it was given
         self.url = url
         self.ready = True
         self.healthy = False

@@ -77,6 +77,8 @@ class EngineRegistry:
         self._health_series: set[tuple[str, str]] = set()
         self.changed = asyncio.Event()  # set on every index rebuild (tests and /ready waiters)
         self.on_engine_left: list[Callable[[Engine], None]] = []  # e.g. close its pooled connections
+        # Told when an engine joins, before its first probe (e.g. an external provider's key and owner)
+        self.on_engine_joined: list[Callable[[Engine], None]] = []
         # Told after every answered /v1/models (e.g. load the hot adapters an engine lacks)
         self.on_models_learned: list[Callable[[Engine], None]] = []
         # Told after every index rebuild (e.g. dispatch requests queued for a model that had no engine)
@@ -138,6 +140,19 @@ class EngineRegistry:
     def get(self, name: str) -> Engine | None:
         return self._engines.get(name)
 
+    def failing_provider(self, model: str) -> tuple[str, str] | None:
+        """An external provider (an engine of fixed models) of ``model`` that is out of rotation, with
+        its last check's error, or None: what the client is told instead of "no healthy engine"."""
+        for engine in self._engines.values():
+            if (
+                engine.kind.fixed_models
+                and model in engine.models
+                and not engine.routable()
+                and engine.last_error
+            ):
+                return engine.name, engine.last_error
+        return None
+
     def available_models(self) -> list[str]:
         return sorted(self._by_model)
 
@@ -155,7 +170,8 @@ class EngineRegistry:
                 seen.setdefault(card["id"], card)
             for model in engine.static_models:
                 seen.setdefault(
-                    model, {"id": model, "object": "model", "owned_by": "vllm", "root": model, "parent": None}
+                    model,
+                    {"id": model, "object": "model", "owned_by": engine.owner, "root": model, "parent": None},
                 )
         return [seen[k] for k in sorted(seen)]
 
@@ -177,6 +193,8 @@ class EngineRegistry:
             engine = self._engines.get(name)
             if engine is None:
                 engine = self._new_engine(info)
+                for joined in self.on_engine_joined:
+                    joined(engine)
                 self._engines[name] = engine
                 log.info("engine %s joined at %s", name, info.url)
                 self._spawn_probe(engine)
@@ -349,6 +367,8 @@ class EngineRegistry:
             self._rebuild()
 
     def _learn_models(self, engine: Engine, cards: Iterable[dict[str, Any]]) -> None:
+        if engine.kind.fixed_models:  # it serves what it was given; its answer was only a health probe
+            return
         kept: list[dict[str, Any]] = []
         for card in cards:
             if isinstance(card, dict) and isinstance(card.get("id"), str):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Mapping
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -327,9 +328,17 @@ class EnginePool:
 class EnginePools:
     """The pools of one router, keyed by engine base URL."""
 
-    def __init__(self, connect_timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+        tls_by_url: Mapping[str, ssl.SSLContext] | None = None,
+    ) -> None:
+        """``tls_by_url``: base URLs verified against a context of their own (external providers with
+        a private CA); every other https engine gets ``ssl_context``, else the system's CAs."""
         self._connect_timeout = connect_timeout
         self._ssl = ssl_context
+        self._tls_by_url = dict(tls_by_url or {})
         self._pools: dict[str, EnginePool] = {}
 
     def get(self, base_url: str) -> EnginePool:
@@ -338,9 +347,8 @@ class EnginePools:
             if len(self._pools) >= MAX_POOLS:
                 self.close()
             https = base_url.startswith("https:")
-            pool = self._pools[base_url] = EnginePool(
-                base_url, self._connect_timeout, self._tls() if https else None
-            )
+            tls = (self._tls_by_url.get(base_url) or self._tls()) if https else None
+            pool = self._pools[base_url] = EnginePool(base_url, self._connect_timeout, tls)
         return pool
 
     def _tls(self) -> ssl.SSLContext:

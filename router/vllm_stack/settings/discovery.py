@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from vllm_stack.settings.declare import ConfigError, setting
 
-DISCOVERY_KINDS = ("static", "k8s")
+DISCOVERY_KINDS = ("static", "k8s", "external-only")
 ENGINE_ROLES = ("both", "prefill", "decode")  # an engine's role (vllm_stack.engines.engine.ROLES)
 K8S_WATCH = "Kubernetes discovery's watch is built at start"
 K8S_ROLES = "Kubernetes discovery reads engine roles with the labels given at start"
@@ -22,7 +22,8 @@ class DiscoveryGroup:
 
     service_discovery: str = setting(
         "static",
-        doc="where the engines come from: static (--static-backends) or k8s (pods)",
+        doc="where the engines come from: static (--static-backends), k8s (pods) or external-only (none: "
+        "only --external-providers-config's providers)",
         choices=DISCOVERY_KINDS,
         restart="the discovery source is built at start",
         chart="routerSpec.serviceDiscovery",
@@ -52,6 +53,17 @@ class DiscoveryGroup:
         restart=K8S_WATCH,
         chart="servingEngineSpec.containerPort",
     )
+    # External OpenAI-compatible providers (docs/external-providers.md), production-stack's file format
+    external_providers_config: str | None = setting(
+        None,
+        doc="YAML file of external OpenAI-compatible providers (production-stack's external_providers list)",
+        restart="the providers' engines, keys and TLS contexts are built at start",
+    )
+    external_ca_file: str | None = setting(
+        None,
+        doc="CA bundle for the external providers' https (default: the system's; a provider's ca_file wins)",
+        restart="the providers' TLS contexts are built at start",
+    )
     # The Inference Extension (docs/inference-extension.md): its engines the pods of this InferencePool
     inference_pool: str = setting(
         "",
@@ -63,8 +75,14 @@ class DiscoveryGroup:
         """Raise :class:`ConfigError` on discovery settings that cannot work."""
         if self.service_discovery not in DISCOVERY_KINDS:
             raise ConfigError(f"service_discovery must be one of {DISCOVERY_KINDS}")
-        if self.service_discovery == "static" and not self.static_backends:
+        if (
+            self.service_discovery == "static"
+            and not self.static_backends
+            and not self.external_providers_config
+        ):
             raise ConfigError("static discovery needs static_backends")
+        if self.service_discovery == "external-only" and not self.external_providers_config:
+            raise ConfigError("external-only discovery needs external_providers_config")
         if self.static_models and len(self.static_models) != len(self.static_backends):
             raise ConfigError("static_models must have one entry per static backend")
         if self.static_roles and len(self.static_roles) != len(self.static_backends):

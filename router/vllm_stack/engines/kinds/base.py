@@ -91,7 +91,9 @@ class EngineKind:
     ``metric_names`` documents the ``/metrics`` series the parser reads: name -> what it fills in
     :class:`~vllm_stack.engines.load.EngineTelemetry`. ``priority_sign``: the engine's ``priority``
     value is ``priority_sign`` times the router's (higher = more important, the Inference Extension's
-    sense), so -1 for an engine that schedules lower values first.
+    sense), so -1 for an engine that schedules lower values first. ``fixed_models``: the engine serves
+    the names it was given (an external provider's configured models), not what its ``/v1/models``
+    lists, which is then only its health probe.
     """
 
     name: str = ""
@@ -101,6 +103,7 @@ class EngineKind:
     metric_names: Mapping[str, str] = {}
     default_block_tokens: int = 16  # tokens per KV block until the engine reports its own
     priority_sign: int = -1
+    fixed_models: bool = False
     adapters: AdapterApi
     handover: HandOver
 
