@@ -21,6 +21,8 @@ instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
 {{- $args = concat $args (list "--ext-proc-port" (include "vllm-stack.str" $root.Values.inferenceExtension.epp.grpcPort) "--service-discovery" "k8s" "--k8s-namespace" $root.Release.Namespace "--inference-pool" $pool) -}}
 {{- else if eq $r.serviceDiscovery "k8s" -}}
 {{- $args = concat $args (list "--service-discovery" "k8s" "--k8s-namespace" $root.Release.Namespace "--k8s-label-selector" (include "vllm-stack.engine.discoverySelector" $root) "--k8s-port" (include "vllm-stack.str" $root.Values.servingEngineSpec.containerPort)) -}}
+{{- else if eq $r.serviceDiscovery "external-only" -}}
+{{- $args = concat $args (list "--service-discovery" "external-only") -}}
 {{- else -}}
 {{- $args = concat $args (list "--service-discovery" "static" "--static-backends" (required "routerSpec.staticBackends is required with serviceDiscovery: static" $r.staticBackends)) -}}
 {{- with $r.staticModels }}{{ $args = concat $args (list "--static-models" .) }}{{ end -}}

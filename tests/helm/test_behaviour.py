@@ -282,6 +282,38 @@ def test_static_discovery_has_no_rbac_and_no_token(tmp_path):
     )
 
 
+def test_external_providers_example_renders_production_stacks_keys():
+    """helm/examples/external-providers.yaml (docs/external-providers.md): the router alone, external-only,
+    production-stack's keys rendered as they are: the flag from extraArgs, the file from a ConfigMap
+    mounted by extraVolumes, the key variable from a Secret (never a plain value), no RBAC."""
+    objs = render([EXAMPLES / "external-providers.yaml"])
+    deployment = one(objs, "Deployment", router_name("Deployment"))
+    c = container(deployment)
+    assert flag(c["args"], "--service-discovery") == "external-only"
+    assert "--static-backends" not in c["args"]
+    assert flag(c["args"], "--external-providers-config") == "/etc/vllm-stack/providers/providers.yaml"
+    key = next(e for e in c["env"] if e["name"] == "LOCAL_VLLM_API_KEY")
+    assert key == {
+        "name": "LOCAL_VLLM_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "external-provider-keys", "key": "local-vllm"}},
+    }
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "external-providers")
+    assert mount["mountPath"] == "/etc/vllm-stack/providers"
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "external-providers", "configMap": {"name": "external-providers"}} in volumes
+    providers = yaml.safe_load(one(objs, "ConfigMap", "external-providers")["data"]["providers.yaml"])
+    assert providers["external_providers"][0]["api_key_env_var"] == "LOCAL_VLLM_API_KEY"
+    assert (
+        not find(objs, "Role")
+        and deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    )
+    assert not [
+        o
+        for o in objs
+        if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "serving-engine"
+    ]
+
+
 def test_every_container_has_requests_and_limits():
     from tests.helm.chart import values_files
 

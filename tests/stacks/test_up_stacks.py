@@ -31,6 +31,8 @@ from tests.shared_data import require
 pytestmark = [pytest.mark.stacks, pytest.mark.engine, pytest.mark.helm]
 
 NO_ENGINE = {"no-models.yaml"}  # refused by `up` itself: nothing to run (tests/up/test_plan.py)
+# its provider is an engine the test starts behind TLS (tests/router/test_external_providers_engines.py)
+NEEDS_PROVIDER = {"external-providers.yaml"}
 PRODUCTION_STACK = [  # one of each kind: two pods, several models, API key, session, offload, LoRA, PD
     "tests__values-01-2pods-minimal-example.yaml",
     "tests__values-04-multiple-models.yaml",
@@ -48,7 +50,7 @@ def _cases() -> list[pytest.param]:
     cases = [
         pytest.param(path, id=f"examples/{path.name}")
         for path in sorted(EXAMPLES.glob("*.yaml"))
-        if path.name not in NO_ENGINE
+        if path.name not in NO_ENGINE | NEEDS_PROVIDER
     ]
     return cases + [pytest.param(PS_DIR / name, id=f"production-stack/{name}") for name in PRODUCTION_STACK]
 

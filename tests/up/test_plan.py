@@ -117,9 +117,12 @@ def test_what_the_chart_renders_is_what_runs(values: Path, tmp_path: Path) -> No
     router = plan.router
     if router is not None:
         argv = router.argv
-        assert argv[argv.index("--service-discovery") + 1] == "static"
-        backends = argv[argv.index("--static-backends") + 1].split(",")
-        assert sorted(backends) == sorted(e.url for e in plan.engines)
+        if argv[argv.index("--service-discovery") + 1] == "external-only":  # external providers only
+            assert not plan.engines and "--static-backends" not in argv
+        else:
+            assert argv[argv.index("--service-discovery") + 1] == "static"
+            backends = argv[argv.index("--static-backends") + 1].split(",")
+            assert sorted(backends) == sorted(e.url for e in plan.engines)
         assert argv[argv.index("--port") + 1] == "18080"
     services = _service_names(objects)
     for text in _everything_said(plan):

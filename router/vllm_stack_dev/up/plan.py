@@ -282,7 +282,11 @@ class Planner:
                 not_run.append(f"{kind}/{obj['metadata']['name']}: {CLUSTER_ONLY[kind]}")
             elif kind not in SILENT_KINDS:
                 not_run.append(f"{kind}/{obj['metadata']['name']}: Kubernetes only")
-        if not engines:
+        external_only = any(
+            p.component == "router" and _flag(p.argv, "--service-discovery") == "external-only"
+            for p in processes
+        )  # the router serves only external providers (docs/external-providers.md): no engine is right
+        if not engines and not external_only:
             raise PlanError(
                 "the values deploy no engine (servingEngineSpec.modelSpec is empty, all disabled or all at "
                 "replicaCount 0)"
@@ -824,7 +828,8 @@ class Planner:
                 f"static, the {len(engines)} local engines",
                 "no Kubernetes API here",
             )
-        _set(args, "--static-backends", ",".join(e.url for e in engines))
+        if _flag(args, "--service-discovery") != "external-only":
+            _set(args, "--static-backends", ",".join(e.url for e in engines))
         notify = _flag(args, "--disagg-notify-port")
         if self._cpu_pd and _flag(args, "--disagg-protocol") == "lmcache":
             for name in LMCACHE_PD_ROUTER_FLAGS:
