@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -188,10 +189,11 @@ class Engine:
     cpu: int | None
     kv_replay_port: int | None = None
     host: str = "127.0.0.1"  # a loopback address: 127.0.0.1, or a test cluster Pod's own IP
+    ca_file: str | None = None  # it serves https (--ssl-certfile), its certificate signed by this CA
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ca_file else 'http'}://{self.host}:{self.port}"
 
     @property
     def address(self) -> str:
@@ -208,7 +210,7 @@ class Engine:
 
     def is_ready(self) -> bool:
         """Whether it answers ``/health`` now (it needs no API key)."""
-        return _probe(f"{self.url}/health")
+        return _probe(f"{self.url}/health", ca_file=self.ca_file)
 
     def metrics(self, timeout: float = 5.0) -> str:
         """The engine's Prometheus exposition text."""
@@ -346,9 +348,10 @@ def engine_env(spec: EngineSpec, cpu: int | None) -> dict[str, str]:
     return env
 
 
-def _probe(url: str, timeout: float = 2.0) -> bool:
+def _probe(url: str, timeout: float = 2.0, ca_file: str | None = None) -> bool:
+    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -402,10 +405,13 @@ def launch(
     log_dir: Path,
     port: int | None = None,
     host: str = "127.0.0.1",
+    ca_file: str | None = None,
 ) -> Engine:
     """Start one engine process (does not wait for readiness); ``port``: e.g. the port of an engine
     that was stopped, to restart it at the same address; ``host``: a loopback address to listen on
-    (a test cluster Pod's IP; the ports picked here are free on 127.0.0.1, so give ``port`` with it)."""
+    (a test cluster Pod's IP; the ports picked here are free on 127.0.0.1, so give ``port`` with it);
+    ``ca_file``: the engine serves https (``--ssl-certfile`` among ``spec.extra_args``) with a
+    certificate this CA signed, which its readiness probe verifies."""
     port = free_port() if port is None else port
     kv_port = free_port() if spec.kv_events and spec.args is None and not spec.runner else None
     replay_port = free_port() if kv_port is not None and spec.kv_replay else None
@@ -420,7 +426,9 @@ def launch(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     process = spawn_logged(command, log_path, engine_env(spec, cpu))
-    return Engine(name, port, kv_port, spec.served_model_name, process, log_path, cpu, replay_port, host)
+    return Engine(
+        name, port, kv_port, spec.served_model_name, process, log_path, cpu, replay_port, host, ca_file
+    )
 
 
 def wait_ready(engines: Sequence[Engine], timeout: float = DEFAULT_READY_TIMEOUT) -> None:
