@@ -73,6 +73,12 @@ def test_a_file_that_cannot_work_is_refused_with_the_reason(change: dict, messag
     assert message in str(err.value)
 
 
+def test_an_unreadable_ca_bundle_is_refused_with_the_provider_and_file(tmp_path: Path) -> None:
+    path = providers_file(tmp_path, "https://api.example.com", ca_file=str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match="external provider 'acme': CA bundle .*missing.pem"):
+        build_router({**FAST, "external_providers_config": path}, environ={"ACME_API_KEY": KEY})
+
+
 def test_an_unset_key_variable_and_a_model_named_twice_are_refused() -> None:
     doc = {
         "name": "p",

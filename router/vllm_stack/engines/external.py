@@ -75,8 +75,13 @@ class ExternalProvider:
         )
 
     def tls(self, default_ca_file: str | None) -> ssl.SSLContext:
-        """Its TLS context: verified against its ``ca_file``, else ``default_ca_file``, else the system's."""
-        return ssl.create_default_context(cafile=self.ca_file or default_ca_file)
+        """Its TLS context: verified against its ``ca_file``, else ``default_ca_file``, else the system's;
+        ``ConfigError`` naming the provider and the file when that cannot be read."""
+        cafile = self.ca_file or default_ca_file
+        try:
+            return ssl.create_default_context(cafile=cafile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"external provider {self.name!r}: CA bundle {cafile}: {exc}") from None
 
 
 def _text(doc: Mapping[str, Any], key: str, where: str) -> str:
