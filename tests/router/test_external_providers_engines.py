@@ -169,7 +169,8 @@ def _example_for(provider: Engine, certs: ServerCert, tmp_path: Path) -> Path:
     secret["stringData"]["local-vllm"] = KEY
     providers = yaml.safe_load(config_map["data"]["providers.yaml"])
     providers["external_providers"][0]["api_base"] = provider.url
-    providers["external_providers"][0]["ca_file"] = "/etc/vllm-stack/providers/ca.pem"
+    # a flag, not the file's ca_file: `up` moves the mount, and rewrites paths in arguments only
+    values["routerSpec"]["extraArgs"] += ["--external-ca-file", "/etc/vllm-stack/providers/ca.pem"]
     config_map["data"] = {
         "providers.yaml": yaml.safe_dump(providers),
         "ca.pem": Path(certs.ca_file).read_text(),

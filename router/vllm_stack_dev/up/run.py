@@ -292,7 +292,7 @@ def summary(plan: StackPlan, stack: RunningStack, started: float) -> str:
         f"  logs:            {stack.log_dir} (what runs where: stack.json)",
         "",
         f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} \\",
-        f'    -d \'{{"model": "{plan.models[0]}", "messages": [{{"role": "user", "content": "Hello!"}}],'
+        f'    -d \'{{"model": "{plan.models[0] if plan.models else "MODEL"}", "messages": [{{"role": "user", "content": "Hello!"}}],'
         ' "max_tokens": 16}\'',
         "",
         READY_LINE,
