@@ -169,11 +169,16 @@ def start_engines(
     pool: PoolSite | None = None,
 ) -> tb.EngineGroup:
     """Start one engine per entry of `cpus` (pinned there), in parallel; wait until all serve. With a
-    `pool`, engine i listens at the pool's Pod i's IP and port (the address a picker names)."""
+    `pool`, engine i listens at the pool's Pod i's IP and port (the address a picker names) and publishes
+    its KV events on the pool's KV-event port at that IP (where llm-d's precise profile connects)."""
     group = tb.EngineGroup()
     try:
         for index, cpu in enumerate(cpus):
-            where = {"host": pool.hosts[index], "port": pool.port} if pool is not None else {}
+            where = (
+                {"host": pool.hosts[index], "port": pool.port, "kv_events_port": pool.kv_events_port}
+                if pool is not None
+                else {}
+            )
             group.add(tb.launch(spec, name=f"{prefix}-{index}", cpu=cpu, log_dir=log_dir, **where))
         tb.wait_ready(group.engines, ENGINE_READY_TIMEOUT)
     except BaseException:

@@ -38,6 +38,14 @@ class EngineStartError(RuntimeError):
     """An engine exited or did not become ready in time; the message carries its log tail."""
 
 
+def log_tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` of a process's log, for an error message ("(no log)" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def free_port() -> int:
     """Ask the kernel for a free TCP port on loopback."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -200,10 +208,7 @@ class Engine:
         return f"{self.host}:{self.port}"
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def is_running(self) -> bool:
         return self.process.poll() is None
@@ -271,14 +276,29 @@ def dtype_override() -> list[str]:
     return ["--dtype", "float32"] if cpu_has_amx() else []
 
 
+def kv_events_bind_host(host: str) -> str:
+    """How vLLM's KV-event publisher is told to *bind* ``host`` alone: an IPv4 address as IPv4-mapped IPv6
+    (``[::ffff:127.16.0.1]``). vLLM 0.32 binds an endpoint only when it holds ``*`` or ``::``
+    (``ZmqEventPublisher._is_bind_endpoint``) and connects to any other, so ``tcp://127.16.0.1:5557``
+    would make the engine a client; libzmq binds the mapped form to the IPv4 address itself (its last
+    endpoint reads ``tcp://127.16.0.1:5557``), and subscribers dial either form."""
+    return host if ":" in host else f"[::ffff:{host}]"
+
+
 def server_args(
     spec: EngineSpec,
     port: int,
     kv_events_port: int | None,
     kv_replay_port: int | None = None,
     host: str = "127.0.0.1",
+    kv_events_at_host: bool = False,
 ) -> list[str]:
-    """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them)."""
+    """The api_server arguments the test bed uses for `spec` (unless `spec.args` overrides them).
+
+    ``kv_events_at_host``: the KV-event publisher binds ``host`` itself, not every interface, and names
+    its topic as llm-d's subscriber parses it (``kv@<pod>@<model>``, the model being the served name its
+    block keys are computed under), so that engines at different loopback addresses can share one
+    port, the one llm-d's router dials at each Pod's IP (``tcp://<PodIP>:<socketPort>``)."""
     if spec.args is not None:  # the dtype substitution goes last, so it wins over a rendered one
         loopback = ["--host", host, "--port", str(port)]
         return [*spec.args, *loopback, *kv_cache_args(spec), *dtype_override()]
@@ -309,9 +329,16 @@ def server_args(
             str(spec.max_lora_rank),
         ]
     if kv_events_port is not None:
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_events_port}"}
+        bind = kv_events_bind_host(host) if kv_events_at_host else "*"
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{bind}:{kv_events_port}",
+        }
         if kv_replay_port is not None:
-            config["replay_endpoint"] = f"tcp://*:{kv_replay_port}"
+            config["replay_endpoint"] = f"tcp://{bind}:{kv_replay_port}"
+        if kv_events_at_host:
+            config["topic"] = f"kv@{host}@{spec.served_model_name}"
         args += ["--kv-events-config", json.dumps(config)]
     return [*args, *kv_cache_args(spec), *spec.extra_args, *dtype_override()]
 
@@ -406,20 +433,24 @@ def launch(
     port: int | None = None,
     host: str = "127.0.0.1",
     ca_file: str | None = None,
+    kv_events_port: int | None = None,
 ) -> Engine:
     """Start one engine process (does not wait for readiness); ``port``: e.g. the port of an engine
     that was stopped, to restart it at the same address; ``host``: a loopback address to listen on
     (a test cluster Pod's IP; the ports picked here are free on 127.0.0.1, so give ``port`` with it);
     ``ca_file``: the engine serves https (``--ssl-certfile`` among ``spec.extra_args``) with a
-    certificate this CA signed, which its readiness probe verifies."""
+    certificate this CA signed, which its readiness probe verifies.
+    ``kv_events_port``: publish KV events on that port of ``host`` (see :func:`server_args`), the same
+    port for every Pod as llm-d's router expects, instead of a free port on every interface."""
     port = free_port() if port is None else port
-    kv_port = free_port() if spec.kv_events and spec.args is None and not spec.runner else None
+    publishes = spec.kv_events and spec.args is None and not spec.runner
+    kv_port = (kv_events_port or free_port()) if publishes else None
     replay_port = free_port() if kv_port is not None and spec.kv_replay else None
     command = [
         str(engine_python()),
         "-m",
         "vllm.entrypoints.openai.api_server",
-        *server_args(spec, port, kv_port, replay_port, host),
+        *server_args(spec, port, kv_port, replay_port, host, kv_events_at_host=kv_events_port is not None),
     ]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]

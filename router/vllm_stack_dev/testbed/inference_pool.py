@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_stack_dev.cluster.control_plane import Cluster, ClusterOptions, running_cluster
+from vllm_stack_dev.testbed.engines import port_for_later
 
 NAMESPACE = "routing-bench"
 POOL = "bench-pool"
@@ -37,6 +38,9 @@ class PoolSite:
     pool: str
     hosts: list[str]
     port: int
+    #: The port every engine publishes its KV events on, at its own Pod IP: llm-d's precise profile
+    #: dials ``tcp://<PodIP>:<port>``, one port for the whole pool.
+    kv_events_port: int
 
 
 def _objects(count: int, port: int) -> list[dict[str, Any]]:
@@ -97,4 +101,4 @@ def pool_site(workdir: Path, count: int, port: int, timeout: float = 120.0) -> I
         if not all(h.startswith("127.") for h in hosts):
             raise RuntimeError(f"Pod IPs outside loopback: {hosts}")
         kubeconfig = cluster.service_account_kubeconfig(NAMESPACE, ACCOUNT, workdir / "picker.kubeconfig")
-        yield PoolSite(cluster, kubeconfig, NAMESPACE, POOL, hosts, port)
+        yield PoolSite(cluster, kubeconfig, NAMESPACE, POOL, hosts, port, port_for_later())

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_stack_dev.testbed.engines import default_kv_cache_mib, nixl_loopback_env
+from vllm_stack_dev.testbed.engines import default_kv_cache_mib, kv_events_bind_host, nixl_loopback_env
 
 COMPONENT = "app.kubernetes.io/component"
 MODEL_LABEL = "vllm-stack.io/model"
@@ -711,7 +711,9 @@ class Planner:
         events = json.loads(config)
         for key in ("endpoint", "replay_endpoint"):
             if key in events and pod_host is not None:  # the Pod's own address, the port kept
-                events[key] = re.sub(r"//(\*|0\.0\.0\.0)(?=:)", f"//{pod_host}", events[key])
+                events[key] = re.sub(
+                    r"//(\*|0\.0\.0\.0)(?=:)", f"//{kv_events_bind_host(pod_host)}", events[key]
+                )
             elif key in events and re.search(r":\d+$", events[key]):
                 local = re.sub(r":\d+$", f":{self.free_port()}", events[key])
                 self._say(pod.name, f"KV events {key} {events[key]}", local, "a free port per engine")
