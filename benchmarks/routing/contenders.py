@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from vllm_stack_dev.testbed.engines import spawn_logged
 from vllm_stack_dev.testbed.inference_pool import PoolSite
@@ -86,17 +87,23 @@ def _ours(name: str, tokenizers: bool = False) -> Callable[[Setup, int, int], li
 def _picker_pair(picker: str, name: str = "", replicas: int = 1) -> Callable[[Setup, int, int], list[str]]:
     """Our router in gateway mode asking an endpoint picker (``picker_pair.py``): ``ours`` (`vllm-stack
     epp` with contender `name`'s flags), ``upstream`` (the Inference Extension's EPP v1.5.0 on the setup's
-    InferencePool) or ``llmd`` (llm-d's router, its default profile, on the same pool)."""
+    InferencePool), ``llmd`` (llm-d's router, its default profile, on the same pool) or ``llmd-precise``
+    (llm-d's router, its precise prefix-cache profile: a render sidecar for tokens, the engines' KV events
+    at the pool's KV-event port)."""
 
     def command(setup: Setup, port: int, _metrics_port: int) -> list[str]:
         args = [sys.executable, str(ROOT / "benchmarks" / "routing" / "picker_pair.py"), "--picker", picker,
                 "--port", str(port), "--backends", ",".join(setup.engine_urls), "--replicas", str(replicas)]  # fmt: skip
-        if picker in ("upstream", "llmd"):
+        if picker in ("upstream", "llmd", "llmd-precise"):
             assert setup.pool is not None, (
                 f"the {picker} picker needs the InferencePool (quality.py makes it)"
             )
             args += ["--kubeconfig", str(setup.pool.kubeconfig), "--namespace", setup.pool.namespace,
                      "--pool", setup.pool.pool]  # fmt: skip
+            if picker == "llmd-precise":
+                args += ["--model", setup.model, "--model-dir", str(setup.model_dir),
+                         "--kv-events-port", str(setup.pool.kv_events_port),
+                         "--block-size", str(setup.block_size)]  # fmt: skip
         else:
             args += ["--", *OUR_FLAGS[name], "--session-key", SESSION_HEADER_FLAG, "--log-level", "warning",
                      "--tokenizers", f"{setup.model}={setup.model_dir}"]  # fmt: skip
@@ -120,9 +127,9 @@ def _rust(policy: str, kv_events: bool = False) -> Callable[[Setup, int, int], l
             "--worker-startup-check-interval", "1",
             "--log-level", "warning",
         ]  # fmt: skip
-        if kv_events:
+        if kv_events:  # at the engine's own address: with a pool, each binds its Pod IP only
             for url, kv_port in zip(setup.engine_urls, setup.kv_event_ports, strict=True):
-                args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{kv_port}"]
+                args += ["--kv-event-source", f"{url}=tcp://{urlsplit(url).hostname}:{kv_port}"]
             args += ["--kv-event-block-size", str(setup.block_size), "--kv-event-model", setup.model]
         return args
 
@@ -145,6 +152,10 @@ CONTENDERS: dict[str, Contender] = {
     # picker replicas: two pickers, each behind its own gateway, requests to the gateways in turn
     "ours-epp-x2": Contender("ours-epp-x2", "ours", _picker_pair("ours", "ours-kvevents", replicas=2)),
     "llmd-router-x2": Contender("llmd-router-x2", "upstream", _picker_pair("llmd", replicas=2)),
+    "llmd-router-precise": Contender("llmd-router-precise", "upstream", _picker_pair("llmd-precise")),
+    "llmd-router-precise-x2": Contender(
+        "llmd-router-precise-x2", "upstream", _picker_pair("llmd-precise", replicas=2)
+    ),
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }

@@ -58,7 +58,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vllm_stack_dev.gotools import EPP, LWEPP, GoTool, epp_binary, lwepp_binary
-from vllm_stack_dev.testbed.engines import port_for_later, spawn_logged, stop_group
+from vllm_stack_dev.testbed.engines import log_tail, port_for_later, spawn_logged, stop_group
 
 from vllm_stack.extproc import wire
 
@@ -234,10 +234,7 @@ class UpstreamEpp:
         }
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def stop(self) -> None:
         """SIGTERM its process group (by its PID), SIGKILL after 15 s."""
@@ -393,3 +390,146 @@ class LlmdRouterEpp(UpstreamEpp):
         if found is None:
             raise RuntimeError(f"llm-d's router is not built: set {LLMD_EPP_ENV} to its epp binary")
         return found
+
+
+#: llm-d's precise prefix-cache profile as its docs configure it for vLLM
+#: (``deploy/config/epp-precise-prefix-cache-config.yaml`` at the commit above): the token producer's
+#: ``vllm`` backend tokenizes through a ``vllm launch render`` sidecar (``{render_url}``, serving
+#: ``{model}``); the precise producer subscribes to each Pod's KV events at ``tcp://<PodIP>:{kv_port}``
+#: (the endpoint-notification source tells it the Pods) and keys blocks of ``{block_size}`` tokens (the
+#: engines' block size: 128 for vLLM's CPU build) seeded with ``{hash_seed}`` (the engines'
+#: ``PYTHONHASHSEED``); the prefix-cache scorer reads its matches. Fill it with
+#: :func:`llmd_precise_profile`.
+LLMD_PRECISE_PROFILE = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: token-producer
+  parameters:
+    modelName: {model}
+    vllm:
+      url: {render_url}
+- type: endpoint-notification-source
+- type: metrics-data-source
+- type: core-metrics-extractor
+- type: single-profile-handler
+- type: decode-filter
+- type: precise-prefix-cache-producer
+  parameters:
+    tokenProcessorConfig:
+      blockSizeTokens: {block_size}
+      hashSeed: "{hash_seed}"
+    indexerConfig:
+      kvBlockIndexConfig:
+        enableMetrics: true
+    kvEventsConfig:
+      topicFilter: "kv@"
+      discoverPods: true
+      podDiscoveryConfig:
+        socketPort: {kv_port}
+- type: prefix-cache-scorer
+  parameters:
+    prefixMatchInfoProducerName: precise-prefix-cache-producer
+- type: kv-cache-utilization-scorer
+- type: queue-scorer
+- type: max-score-picker
+dataLayer:
+  sources:
+  - pluginRef: metrics-data-source
+    extractors:
+    - pluginRef: core-metrics-extractor
+  - pluginRef: endpoint-notification-source
+    extractors:
+    - pluginRef: precise-prefix-cache-producer
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: prefix-cache-scorer
+    weight: 2.0
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1.0
+  - pluginRef: queue-scorer
+    weight: 1.0
+  - pluginRef: max-score-picker
+"""
+#: Its Prometheus counters that show the precise scorer works from the engines' events, not a fallback.
+LLMD_EVENTS_RECEIVED = "llm_d_epp_kv_cache_events_messages_received_total"
+LLMD_INDEX_ADMISSIONS = "llm_d_epp_kv_cache_index_admissions_total"
+LLMD_LOOKUP_HITS = "llm_d_epp_kv_cache_index_lookup_hits_total"
+
+
+def llmd_precise_profile(
+    model: str, render_url: str, kv_port: int, block_size: int = 128, hash_seed: str = "0"
+) -> str:
+    """:data:`LLMD_PRECISE_PROFILE` for engines serving ``model`` that publish KV events on ``kv_port``."""
+    return LLMD_PRECISE_PROFILE.format(
+        model=model, render_url=render_url, kv_port=kv_port, block_size=block_size, hash_seed=hash_seed
+    )
+
+
+class LlmdPreciseEpp(LlmdRouterEpp):
+    """llm-d's router with its precise prefix-cache profile and its render sidecar: :meth:`start` starts
+    ``vllm launch render`` (:class:`~vllm_stack_dev.testbed.render.RenderServer`, the model's local
+    directory) and then the picker; :meth:`stop` stops both, each by its PID. The engines must publish
+    their KV events on ``kv_port`` of their own Pod IP (``engines.launch(kv_events_port=...)``)."""
+
+    log_name = "llmd-router-precise.log"
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespace: str,
+        pool: str,
+        workdir: Path,
+        *,
+        model: str,
+        model_dir: Path,
+        kv_port: int,
+        block_size: int = 128,
+        max_model_len: int = 4096,
+        binary: Path | None = None,
+    ) -> None:
+        from vllm_stack_dev.testbed.render import RenderServer
+
+        self.render = RenderServer(model_dir, model, workdir, max_model_len=max_model_len)
+        profile = llmd_precise_profile(model, self.render.url, kv_port, block_size)
+        super().__init__(kubeconfig, namespace, pool, workdir, config=profile, binary=binary)
+
+    @property
+    def label(self) -> str:
+        return f"llm-d's router, precise profile ({LLMD_ROUTER_COMMIT[:12]})"
+
+    def start(self, timeout: float = 60.0, ready_endpoints: int | None = None) -> LlmdPreciseEpp:
+        self.render.start()
+        try:
+            super().start(timeout, ready_endpoints)
+        except BaseException:
+            self.render.stop()
+            raise
+        return self
+
+    def counter(self, name: str) -> float:
+        """The sum of counter ``name`` over its labels in its /metrics (0 when absent)."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def event_counts(self) -> dict[str, float]:
+        """KV-event messages received, blocks admitted to its index and prefix blocks matched on lookups
+        so far (all 0, or None when it does not answer: then it scored without the engines' events)."""
+        names = {
+            "events": LLMD_EVENTS_RECEIVED,
+            "admissions": LLMD_INDEX_ADMISSIONS,
+            "hits": LLMD_LOOKUP_HITS,
+        }
+        try:
+            return {key: self.counter(name) for key, name in names.items()}
+        except OSError:
+            return {}
+
+    def stop(self) -> None:
+        super().stop()
+        self.render.stop()
