@@ -49,6 +49,9 @@ class Contender:
     family: str
     command: Callable[[Setup, int, int], list[str]]  # (setup, port, metrics port) -> argv
     env: Callable[[Setup], dict[str, str]] = lambda _setup: {}
+    #: How long it may take to serve: a picker pair starts its pickers one after the other, each waited
+    #: for up to 120 s (llm-d's precise profile also its render sidecar, up to 180 s), then the gateways.
+    ready_timeout: float = 90.0
 
 
 #: Our router's flags per contender. ``prefixaware`` with the model's tokenizer follows the engines'
@@ -141,21 +144,34 @@ def _rust_env(setup: Setup) -> dict[str, str]:
     return {"VLLM_ROUTER_TOKENIZER": str(setup.model_dir)}
 
 
+PAIR_READY = 180.0  # one picker (up to 120 s) and its gateway
+PRECISE_READY = 360.0  # llm-d's precise picker: its render sidecar (up to 180 s) first
 CONTENDERS: dict[str, Contender] = {
     "ours-roundrobin": Contender("ours-roundrobin", "ours", _ours("ours-roundrobin")),
     "ours-session": Contender("ours-session", "ours", _ours("ours-session")),
     "ours-approx": Contender("ours-approx", "ours", _ours("ours-approx", tokenizers=True)),
     "ours-kvevents": Contender("ours-kvevents", "ours", _ours("ours-kvevents", tokenizers=True)),
-    "ours-epp": Contender("ours-epp", "ours", _picker_pair("ours", "ours-kvevents")),
-    "upstream-epp": Contender("upstream-epp", "upstream", _picker_pair("upstream")),
-    "llmd-router": Contender("llmd-router", "upstream", _picker_pair("llmd")),
-    # picker replicas: two pickers, each behind its own gateway, requests to the gateways in turn
-    "ours-epp-x2": Contender("ours-epp-x2", "ours", _picker_pair("ours", "ours-kvevents", replicas=2)),
-    "llmd-router-x2": Contender("llmd-router-x2", "upstream", _picker_pair("llmd", replicas=2)),
-    "llmd-router-precise": Contender("llmd-router-precise", "upstream", _picker_pair("llmd-precise")),
-    "llmd-router-precise-x2": Contender(
-        "llmd-router-precise-x2", "upstream", _picker_pair("llmd-precise", replicas=2)
+    "ours-epp": Contender(
+        "ours-epp", "ours", _picker_pair("ours", "ours-kvevents"), ready_timeout=PAIR_READY
     ),
+    "upstream-epp": Contender("upstream-epp", "upstream", _picker_pair("upstream"), ready_timeout=PAIR_READY),
+    "llmd-router": Contender("llmd-router", "upstream", _picker_pair("llmd"), ready_timeout=PAIR_READY),
+    # picker replicas: two pickers, each behind its own gateway, requests to the gateways in turn
+    "ours-epp-x2": Contender(
+        "ours-epp-x2", "ours", _picker_pair("ours", "ours-kvevents", replicas=2), ready_timeout=2 * PAIR_READY
+    ),
+    "llmd-router-x2": Contender(
+        "llmd-router-x2", "upstream", _picker_pair("llmd", replicas=2), ready_timeout=2 * PAIR_READY
+    ),
+    "llmd-router-precise": Contender(
+        "llmd-router-precise", "upstream", _picker_pair("llmd-precise"), ready_timeout=PRECISE_READY
+    ),
+    "llmd-router-precise-x2": Contender(
+        "llmd-router-precise-x2",
+        "upstream",
+        _picker_pair("llmd-precise", replicas=2),
+        ready_timeout=2 * PRECISE_READY,
+    ),  # fmt: skip
     "rust-cache_aware": Contender("rust-cache_aware", "rust", _rust("cache_aware"), _rust_env),
     "rust-kv_aware": Contender("rust-kv_aware", "rust", _rust("kv_aware", kv_events=True), _rust_env),
 }

@@ -198,7 +198,7 @@ def one_run(
     """A fresh router for `contender`, the workload through it, the router stopped again."""
     router = cont.start(contender, setup, tb.free_port(), tb.free_port(), log_dir, tag)
     try:
-        cont.wait_ready(router, setup.model)
+        cont.wait_ready(router, setup.model, contender.ready_timeout)
         result = asyncio.run(
             measured_run(
                 router.url, setup.engine_urls, workload, setup.model, options.concurrency, options.max_tokens
