@@ -84,6 +84,7 @@ from vllm_stack_dev.testbed.extproc_driver import Exchange, exchange
 from vllm_stack_dev.testbed.upstream_epp import (
     LLMD_EPP_ENV,
     LightweightEpp,
+    LlmdPreciseEpp,
     LlmdRouterEpp,
     UpstreamEpp,
     llmd_epp_binary,
@@ -99,6 +100,8 @@ NAMESPACE = "inference-extension"
 POOL = "tiny-pool"
 SELECTOR = {"app": "tiny-pool"}
 ENGINE_PORT = 8000
+KV_EVENTS_PORT = 5557  # llm-d's default socketPort: it dials tcp://<PodIP>:5557 for each Pod
+BLOCK_SIZE = 128  # vLLM's CPU KV block size (FACTS.md); llm-d's precise producer keys blocks of as many
 ACCOUNT = "picker"
 READ = ["get", "list", "watch"]
 PICKER_RULES = [
@@ -116,6 +119,17 @@ PROMPT = "The quick brown fox jumps over the lazy dog, then sleeps in the warm a
 
 
 # ---- the pool -----------------------------------------------------------------------------------------
+def _kv_events_config(pod: str) -> dict[str, Any]:
+    """The engine's KV events as llm-d's guides deploy vLLM for its precise profile: a ZMQ publisher on
+    every interface at one port (the test bed binds it at the Pod's own IP), topic ``kv@<pod>@<model>``."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "topic": f"kv@{pod}@{CHAT_MODEL}",
+    }
+
+
 def _objects() -> list[dict[str, Any]]:
     meta = {"namespace": NAMESPACE}
     pods = [
@@ -129,6 +143,7 @@ def _objects() -> list[dict[str, Any]]:
                         "name": "vllm",
                         "image": "vllm/vllm-openai:v0.11.0",
                         "command": ["vllm", "serve", CHAT_MODEL],
+                        "args": ["--kv-events-config", json.dumps(_kv_events_config(f"tiny-{i}"))],
                         "ports": [{"name": "http", "containerPort": ENGINE_PORT}],
                     }
                 ]
@@ -281,6 +296,17 @@ needs_llmd = pytest.mark.skipif(
 def llmd(pool: Pool) -> Iterator[LlmdRouterEpp]:
     """llm-d's router with its default profile (the tests that use it are marked :data:`needs_llmd`)."""
     yield from _serving(LlmdRouterEpp(pool.kubeconfig, NAMESPACE, POOL, pool.work / "llmd-router"))
+
+
+@pytest.fixture(scope="module")
+def llmd_precise(pool: Pool, tiny_model_dir: Path) -> Iterator[LlmdPreciseEpp]:
+    """llm-d's router with its precise prefix-cache profile: its ``vllm launch render`` sidecar over the
+    tiny model, subscribed to each Pod's KV events at ``tcp://<PodIP>:5557``."""
+    epp = LlmdPreciseEpp(
+        pool.kubeconfig, NAMESPACE, POOL, pool.work / "llmd-precise", model=CHAT_MODEL,
+        model_dir=tiny_model_dir, kv_port=KV_EVENTS_PORT, block_size=BLOCK_SIZE, max_model_len=2048,
+    )  # fmt: skip
+    yield from _serving(epp)
 
 
 @pytest.fixture(scope="module")
@@ -532,6 +558,47 @@ def test_our_gateway_mode_serves_on_the_engines_the_upstream_epp_names(
 def test_our_gateway_mode_serves_on_the_engines_llmd_router_names(pool: Pool, llmd: LlmdRouterEpp) -> None:
     """The same through llm-d's router (its default profile): real completions on the engines it names."""
     _serves_where_named(pool, llmd)
+
+
+@needs_llmd
+def test_llmd_precise_profile_serves_and_follows_the_engines_kv_events(
+    pool: Pool, llmd_precise: LlmdPreciseEpp
+) -> None:
+    """llm-d's precise profile through our gateway mode: real completions on the engines it names, and its
+    picks follow the engines' KV events. Three long prompts (several 128-token blocks), each sent once,
+    then three times again: every repeat lands on the engine that served the first, which is 1 in 2**9
+    by chance; and its own counters show it ingested the engines' events and matched blocks from them
+    (a silent fallback to tokens it cannot match would leave them at 0)."""
+    _serves_where_named(pool, llmd_precise)
+    gateway = OurRouter(
+        pool, "gateway-precise", "--endpoint-picker", f"grpc://{llmd_precise.target}",
+        "--endpoint-picker-timeout", "10", "--no-endpoint-picker-fail-open", "--debug-headers",
+    )  # fmt: skip
+
+    def served_by(prompt: str) -> str:
+        answer = gateway.client.post(
+            "/v1/completions", json={"model": CHAT_MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["prompt_tokens"] >= 3 * BLOCK_SIZE
+        route = dict(part.split("=", 1) for part in answer.headers["x-vllm-stack-route"].split("; "))
+        assert route["reason"] == "picked", route
+        return route["engine"]
+
+    try:
+        for n in range(3):
+            prompt = f"{uuid.uuid4()} " + " ".join([f"{PROMPT} Part {n}, line {j}." for j in range(20)])
+            admitted = llmd_precise.event_counts()["admissions"]
+            first = served_by(prompt)
+            wait_for(
+                lambda a=admitted: llmd_precise.event_counts()["admissions"] > a, 30,
+                f"llm-d's index to admit the blocks of prompt {n} from {first}'s KV events",
+            )  # fmt: skip
+            assert [served_by(prompt) for _ in range(3)] == [first] * 3, f"prompt {n}: first on {first}"
+        counts = llmd_precise.event_counts()
+        assert counts["events"] > 0 and counts["hits"] >= 9 * 3, counts  # each repeat matched >= 3 blocks
+    finally:
+        gateway.stop()
 
 
 def _serves_where_named(pool: Pool, upstream: UpstreamEpp) -> None:
