@@ -17,7 +17,6 @@ tests/helm/test_production_stack_files.py reads these lines.
 {{- if and $r.enableRouter (eq (toString $r.enablePD) "true") }}{{ $n = append $n (printf "routerSpec.enablePD: the router runs with --disaggregation%s" (ternary " (the prefill-role models would turn it on anyway)" "" (eq (include "vllm-stack.disagg.prefill" .) "true"))) }}{{ end -}}
 {{- if $r.enableRouter }}{{ range (include "vllm-stack.router.extraArgs" . | fromYaml).dropped }}{{ $n = append $n (printf "routerSpec.extraArgs: %s" .) }}{{ end }}{{ end -}}
 {{- if hasKey $r "requestStatsWindow" }}{{ $n = append $n "routerSpec.requestStatsWindow: ignored: the vllm-stack router takes its load signals from the engines' /metrics every engineScrapeInterval, not from a window of its own requests" }}{{ end -}}
-{{- if hasKey $r "prefixMinMatchLength" }}{{ $n = append $n "routerSpec.prefixMinMatchLength: ignored: prefixaware routing here scores KV-cache blocks from the engines' KV events (a match is whole blocks)" }}{{ end -}}
 {{- with $r.lmcacheConfig }}{{ $n = append $n "routerSpec.lmcacheConfig: ignored: production-stack's router embeds LMCache for kvaware routing; this router embeds none (with kvaware it asks the chart's lmcache_controller)" }}{{ end -}}
 {{- if and $r.hf_token (not (has $r.routingLogic (list "prefixaware" "kvaware"))) }}{{ $n = append $n (printf "routerSpec.hf_token: unused with routingLogic %s: the vllm-stack router fetches tokenizers only for prefixaware and kvaware routing" $r.routingLogic) }}{{ end -}}
 {{- $ctlPorts := list -}}

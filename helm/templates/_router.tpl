@@ -42,6 +42,8 @@ instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
 {{- end -}}
 {{- end -}}
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
+{{- /* production-stack's prefixaware minimum match, in its unit (characters): 0 renders nothing, as there. */ -}}
+{{- if $r.prefixMinMatchLength }}{{ $args = concat $args (list "--prefix-min-match-length" (include "vllm-stack.str" $r.prefixMinMatchLength)) }}{{ end -}}
 {{- with (include "vllm-stack.router.tokenizers" $root) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}
 {{- $args = concat $args (list "--engine-scrape-interval" (include "vllm-stack.str" $r.engineScrapeInterval) "--health-check-interval" (include "vllm-stack.str" $r.healthCheckInterval) "--request-timeout" (include "vllm-stack.str" $r.requestTimeout) "--max-body-bytes" (include "vllm-stack.str" $r.maxBodyBytes) "--log-level" $r.logLevel) -}}
 {{- /* What is left of the pod's grace period after the preStop sleep, minus 5 s to exit cleanly. */}}

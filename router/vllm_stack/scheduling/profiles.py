@@ -44,6 +44,8 @@ def _prefix_picker(config: RouterConfig) -> dict[str, Any]:
     parameters: dict[str, Any] = {"epsilon": config.session_balance_epsilon, "kv_events": config.kv_events}
     if config.tokenizers:
         parameters["tokenizers"] = dict(config.tokenizers)
+    if config.prefix_min_match_length:
+        parameters["min_match_chars"] = config.prefix_min_match_length
     return {"type": _PREFIX_PICKER, "parameters": parameters}
 
 

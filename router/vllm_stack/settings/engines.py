@@ -51,7 +51,13 @@ class EngineGroup:
         doc="CA bundle for https engines (default: the system's)",
         restart="the engines' TLS context (pooled connections, control session) is built at start",
     )
-    retries: int = setting(2, doc="extra attempts on another engine (default 2)")
+    # production-stack's --max-instance-failover-reroute-attempts is the same count (its reroutes of a
+    # request whose instance failed, onto another instance); its default is 0, ours 2.
+    retries: int = setting(
+        2,
+        doc="extra attempts on another engine (default 2)",
+        aliases=("--max-instance-failover-reroute-attempts",),
+    )
     wake_sleeping_engines: bool = setting(
         True,
         doc="a request whose model's engines all sleep (vLLM's sleep mode) wakes one and waits for it "

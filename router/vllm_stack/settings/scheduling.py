@@ -67,6 +67,14 @@ class SchedulingGroup:
     session_balance_epsilon: float = setting(
         0.25, doc="bounded-load factor e of session affinity: no engine above (1 + e) x mean load"
     )
+    # production-stack's --prefix-min-match-length, in its unit (characters of the prompt); the picker
+    # measures a match in tokens and converts at its chars_per_token (4), a match being whole KV blocks
+    prefix_min_match_length: int = setting(
+        0,
+        doc="prefixaware: a prompt whose longest cached match is shorter than this many characters (at 4 "
+        "per token; matches are whole KV blocks) is placed as a new prefix, by load (default 0: off)",
+        chart="routerSpec.prefixMinMatchLength",
+    )
     prefix_chars: int = setting(256, doc="prefixaware: characters of the prompt hashed for affinity", flag="")
     # prefixaware in token mode: model name -> directory with tokenizer.json and tokenizer_config.json
     tokenizers: Mapping[str, str] | None = setting(
@@ -113,5 +121,7 @@ class SchedulingGroup:
             )
         if self.kv_aware_threshold < 0 or self.lmcache_lookup_timeout <= 0:
             raise ConfigError("kv_aware_threshold must be >= 0 and lmcache_lookup_timeout > 0")
+        if self.prefix_min_match_length < 0:
+            raise ConfigError("prefix_min_match_length must be >= 0")
         if self.session_balance_epsilon <= 0:
             raise ConfigError("session_balance_epsilon must be > 0")

@@ -22,7 +22,9 @@ The choice is a cost in prompt tokens: what a hit saves against the work queued 
   it moves). The cheapest wins: a hit stays while its queue costs
   less than prefilling elsewhere, and a hot prefix is copied to a second engine when its holder's
   queue is worth more than that (``prefix_replicate``).
-- Below that (a new conversation that shares only, say, a system prompt) the request is a new
+- Below that (a new conversation that shares only, say, a system prompt), or where the longest match
+  is shorter than ``min_match_chars`` characters of prompt (production-stack's
+  ``--prefix-min-match-length``, converted at ``chars_per_token``; 0: no minimum), the request is a new
   prefix: it goes to the engine holding the fewest blocks, then the one with the least work ahead,
   so what is new spreads over the engines' caches and a short shared prefix ends up cached on
   several engines instead of pulling every conversation onto one.
@@ -87,6 +89,7 @@ class PrefixCachePicker:
         inline_bytes: int = 16_384,
         kv_events: KvEventIndexer | None = None,
         metrics: RouterMetrics | None = None,
+        min_match_chars: float = 0.0,
     ) -> None:
         self.name = name
         self.index = index
@@ -97,6 +100,8 @@ class PrefixCachePicker:
         self.slack = slack
         self.copy_cost = copy_cost
         self.share_window = share_window
+        # a match below this many prompt tokens counts as none (production-stack's minimum, in tokens)
+        self.min_match_tokens = min_match_chars / chars_per_token
         self._shares: dict[str, RecentShares] = {}  # per model: models may be served by different engines
         self.tokenizers = tokenizers or {}  # model name -> ChatTokenizer
         self.inline_bytes = inline_bytes
@@ -133,6 +138,7 @@ class PrefixCachePicker:
                 lambda s=source: HubTokenizer(s) if is_hub(s) else ChatTokenizer(s),
             )
         inline = int(parameters.number("inline_bytes", 16_384, minimum=0))
+        min_match = parameters.number("min_match_chars", 0.0, minimum=0.0)
         mode = parameters.switch("kv_events", "auto")
         # Event keys come from token ids: without a tokenizer no request key would ever match them.
         events = None
@@ -152,6 +158,7 @@ class PrefixCachePicker:
             inline,
             events,
             context.metrics,
+            min_match,
         )
 
     # ---- KV events (vllm_stack.scheduling.index.feed.KvEventConsumer) ---------------------------------
@@ -274,7 +281,7 @@ class PrefixCachePicker:
             if blocks and blocks / len(keys) > share:
                 share = blocks / len(keys)
         most = max(cached)
-        new_prefix = most == 0 or share < self.match_threshold
+        new_prefix = most == 0 or share < self.match_threshold or most < self.min_match_tokens
         per_request = self.request_tokens
         best: tuple[float, ...] | None = None
         chosen = 0
@@ -377,6 +384,7 @@ class PrefixCachePicker:
             "slack": self.slack,
             "copy_cost": self.copy_cost,
             "share_window": self.share_window,
+            "min_match_tokens": self.min_match_tokens,
             "indexed_blocks": len(index),
             "max_blocks": index.max_blocks,
             "blocks_per_engine": {name: index.blocks_of(name) for name in index.engines()},
