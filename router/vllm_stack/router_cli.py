@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import sys
 
+from vllm_stack import log_format
 from vllm_stack.config import DECLARED, ConfigError
 from vllm_stack.settings import Declared
 
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None, prog: str = "vllm-stack router") -> int:
     # keep collections rare and cheap. Process-wide, so set here and not in the Router object.
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_format.configure(config.log_level, config.log_format)
     allocator = Allocator()  # process-wide too: memory freed after a burst goes back to the system
     allocator.configure()
     server = RouterServer(

@@ -33,6 +33,8 @@ PS_PARSER_FLAGS = (
     "--sentry-traces-sample-rate", "--sentry-profile-session-sample-rate", "--otel-endpoint",
     "--otel-service-name", "--otel-secure", "--prefill-model-labels", "--decode-model-labels",
     "--kv-aware-threshold", "--lmcache-health-check-interval", "--lmcache-worker-timeout",
+    # added in 2026 (its commit a6c01db; issue 52)
+    "--log-format", "--root-path", "--prefix-min-match-length", "--max-instance-failover-reroute-attempts",
 )  # fmt: skip
 
 
@@ -92,6 +94,17 @@ def test_this_routers_own_flags_pass_as_given(tmp_path):
     args = _router_args(tmp_path, ["--retries", "4", "--access-log", "--debug-headers", "--queue-timeout=30"])
     assert args[-5:] == ["--retries", "4", "--access-log", "--debug-headers", "--queue-timeout=30"]
     build_parser().parse_args(args)
+
+
+def test_production_stacks_2026_flags_reach_the_router(tmp_path):
+    """--log-format, --prefix-min-match-length and --max-instance-failover-reroute-attempts in extraArgs
+    are this router's flags, rendered as given (the first and last were refused as unknown before)."""
+    given = ["--log-format", "json", "--max-instance-failover-reroute-attempts", "1"]
+    given += ["--prefix-min-match-length", "512"]
+    args = _router_args(tmp_path, given)
+    assert args[-len(given) :] == given
+    parsed = build_parser().parse_args(args)
+    assert (parsed.log_format, parsed.retries, parsed.prefix_min_match_length) == ("json", 1, 512)
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ LAYERS = {
     "priority": 0,
     "json_depth": 0,
     "request_id": 0,
+    "log_format": 0,  # the log lines' formatter (text or JSON), set up by the command line
     "version": 0,
 }
 

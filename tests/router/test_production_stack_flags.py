@@ -7,11 +7,23 @@ requests they were sent (tests/fakes/stub_engine.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
 from typing import Any
+
+import httpx
+from vllm_stack_dev.testbed.engines import port_for_later
 
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, running_router, stubs
+from vllm_stack import log_format
+from vllm_stack.config import DECLARED
 from vllm_stack.router_cli import build_parser
+from vllm_stack.settings.server import LOG_FORMATS
 
 MSG = [{"role": "user", "content": "hi"}]
 BODY = {"model": "stub-model", "messages": MSG, "max_tokens": 3}
@@ -79,3 +91,84 @@ async def test_a_match_shorter_than_the_minimum_is_placed_as_a_new_prefix() -> N
     # the prompt's ~1,800 characters are all cached on one engine; a minimum above that ignores the match
     assert await _second_reason("--prefix-min-match-length", "100000") == "prefix_spread"
     assert await _second_reason("--prefix-min-match-length", "128") == "prefix_hit"
+
+
+# ---- --log-format json ------------------------------------------------------------------------------
+
+SECRET = "sk-never-in-a-log-line"
+
+
+def test_log_format_parses_and_names_the_formatters_values() -> None:
+    assert flags("--log-format", "json") == {"log_format": "json"}
+    assert DECLARED["log_format"].default == "text"
+    assert LOG_FORMATS == log_format.LOG_FORMATS  # declared twice: settings imports no formatter
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+async def _router_process(port: int, backend: str, keys: Path, *argv: str) -> asyncio.subprocess.Process:
+    """``vllm-stack router`` as its own process (the log format is set up process-wide), once /health
+    answers."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "vllm_stack.router_cli", "--port", str(port), "--host", "127.0.0.1",
+        "--static-backends", backend, "--api-keys-file", str(keys), *argv,
+        stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient() as h:
+        while True:
+            try:
+                if (await h.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                    return proc
+            except httpx.TransportError:
+                pass
+            if proc.returncode is not None or time.monotonic() > deadline:
+                raise AssertionError("timed out waiting for the router process's /health")
+            await asyncio.sleep(0.05)
+
+
+async def _logged(tmp_path: Path, *argv: str) -> str:
+    """What a router process given ``argv`` writes to stderr for one chat completion with a request id
+    and a client key."""
+    keys = tmp_path / "keys"
+    keys.write_text(SECRET + "\n")
+    port = port_for_later()
+    async with stubs(StubEngine("a", ["stub-model"])) as urls:
+        proc = await _router_process(port, urls[0], keys, "--access-log", *argv)
+        try:
+            headers = {"authorization": f"Bearer {SECRET}", "x-request-id": "req-json-1"}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as h:
+                r = await h.post("/v1/chat/completions", json=BODY, headers=headers)
+            assert r.status_code == 200
+        finally:
+            proc.terminate()
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+    return err.decode()
+
+
+async def test_json_log_lines_carry_the_request_id_and_no_key(tmp_path) -> None:
+    text = await _logged(tmp_path, "--log-format", "json")
+    lines = _json_lines(text)
+    assert lines and len(lines) == len(text.strip().splitlines())  # every line one JSON object
+    access = [line for line in lines if line.get("request_id") == "req-json-1"]
+    assert len(access) == 1, lines
+    assert access[0]["level"] == "INFO" and "/v1/chat/completions -> 200" in access[0]["message"]
+    assert {"timestamp", "logger", "filename", "lineno"} <= set(access[0])
+    assert SECRET not in text
+    # text, the default: no JSON, and the key no more there
+    plain = await _logged(tmp_path)
+    assert "/v1/chat/completions -> 200" in plain and not _json_lines(plain) and SECRET not in plain
+
+
+def test_json_lines_carry_the_trace_id_and_exceptions() -> None:
+    record = logging.LogRecord("vllm_stack.x", logging.ERROR, "f.py", 7, "failed %s", ("here",), None)
+    record.__dict__.update(request_id="r1", trace_id="0af7651916cd43dd8448eb211c80319c")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record.exc_info = sys.exc_info()
+    line = json.loads(log_format.formatter("json").format(record))
+    assert line["message"] == "failed here" and line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert line["request_id"] == "r1" and "ValueError: boom" in line["exception"]

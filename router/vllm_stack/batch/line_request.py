@@ -87,7 +87,12 @@ class BatchLineRequest(DirectedRequest):
     def _accounted(self, engine_name: str, duration: float, answer_end: bytes | None) -> None:
         if self.director.settings.access_log:
             log.info(
-                "batch line %s -> %s %s %.1f ms", self.ctx.path, self.status, engine_name, duration * 1e3
+                "batch line %s -> %s %s %.1f ms",
+                self.ctx.path,
+                self.status,
+                engine_name,
+                duration * 1e3,
+                extra=self.ctx.log_fields(),
             )
 
     def check_timeout(self, now: float) -> None:

@@ -496,6 +496,7 @@ class ProxiedRequest(DirectedRequest):
                 engine_name,
                 duration * 1e3,
                 f" trace_id={trace.trace_id}" if trace is not None and trace.trace_id else "",
+                extra=self.ctx.log_fields(),
             )
 
 

@@ -56,7 +56,14 @@ class PickedRequest(DirectedRequest):
 
     def _accounted(self, engine_name: str, duration: float, answer_end: bytes | None) -> None:
         if self.director.settings.access_log:
-            log.info("pick %s -> %s %s %.1f ms", self.ctx.path, self.status, engine_name, duration * 1e3)
+            log.info(
+                "pick %s -> %s %s %.1f ms",
+                self.ctx.path,
+                self.status,
+                engine_name,
+                duration * 1e3,
+                extra=self.ctx.log_fields(),
+            )
 
     def first_byte(self) -> None:
         """The answer's first body bytes went by: its TTFT, and the prefill estimate released."""

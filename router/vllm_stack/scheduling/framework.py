@@ -113,6 +113,12 @@ class RequestContext:
         rid = self.request_id.decode("latin-1")
         return f"request {rid}, trace_id={trace_id}" if trace_id else f"request {rid}"
 
+    def log_fields(self) -> dict[str, str]:
+        """The request's fields of a log record (``extra``): what the JSON log format writes as
+        ``request_id`` and ``trace_id`` (vllm_stack.log_format)."""
+        trace_id = self.trace.trace_id if self.trace is not None else ""
+        return {"request_id": self.request_id.decode("latin-1"), "trace_id": trace_id}
+
     def exclude(self, name: str) -> None:
         """Leave engine ``name`` out of the next scheduling (it was tried); the set is made on first use."""
         excluded = self.excluded

@@ -8,6 +8,7 @@ from vllm_stack.settings.declare import ConfigError, setting
 
 JSON_PARSERS = ("msgspec", "orjson")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LOG_FORMATS = ("text", "json")
 BOUND_AT_START = "the listening socket is bound at start"
 
 
@@ -77,6 +78,15 @@ class ServerGroup:
     log_level: str = setting(
         "info", doc="log level (default info)", choices=LOG_LEVELS, chart="routerSpec.logLevel"
     )
+    # production-stack's flag and values; the formatter is vllm_stack.log_format's (settings reads only
+    # priority, so the names are repeated there and checked equal by tests/router/test_production_stack_flags.py)
+    log_format: str = setting(
+        "text",
+        doc="log lines as text (default) or json: one object per line, with request_id and trace_id "
+        "on request lines",
+        choices=LOG_FORMATS,
+        restart="the process's log handler is set up at start",
+    )
     access_log: bool = setting(False, doc="log every request")
     debug_headers: bool = setting(
         False,
@@ -86,6 +96,8 @@ class ServerGroup:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` on server settings that cannot work."""
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {LOG_FORMATS}")
         if self.json_parser not in JSON_PARSERS:
             raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
         if self.config_watch_interval <= 0:
