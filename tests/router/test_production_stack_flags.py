@@ -19,7 +19,7 @@ import httpx
 from vllm_stack_dev.testbed.engines import port_for_later
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import http, running_router, stubs
+from tests.router.helpers import http, running_router, stubs, wait_for
 from vllm_stack import log_format
 from vllm_stack.config import DECLARED
 from vllm_stack.router_cli import build_parser
@@ -172,3 +172,72 @@ def test_json_lines_carry_the_trace_id_and_exceptions() -> None:
     line = json.loads(log_format.formatter("json").format(record))
     assert line["message"] == "failed here" and line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
     assert line["request_id"] == "r1" and "ValueError: boom" in line["exception"]
+
+
+# ---- --routing-logic priority -------------------------------------------------------------------------
+
+
+def test_priority_logic_and_its_settings_parse() -> None:
+    given = flags("--routing-logic", "priority", "--priority-threshold", "2", "--priority-default", "5")
+    assert given == {"routing_logic": "priority", "priority_threshold": 2, "priority_default": 5}
+
+
+async def _profiles(requests: list[tuple[dict[str, str], dict[str, Any]]], *argv: str) -> list[str]:
+    """The profile each request (headers, body fields) ran, through a router of ``--routing-logic
+    priority`` and ``argv`` over two engines; RAISER may raise a priority."""
+    settings = flags("--routing-logic", "priority", "--debug-headers", *argv)
+    engines = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
+    environ = {"VLLM_STACK_PRIORITY_API_KEYS": RAISER}
+    out = []
+    async with stubs(*engines) as urls, running_router(urls, environ, **settings) as (url, _), http(url) as h:
+        for headers, fields in requests:
+            r = await h.post("/v1/chat/completions", json={**BODY, **fields}, headers=headers)
+            assert r.status_code == 200, r.text
+            out.append(route(r)["profile"])
+    return out
+
+
+RAISER = "sk-may-raise"
+URGENT, REST = "priority-least-loaded", "priority-round-robin"
+
+
+async def test_priority_at_or_below_the_threshold_goes_least_loaded_above_round_robin() -> None:
+    key = {"authorization": f"Bearer {RAISER}"}
+    requests = [
+        ({}, {}),  # none named: the default, 0, is at the threshold 0
+        ({}, {"priority": 3}),  # vLLM's body field: 3 is less urgent than 0
+        ({**key, "x-request-priority": "critical"}, {}),  # the header first: above standard
+        ({**key}, {"priority": -2}),  # more urgent than 0 (a rise: the key may)
+        ({"x-request-priority": "sheddable"}, {"priority": -2}),  # the header wins over the body
+    ]
+    assert await _profiles(requests) == [URGENT, REST, URGENT, URGENT, REST]
+    # the threshold and the default as given
+    assert await _profiles(requests[:2], "--priority-threshold", "3") == [URGENT, URGENT]
+    assert await _profiles(requests[:1], "--priority-default", "1") == [REST]
+
+
+async def test_priority_logic_sends_urgent_requests_to_the_least_loaded_engine() -> None:
+    """While one engine holds a stream, every urgent request goes to the other one; requests above the
+    threshold keep alternating between both."""
+    engines = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
+    for e in engines:
+        e.behaviour.token_delay_s = 120.0  # a stream holds until its client leaves (plain answers: at once)
+    settings = flags("--routing-logic", "priority", "--debug-headers")
+    sheddable = {"x-request-priority": "sheddable"}
+    stream = {**BODY, "stream": True}
+    async with stubs(*engines) as urls, running_router(urls, **settings) as (url, router), http(url) as h:
+        held = asyncio.ensure_future(h.post("/v1/chat/completions", json=stream, headers=sheddable))
+        try:
+            await wait_for(
+                lambda: any(e.in_flight for e in router.registry.engines()), what="the stream in flight"
+            )
+            busy = next(e.name for e in router.registry.engines() if e.in_flight)
+            urgent = [route(await h.post("/v1/chat/completions", json=BODY))["engine"] for _ in range(3)]
+            rest = [
+                route(await h.post("/v1/chat/completions", json=BODY, headers=sheddable))["engine"]
+                for _ in range(2)
+            ]
+        finally:
+            held.cancel()
+    assert busy not in urgent and len(set(urgent)) == 1
+    assert busy in rest and len(set(rest)) == 2

@@ -83,7 +83,34 @@ def builtin_config(config: RouterConfig) -> dict[str, Any]:
             "timeout": config.lmcache_lookup_timeout,
         }
         return _single(logic, picker)
+    if logic == "priority":
+        return _priority_threshold(config)
     raise ConfigError(f"routing_logic must be one of {ROUTING_LOGICS} (got {logic!r})")
+
+
+def _priority_threshold(config: RouterConfig) -> dict[str, Any]:
+    """production-stack's ``priority``: urgent requests (vLLM priority at or below the threshold) to the
+    least-loaded engine, the rest round-robin; a profile each, chosen by the threshold handler."""
+    urgent = _single(
+        "priority-least-loaded",
+        {"type": "least-loaded-scorer"},
+        {"type": "max-score-picker", "parameters": {"reason": "least_loaded"}},
+        scorers={"least-loaded-scorer": 1.0},
+    )
+    rest = _single("priority-round-robin", {"type": "round-robin-picker"})
+    handler = {
+        "type": "priority-threshold-profile-handler",
+        "parameters": {
+            "threshold": config.priority_threshold,
+            "default": config.priority_default,
+            "at_or_below": "priority-least-loaded",
+            "above": "priority-round-robin",
+        },
+    }
+    return {
+        "plugins": [*urgent["plugins"], {"type": "round-robin-picker"}, handler],
+        "schedulingProfiles": [*urgent["schedulingProfiles"], *rest["schedulingProfiles"]],
+    }
 
 
 LORA_AFFINITY = "lora-affinity-filter"
@@ -221,6 +248,13 @@ def scheduling_config(config: RouterConfig) -> dict[str, Any]:
         raw = with_decider(dict(config.scheduling), config)
     else:
         raw = builtin_config(config)
+        if config.routing_logic == "priority":
+            # production-stack's priority logic is its own use of priority: the criticality chains
+            # (one profile each) are not added to its two profiles, and no disaggregation (whose
+            # handler would replace its threshold handler)
+            if config.disaggregated:
+                raise ConfigError("routing_logic priority cannot be disaggregated; give a scheduling section")
+            return with_lora_affinity(raw) if config.lora_adapters else raw
         if config.priority_scheduling:
             raw = with_priority(raw, config)
         if config.disaggregated:

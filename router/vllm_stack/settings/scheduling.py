@@ -19,6 +19,7 @@ ROUTING_LOGICS = (
     "prefixaware",
     "kvaware",
     "disaggregated_prefill",
+    "priority",
 )
 SWITCH_VALUES = ("auto", "on", "off")
 KV_EVENT_MODES = SWITCH_VALUES
@@ -66,6 +67,17 @@ class SchedulingGroup:
     )
     session_balance_epsilon: float = setting(
         0.25, doc="bounded-load factor e of session affinity: no engine above (1 + e) x mean load"
+    )
+    # production-stack's priority logic (scheduling/plugins/priority_threshold_profile_handler.py), in its
+    # sense of a priority: vLLM's, lower is served first
+    priority_threshold: int = setting(
+        0,
+        doc="routing logic priority: requests of this vLLM priority or lower (more urgent) go to the "
+        "least-loaded engine, the rest round-robin (default 0)",
+    )
+    priority_default: int = setting(
+        0,
+        doc="routing logic priority: the vLLM priority of a request that names none (default 0)",
     )
     # production-stack's --prefix-min-match-length, in its unit (characters of the prompt); the picker
     # measures a match in tokens and converts at its chars_per_token (4), a match being whole KV blocks

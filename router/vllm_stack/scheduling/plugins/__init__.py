@@ -18,6 +18,7 @@ from vllm_stack.scheduling.plugins.model_profile_handler import ModelProfileHand
 from vllm_stack.scheduling.plugins.pd_profile_handler import PdProfileHandler
 from vllm_stack.scheduling.plugins.power_of_two_picker import PowerOfTwoPicker
 from vllm_stack.scheduling.plugins.prefix_cache_picker import PrefixCachePicker
+from vllm_stack.scheduling.plugins.priority_threshold_profile_handler import PriorityThresholdProfileHandler
 from vllm_stack.scheduling.plugins.prompt_length import PromptLength
 from vllm_stack.scheduling.plugins.queue_filters import LeastKvCacheFilter, LeastQueueFilter, LowQueueFilter
 from vllm_stack.scheduling.plugins.random_picker import RandomPicker
@@ -51,6 +52,7 @@ BUILTIN_TYPES = (
     LeastQueueFilter,
     LeastKvCacheFilter,
     CriticalityProfileHandler,
+    PriorityThresholdProfileHandler,
     PdProfileHandler,
     UncachedTokensDecider,
 )
