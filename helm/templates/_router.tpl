@@ -42,6 +42,8 @@ instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
 {{- end -}}
 {{- end -}}
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
+{{- /* production-stack's rootPath: every route under it as well as at / (the probes use it: router-deployment.yaml). */ -}}
+{{- with $r.rootPath }}{{ $args = concat $args (list "--root-path" .) }}{{ end -}}
 {{- /* production-stack's prefixaware minimum match, in its unit (characters): 0 renders nothing, as there. */ -}}
 {{- if $r.prefixMinMatchLength }}{{ $args = concat $args (list "--prefix-min-match-length" (include "vllm-stack.str" $r.prefixMinMatchLength)) }}{{ end -}}
 {{- with (include "vllm-stack.router.tokenizers" $root) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}

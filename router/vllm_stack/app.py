@@ -129,6 +129,7 @@ class Router:
         self.endpoints = endpoints
         self.proxied_paths = endpoints.proxied  # dispatch's one lookup, bound once
         self.reserved_paths = endpoints.probes  # the server answers these past its connection limit
+        self.root_path = _root_path(config.root_path, endpoints)  # served under it, and without it
         self.plugins = plugins if plugins is not None else builtin_registry()
         self.plugin_state = PluginState()  # outlives reloads: indexes and positions plugins keep
         self._cli_settings = dict(cli_settings or {})
@@ -711,6 +712,15 @@ def _log_level(config: RouterConfig) -> int:
             f"log_level {config.log_level!r} is not one of debug, info, warning, error, critical"
         )
     return level
+
+
+def _root_path(root: str, endpoints: EndpointTable) -> str:
+    """``root`` once no path the router serves lies under it: those would lose their own first segment
+    (``/v1`` would turn ``/v1/models`` into ``/models``)."""
+    for row in endpoints.rows:
+        if root and (row.path == root or row.path.startswith(root + "/")):
+            raise ConfigError(f"root_path {root!r} is the start of the router's own path {row.path}")
+    return root
 
 
 def _mtime(path: str) -> float | None:

@@ -26,6 +26,7 @@ OVERRIDES = {
     "routerSpec.env": ENV,
     "routerSpec.extraArgs": ["--log-level", "debug"],
     "routerSpec.extraPorts": PORTS,
+    "routerSpec.rootPath": "/vllm",  # a path (production-stack's example); the default probe is no path
     "routerSpec.extraVolumeMounts": MOUNTS,
     "routerSpec.extraVolumes": VOLUMES,
     "routerSpec.imagePullSecrets": [{"name": "regcred"}],

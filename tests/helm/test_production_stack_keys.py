@@ -25,7 +25,6 @@ REFUSED = {
     "cacheserverSpec.replicaCount",  # 2: each replica would hold its own entries
     "loraAdapters.[].adapterSource.pattern",  # production-stack's operator
     "routerSpec.k8sServiceDiscoveryType",  # service-name
-    "routerSpec.rootPath",
     "routerSpec.route.main.kind",  # GRPCRoute for an HTTP API
     "servingEngineSpec.modelSpec.[].lmcacheConfig.controllerPort",  # without enableController
     "servingEngineSpec.modelSpec.[].lmcacheConfig.controllerReplyPort",

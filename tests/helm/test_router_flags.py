@@ -97,14 +97,29 @@ def test_this_routers_own_flags_pass_as_given(tmp_path):
 
 
 def test_production_stacks_2026_flags_reach_the_router(tmp_path):
-    """--log-format, --prefix-min-match-length and --max-instance-failover-reroute-attempts in extraArgs
-    are this router's flags, rendered as given (the first and last were refused as unknown before)."""
+    """--log-format, --prefix-min-match-length, --root-path and --max-instance-failover-reroute-attempts
+    in extraArgs are this router's flags, rendered as given (refused or dropped before)."""
     given = ["--log-format", "json", "--max-instance-failover-reroute-attempts", "1"]
-    given += ["--prefix-min-match-length", "512"]
+    given += ["--prefix-min-match-length", "512", "--root-path", "/vllm"]
     args = _router_args(tmp_path, given)
     assert args[-len(given) :] == given
     parsed = build_parser().parse_args(args)
     assert (parsed.log_format, parsed.retries, parsed.prefix_min_match_length) == ("json", 1, 512)
+
+
+def test_root_path_is_rendered_and_the_probes_follow_it(tmp_path):
+    """production-stack's routerSpec.rootPath: --root-path, and the kubelet's probes under it (the router
+    serves both; the probes' paths say the prefix is served)."""
+    objs = render([values_file(tmp_path, {"routerSpec": {"rootPath": "/vllm"}})])
+    main = container(one(objs, "Deployment", router_name()))
+    assert main["args"][main["args"].index("--root-path") + 1] == "/vllm"
+    build_parser().parse_args(main["args"])
+    assert main["livenessProbe"]["httpGet"]["path"] == "/vllm/health"
+    assert main["startupProbe"]["httpGet"]["path"] == "/vllm/health"
+    assert main["readinessProbe"]["httpGet"]["path"] == "/vllm/ready"
+    (tmp_path / "plain").mkdir()
+    plain = container(one(render([values_file(tmp_path / "plain", {})]), "Deployment", router_name()))
+    assert "--root-path" not in plain["args"] and plain["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def test_types_enums_and_ranges(tmp_path, values, where):
         ),
         (model(lmcacheConfig={"enabled": True, "enableNixl": True}), "enableNixl"),
         (model(lmcacheConfig={"enabled": True, "controllerPort": 9000}), "controllerPullUrl"),
-        ({"routerSpec": {"rootPath": "/api"}}, "rootPath is not implemented"),
+        ({"routerSpec": {"rootPath": "api/"}}, "rootPath"),
         (
             {
                 "loraAdapters": [

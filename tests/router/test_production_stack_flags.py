@@ -8,6 +8,7 @@ requests they were sent (tests/fakes/stub_engine.py)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import sys
@@ -16,12 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
+import pytest
 from vllm_stack_dev.testbed.engines import port_for_later
 
+from tests.batch.helpers import input_lines, jsonl, wait_batch
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, running_router, stubs, wait_for
 from vllm_stack import log_format
-from vllm_stack.config import DECLARED
+from vllm_stack.app import build_router
+from vllm_stack.config import DECLARED, ConfigError
 from vllm_stack.router_cli import build_parser
 from vllm_stack.settings.server import LOG_FORMATS
 
@@ -241,3 +246,58 @@ async def test_priority_logic_sends_urgent_requests_to_the_least_loaded_engine()
             held.cancel()
     assert busy not in urgent and len(set(urgent)) == 1
     assert busy in rest and len(set(rest)) == 2
+
+
+# ---- --root-path -------------------------------------------------------------------------------------
+
+
+def test_root_path_parses_and_must_be_a_path_prefix() -> None:
+    assert flags("--root-path", "/vllm") == {"root_path": "/vllm"}
+    for bad in ("vllm", "/vllm/", "/a?b"):
+        with pytest.raises(ConfigError, match="root_path"):
+            build_router({"root_path": bad, "static_backends": "http://127.0.0.1:1"}, environ={})
+    # a prefix of the router's own paths would take their first segment away
+    with pytest.raises(ConfigError, match="/v1"):
+        build_router({"root_path": "/v1", "static_backends": "http://127.0.0.1:1"}, environ={})
+
+
+async def test_every_route_is_served_under_the_root_path_and_at_its_plain_path(tmp_path) -> None:
+    """An OpenAI client whose base URL has the prefix (an ingress that keeps it), the probes, /metrics
+    and the Batch API; the same paths without it (an ingress that strips it, as production-stack's
+    router expects, and the kubelet's probes)."""
+    engines = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
+    settings = flags("--root-path", "/vllm", "--batch-api", "--batch-dir", str(tmp_path / "batch"))
+    async with stubs(*engines) as urls, running_router(urls, **settings) as (url, _):
+        sdk = openai.AsyncOpenAI(base_url=url + "/vllm/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in (await sdk.models.list()).data] == ["stub-model"]
+        done = await sdk.chat.completions.create(model="stub-model", messages=MSG, max_tokens=3)
+        assert done.choices[0].message.content == "tok " * 3
+        stream = await sdk.chat.completions.create(
+            model="stub-model", messages=MSG, max_tokens=2, stream=True
+        )
+        assert [c.choices[0].delta.content async for c in stream] == ["t0 ", "t1 "]
+        # the engines were sent the plain path
+        paths = {s.path for e in engines for s in e.seen if s.method == "POST"}
+        assert paths == {"/v1/chat/completions"}
+        # the Batch API: a file, a batch of it, its output
+        content = jsonl(input_lines(3, "stub-model"))
+        created = await sdk.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        batch = await sdk.batches.create(
+            input_file_id=created.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        async with httpx.AsyncClient(base_url=url + "/vllm", timeout=30) as h:
+            finished = await wait_batch(h, batch.id, {"completed", "failed"})
+            assert finished["status"] == "completed", finished
+            output = (await sdk.files.content(finished["output_file_id"])).content
+            assert len(output.splitlines()) == 3
+            for path in ("/health", "/ready", "/metrics", "/v1/models", f"/v1/batches/{batch.id}"):
+                assert (await h.get(path)).status_code == 200, path
+            assert "vllm_stack_router_" in (await h.get("/metrics")).text
+        async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+            for path in ("/health", "/ready", "/metrics", "/v1/models", f"/v1/files/{created.id}"):
+                assert (await h.get(path)).status_code == 200, path
+            assert (await h.post("/v1/chat/completions", json=BODY)).status_code == 200
+            # only the prefix as a whole path segment is taken off
+            missing = await h.get("/vllm2/v1/models")
+            assert missing.status_code == 404 and missing.json()["error"]["type"]
+            assert (await h.get("/vllm/v1/models?x=1")).status_code == 200

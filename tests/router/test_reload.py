@@ -27,6 +27,7 @@ from vllm_stack.tenants.declaration import TenantSpec, TenantTable
 BACKEND = "http://127.0.0.1:9"  # the discard port: nothing listens on loopback
 KVAWARE = {"routing_logic": "kvaware", "lmcache_controller_url": "http://127.0.0.1:9"}
 DISAGG = {"disaggregation": True}
+PRIORITY = {"routing_logic": "priority"}
 _UNSET = object()
 
 
@@ -102,6 +103,9 @@ PROBES: dict[str, Probe] = {
     "lmcache_controller_url": Probe(
         "http://127.0.0.1:10", lambda r: picker(r, "kvaware").controller.url, base=KVAWARE
     ),
+    "prefix_min_match_length": Probe(2048, lambda r: picker(r).min_match_tokens, 512.0),
+    "priority_threshold": Probe(4, lambda r: r.scheduler.handler.threshold, base=PRIORITY),
+    "priority_default": Probe(6, lambda r: r.scheduler.handler.default, base=PRIORITY),
     "kv_aware_threshold": Probe(3000, lambda r: picker(r, "kvaware").threshold, base=KVAWARE),
     "lmcache_lookup_timeout": Probe(0.5, lambda r: picker(r, "kvaware").controller.timeout, base=KVAWARE),
     "debug_headers": Probe(True, lambda r: r.director.settings.debug_headers),

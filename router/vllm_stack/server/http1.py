@@ -135,6 +135,19 @@ def split_target(target: bytes) -> tuple[bytes, str, bytes]:
     return target, path.decode("latin-1"), query
 
 
+def strip_root(target: tuple[bytes, str, bytes], root: str) -> tuple[bytes, str, bytes]:
+    """``target`` (as :func:`split_target` gives it) without the leading ``root`` (a path prefix such as
+    ``/vllm``, production-stack's ``--root-path``) when its path is ``root`` or under it; any other
+    target unchanged, so a router behind an ingress that strips the prefix and one behind an ingress
+    that keeps it serve the same paths."""
+    whole, path, query = target
+    n = len(root)
+    if path.startswith(root) and (len(path) == n or path[n] == "/"):
+        rest = whole[n:]
+        return (rest if rest[:1] == b"/" else b"/" + rest), path[n:] or "/", query
+    return target
+
+
 class Handler(Protocol):
     """What the connection tells the object answering its current request."""
 
@@ -153,6 +166,7 @@ class ServerContext(Protocol):
     connections: set[HttpConnection]
     draining: bool
     reserved_paths: frozenset[str]  # answered even on a connection past the limit (probes)
+    root_path: str  # a path prefix taken off every request target under it ("": none; strip_root)
     budget: BodyBudget  # the request body bytes all connections hold together, and each key's
     stream_paths: frozenset[str]  # paths whose bodies may be streamed (body_stream_limit is asked then)
 
@@ -459,7 +473,10 @@ class HttpConnection(asyncio.Protocol):
                 ) from None
         server = self.server
         method = self._method = self.parser.get_method().decode("latin-1")
-        target = self._target = split_target(self._url)
+        target = split_target(self._url)
+        if server.root_path:
+            target = strip_root(target, server.root_path)
+        self._target = target
         refusal = server.check_head(method, target[1], self._headers)
         if refusal is not None:
             self._refuse(refusal, declared)

@@ -65,6 +65,8 @@ class ServedApp(Protocol):
     stream_paths: frozenset[str]
     #: Paths answered even on connections past the connection limit: the probes must not fail under a flood.
     reserved_paths: frozenset[str]
+    #: A path prefix the server takes off the targets under it ("": none; http1.strip_root).
+    root_path: str
 
     def body_stream_limit(self, method: str, path: str) -> int:
         """See :meth:`vllm_stack.server.http1.ServerContext.body_stream_limit`."""
@@ -113,6 +115,7 @@ class RouterServer:
         self.connections: set[HttpConnection] = set()
         self.draining = False
         self.reserved_paths: frozenset[str] = router.reserved_paths
+        self.root_path: str = router.root_path
         self.budget = BodyBudget(router)  # the request bodies connections hold (HttpConnection._reserve)
         self.stream_paths: frozenset[str] = router.stream_paths
         self._server: asyncio.Server | None = None

@@ -22,6 +22,15 @@ class ServerGroup:
     port: int = setting(
         8000, doc="listen port (default 8000)", restart=BOUND_AT_START, chart="routerSpec.containerPort"
     )
+    # production-stack's --root-path (its FastAPI root path, which it expects an ingress to strip): here
+    # every path is served under it and without it (vllm_stack.server.http1.strip_root)
+    root_path: str = setting(
+        "",
+        doc="a path prefix (e.g. /vllm) every route is served under as well as at /: behind an ingress "
+        "that keeps the prefix or strips it",
+        restart="the server takes it at start",
+        chart="routerSpec.rootPath",
+    )
     config_file: str | None = setting(
         None,
         doc="YAML configuration file; reloaded on change",
@@ -98,6 +107,9 @@ class ServerGroup:
         """Raise :class:`ConfigError` on server settings that cannot work."""
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}")
+        root = self.root_path
+        if root and (not root.startswith("/") or root.endswith("/") or any(c in root for c in "?#% \t\r\n")):
+            raise ConfigError("root_path must be empty or a path like /vllm (a leading /, none at the end)")
         if self.json_parser not in JSON_PARSERS:
             raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
         if self.config_watch_interval <= 0:
