@@ -107,6 +107,14 @@ def test_production_stacks_2026_flags_reach_the_router(tmp_path):
     assert (parsed.log_format, parsed.retries, parsed.prefix_min_match_length) == ("json", 1, 512)
 
 
+def test_routing_logic_priority_is_rendered(tmp_path):
+    """production-stack's routingLogic: priority (merged after its commit a6c01db) reaches the router."""
+    objs = render([values_file(tmp_path, {"routerSpec": {"routingLogic": "priority"}})])
+    args = container(one(objs, "Deployment", router_name()))["args"]
+    assert args[args.index("--routing-logic") + 1] == "priority"
+    assert build_parser().parse_args(args).routing_logic == "priority"
+
+
 def test_root_path_is_rendered_and_the_probes_follow_it(tmp_path):
     """production-stack's routerSpec.rootPath: --root-path, and the kubelet's probes under it (the router
     serves both; the probes' paths say the prefix is served)."""
