@@ -49,6 +49,7 @@ for _path in (ROOT / "router", ROOT / "benchmarks"):
 
 import engine_bench  # noqa: E402  benchmarks/engine_bench.py
 import httpx  # noqa: E402
+import yaml  # noqa: E402
 from vllm_stack_dev.testbed import engines as tb  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -85,7 +86,11 @@ RUNS: dict[str, tuple[tuple[Tenant, ...], bool]] = {
 OUTCOMES = ("sent", "ok", "429_retry_after", "429_bare", "503", "other", "error", "unfinished")
 
 
-def router_config(backends: list[str], eviction: bool) -> dict:
+#: --tenants: the noisy tenants' requests per minute, as a share of the fleet's capacity C
+NOISY_LIMIT_SHARE = 0.6
+
+
+def router_config(backends: list[str], eviction: bool, tenants_file: Path | None = None) -> dict:
     config = {
         "static_backends": backends,
         "routing_logic": "leastloaded",
@@ -95,7 +100,24 @@ def router_config(backends: list[str], eviction: bool) -> dict:
     }
     if eviction:  # only a router with the setting accepts the key (an unknown key is refused)
         config |= {"eviction_enabled": True, "eviction_after": 1.0}
+    if tenants_file is not None:  # issue 51's tenants: declared, and requests held in the router
+        # An engine with one request waiting is saturated: the rest wait in the router's queue, where
+        # they leave by tenant in turn (the default 5 lets each engine queue five in arrival order).
+        config |= {"tenants_file": str(tenants_file), "saturation_max_waiting": 1}
     return config
+
+
+def write_tenants(log_dir: Path, cap: float) -> Path:
+    """The tenants declaration of ``--tenants``: equal weights; the noisy tenants limited to
+    NOISY_LIMIT_SHARE x C requests per minute (their excess refused 429 with retry-after), the quiet
+    and critical ones unlimited."""
+    limit = max(1, round(NOISY_LIMIT_SHARE * cap * 60))
+    tenants = [{"name": name} for name in ("quiet", "critical")] + [
+        {"name": name, "requests_per_minute": limit} for name in ("noisy", "noisy-sdk", "batch")
+    ]
+    path = log_dir / "tenants.yaml"
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return path
 
 
 def router_env() -> dict[str, str]:
@@ -294,7 +316,8 @@ def render(report: dict) -> str:
         f"# A noisy neighbour on a shared fleet ({report['label']})",
         "",
         f"`python benchmarks/tenants/noisy_neighbour.py --duration {report['duration_s']:g} --rounds "
-        f"{report['rounds']} --label {report['label']}` on {report['machine']} at {report['commit']} "
+        f"{report['rounds']}{' --tenants' if report.get('tenants_declared') else ''} --label "
+        f"{report['label']}` on {report['machine']} at {report['commit']} "
         f"({report['router']}); load average before the run {report['loadavg_before']}, after "
         f"{report['loadavg_after']} (other developers share the 2 cores: compare rows of one run, not "
         "across runs). Two vLLM engines (CPU build, tiny model, `--max-num-seqs 4 --scheduling-policy "
@@ -305,6 +328,16 @@ def render(report: dict) -> str:
         "brackets; TTFT from the intended send time to the first SSE event, of 200s only. 'other' "
         "includes streams ended by an error event (evicted mid-stream: "
         "`evicted_midstream` in the JSON); 'error' is a transport error (its kinds: `error_kinds` in the JSON).",
+        *(
+            [
+                "",
+                f"Tenants declared (`--tenants`): equal weights; noisy, noisy-sdk and batch limited to "
+                f"{report['noisy_limit_share']:g} x C requests per minute; the router holds what engines "
+                "cannot start at once (`saturation_max_waiting` 1), so waiting requests leave by tenant in turn.",
+            ]
+            if report.get("tenants_declared")
+            else []
+        ),
         "",
         *engine_bench.markdown_table(COLUMNS, rows(report), left_columns=2),
         "",
@@ -336,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--label", default="after", help="what router this is (before, after, ...)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tenants_noisy_neighbour"))
+    ap.add_argument("--tenants", action="store_true",
+                    help="declare the tenants (noisy ones rate-limited to 0.6 x C per minute) and hold "
+                    "requests in the router (saturation_max_waiting 1): issue 51's configuration")  # fmt: skip
     ap.add_argument("--runs", default=",".join(RUNS), help=f"a comma-separated subset of {', '.join(RUNS)}")
     args = ap.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
@@ -356,12 +392,13 @@ def main(argv: list[str] | None = None) -> int:
             engines, router_config(backends, False), log_dir, body(QUIET, False), headers(QUIET), router_env()
         )
         cap = statistics.median(caps)
+        tenants_file = write_tenants(log_dir, cap) if args.tenants else None
         for i in range(args.rounds):
             result: dict = {}
             for n, run in enumerate(runs):
                 tenants, eviction = RUNS[run]
                 router, url = engine_bench.start_router(
-                    router_config(backends, eviction), log_dir, f"{run}-{i}", router_env()
+                    router_config(backends, eviction, tenants_file), log_dir, f"{run}-{i}", router_env()
                 )
                 engine_bench.wait_idle(engines)
                 result[run] = asyncio.run(open_loop(url, tenants, cap, args.duration, seed=1000 * i + n))
@@ -381,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         "router": f"router code from {Path(vllm_stack.__file__).parent}",
         "duration_s": args.duration,
         "rounds": args.rounds,
+        "tenants_declared": args.tenants,
+        "noisy_limit_share": NOISY_LIMIT_SHARE if args.tenants else None,
         "runs": runs,
         "machine": engine_bench.machine_summary(),
         "loadavg_before": loadavg_before,
