@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio
 import yaml
 from vllm_stack_dev.testbed.redis_server import RedisServer
 
@@ -86,6 +87,45 @@ async def test_two_replicas_hold_one_tokens_limit_and_share_the_corrections(
     later = await _take(two, "t", limits, 100)
     assert later.allowed and later.tokens is not None
     assert later.tokens.remaining >= 1000 - 100 - 10 * len(admitted) - 100
+    assert errors == []
+
+
+async def test_a_huge_request_leaves_at_most_a_minutes_debt_and_a_short_expiry(
+    redis_server: RedisServer, replicas: tuple[RateLimiter, RateLimiter, list[str]]
+) -> None:
+    """A reservation of 1e30 tokens (the buckets' own bound; the gate caps it at a minute before):
+    the script succeeds (was: PEXPIRE refused a float's exponent after HSET wrote the debt), the debt
+    is one minute's, and the key expires within the two minutes the bucket takes to fill."""
+    one, _, errors = replicas
+    limits = TenantLimits(tokens_per_minute=100_000)
+    big = await _take(one, "t", limits, 10**30)
+    assert big.allowed and big.tokens is not None and big.tokens.remaining == pytest.approx(-100_000)
+    after = await _take(one, "t", limits, 1)
+    assert not after.allowed and after.retry_after <= 121.0
+    one.settle("t", limits, big, "200", b'"usage":{"prompt_tokens":1,"completion_tokens":99999999999}')
+    await one.close()  # waits for the correction
+    assert errors == []
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    ttl = await client.pttl("vllm-stack:ratelimit:t")
+    await client.aclose()
+    assert 0 < ttl <= 121_000, ttl
+
+
+async def test_only_limited_axes_count_and_a_changed_limit_starts_full_in_redis(
+    replicas: tuple[RateLimiter, RateLimiter, list[str]],
+) -> None:
+    """As the local buckets: 300 unlimited requests, then requests_per_minute: 60 lets the next go;
+    a token limit added later starts full."""
+    one, _, errors = replicas
+    tokens_only = TenantLimits(tokens_per_minute=10**9)
+    for _ in range(300):
+        assert (await _take(one, "t", tokens_only, 1)).allowed
+    both = TenantLimits(requests_per_minute=60, tokens_per_minute=10**9)
+    first = await _take(one, "t", both, 1)
+    assert first.allowed and first.requests is not None and first.requests.remaining == pytest.approx(59.0)
+    with_less = TenantLimits(requests_per_minute=60, tokens_per_minute=600)
+    added = await _take(one, "t", with_less, 600)
+    assert added.allowed and added.tokens is not None and added.tokens.remaining == pytest.approx(0.0)
     assert errors == []
 
 

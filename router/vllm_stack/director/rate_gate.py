@@ -22,16 +22,29 @@ from vllm_stack.tenants.limiter import RateLimiter
 from vllm_stack.tenants.ratelimit import Decision, TenantLimits, prompt_tokens, request_tokens
 
 
-def remaining_context(engines: Sequence[Engine], model: str, prompt_tokens: int) -> int:
-    """vLLM's ``max_tokens`` when a request sets none: the model's context (``max_model_len`` of its
-    card) less the prompt; 0 when no engine's card says (the answer's usage then corrects it)."""
+def model_context(engines: Sequence[Engine], model: str) -> int | None:
+    """The model's context (``max_model_len`` of its card), None when no engine's card says."""
     for engine in engines:
         for card in engine.model_cards:
             if card.get("id") == model:
                 length = card.get("max_model_len")
                 if isinstance(length, int):
-                    return max(0, length - prompt_tokens)
-    return 0
+                    return length
+    return None
+
+
+def unanswered_refund(completion: Completion, reserved: int, prompt: int) -> int:
+    """What goes back of a reservation when the request ended without an answer and without usage.
+
+    Never sent to an engine (the client left while queued): all of it. Sent, and the client left or the
+    engine failed before any streamed event reached it (``client_closed``, ``upstream_error``): the
+    output part (the engine may have computed the prompt; it generated little or nothing that anyone
+    got). Otherwise (an answer was under way or whole): nothing, the reservation stands."""
+    if completion.status not in ("client_closed", "upstream_error") or completion.ttft is not None:
+        return 0
+    if completion.engine is None:
+        return reserved
+    return max(0, reserved - prompt)
 
 
 class RateLimitGate:
@@ -62,23 +75,29 @@ class RateLimitGate:
         limits = self.limiter.limits_for(tenant)
         if limits is None:
             return None
-        tokens = 0
+        tokens = prompt = 0
         if limits.tokens_per_minute is not None:
             prompt = prompt_tokens(ctx.prompt_tokens, ctx.prompt)
-            default = remaining_context(self._candidates(ctx.pool or ctx.model), ctx.model, prompt)
-            tokens = request_tokens(prompt, ctx.body, default)
+            context = model_context(self._candidates(ctx.pool or ctx.model), ctx.model)
+            default = 0 if context is None else max(0, context - prompt)  # vLLM's default max_tokens
+            tokens = request_tokens(prompt, ctx.body, default, context, limits.tokens_per_minute)
         decision = self.limiter.take(tenant, limits, tokens)
         if isinstance(decision, Decision):
-            return self._decided(ctx, tenant, limits, decision)
-        return self._later(ctx, tenant, limits, decision)
+            return self._decided(ctx, tenant, limits, decision, prompt)
+        return self._later(ctx, tenant, limits, decision, prompt)
 
     async def _later(
-        self, ctx: RequestContext, tenant: str, limits: TenantLimits, pending: Awaitable[Decision]
+        self,
+        ctx: RequestContext,
+        tenant: str,
+        limits: TenantLimits,
+        pending: Awaitable[Decision],
+        prompt: int,
     ) -> Refusal | None:
-        return self._decided(ctx, tenant, limits, await pending)
+        return self._decided(ctx, tenant, limits, await pending, prompt)
 
     def _decided(
-        self, ctx: RequestContext, tenant: str, limits: TenantLimits, decision: Decision
+        self, ctx: RequestContext, tenant: str, limits: TenantLimits, decision: Decision, prompt: int
     ) -> Refusal | None:
         bucket = decision.tokens
         if bucket is not None and self._tokens is not None:
@@ -93,15 +112,16 @@ class RateLimitGate:
             )
         ctx.response_headers += decision.headers()
         if limits.tokens_per_minute is not None:
-            ctx.cycle[self.name] = (tenant, limits, decision)
+            ctx.cycle[self.name] = (tenant, limits, decision, prompt)
             ctx.keep_answer_end = True  # the answer's usage corrects the reservation
         return None
 
     def response_complete(self, ctx: RequestContext, completion: Completion) -> None:
         held: Any = ctx.cycle.get(self.name)
         if held is not None:
-            tenant, limits, decision = held
-            self.limiter.settle(tenant, limits, decision, completion.status, completion.answer_end)
+            tenant, limits, decision, prompt = held
+            refund = unanswered_refund(completion, decision.reserved, prompt)
+            self.limiter.settle(tenant, limits, decision, completion.status, completion.answer_end, refund)
 
 
 def with_gate(hooks: Hooks, gate: RateLimitGate) -> Hooks:

@@ -50,18 +50,20 @@ def used_tokens(answer_end: bytes | None) -> int | None:
     return (int(prompt[-1]) if prompt else 0) + (int(completion[-1]) if completion else 0)
 
 
-def correction(decision: Decision, status: str, answer_end: bytes | None) -> int:
+def correction(decision: Decision, status: str, answer_end: bytes | None, unanswered: int = 0) -> int:
     """Tokens to take beyond the reservation once a request ended (negative: a refund).
 
     The answer's ``usage``: exactly what it used. None, and the request ended with an error status (the
-    engine or the router refused it: nothing was generated): the whole reservation back. None otherwise
-    (an answer without usage, a stream cut midway, a client that left): the reservation stays."""
+    engine or the router refused it: nothing was generated): the whole reservation back. None, and it
+    ended without an answer (the client left, the engine failed): ``unanswered`` back, what the caller
+    knows went unused (the rate gate's ``unanswered_refund``). None otherwise (an answer without usage,
+    a stream cut midway): the reservation stays."""
     used = used_tokens(answer_end)
     if used is not None:
         return used - decision.reserved
     if status.isdigit() and status[0] != "2":
         return -decision.reserved
-    return 0
+    return -min(unanswered, decision.reserved)
 
 
 def declared_limits(table: TenantTable) -> dict[str, TenantLimits]:
@@ -124,12 +126,18 @@ class RateLimiter:
         return decision
 
     def settle(
-        self, tenant: str, limits: TenantLimits, decision: Decision, status: str, answer_end: bytes | None
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        decision: Decision,
+        status: str,
+        answer_end: bytes | None,
+        unanswered: int = 0,
     ) -> None:
         """Correct ``decision``'s reservation once its request ended (see :func:`correction`)."""
         if limits.tokens_per_minute is None:
             return
-        delta = correction(decision, status, answer_end)
+        delta = correction(decision, status, answer_end, unanswered)
         if delta == 0:
             return
         if self.shared is None or self._failing:

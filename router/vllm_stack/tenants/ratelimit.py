@@ -7,10 +7,13 @@ bucket and its tokens from the token bucket, both or neither:
 
 - its tokens are the prompt's (:func:`request_tokens`: as counted for routing where a tokenizer is
   configured, else the prompt's bytes / 4) plus ``max_tokens`` (``max_completion_tokens``; absent: the
-  model's default) reserved, and corrected from the answer's ``usage`` once it ended (:meth:`settle`);
-  an answer without ``usage`` keeps the reservation;
-- a request larger than a whole minute's tokens passes when the bucket is full and leaves it in debt,
-  rather than never passing;
+  model's default) reserved, capped at the model's context and at one minute's tokens (a client's
+  ``max_tokens`` of 1e9 must not lock its tenant out for days), and corrected from the answer's
+  ``usage`` once it ended (:meth:`settle`);
+- a bucket's level never falls below minus one minute's limit (:data:`MAX_DEBT_MINUTES`): a correction
+  past that is forgiven, so no single request blocks a tenant for more than two minutes;
+- only a limited axis is counted, and a bucket whose limit changed (a reload) starts full: what a
+  bucket held under another limit means nothing under the new one;
 - refused: nothing is taken; ``retry_after`` is when both buckets will hold enough.
 
 The buckets live in a :class:`LocalBuckets` (this replica's memory: with several replicas each enforces
@@ -29,6 +32,8 @@ import msgspec
 #: The prompt's bytes per token when no tokenizer counted them (the prefix-cache picker's default).
 CHARS_PER_TOKEN = 4.0
 SECONDS_PER_MINUTE = 60.0
+#: A token bucket's level is at least ``-MAX_DEBT_MINUTES * limit``: the debt one request can leave.
+MAX_DEBT_MINUTES = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,28 +123,34 @@ def wait_for(level: float, need: float, limit: int) -> float:
     return max(0.0, need - level) * SECONDS_PER_MINUTE / limit
 
 
+def floor_debt(level: float, limit: int) -> float:
+    """``level``, at least minus :data:`MAX_DEBT_MINUTES` of ``limit`` (the most debt a bucket keeps)."""
+    return max(level, -MAX_DEBT_MINUTES * float(limit))
+
+
 def reset_after(level: float, limit: int) -> float:
     """Seconds until a bucket at ``level`` is full."""
     return max(0.0, limit - level) * SECONDS_PER_MINUTE / limit
 
 
 class LocalBuckets:
-    """This replica's buckets, in memory: ``{tenant: (requests level, tokens level, stamp)}``.
+    """This replica's buckets, in memory: ``{tenant: (requests level, tokens level, stamp, limits)}``.
 
     Bounded by the configured tenants (only a tenant with limits has buckets). ``clock`` is
-    injectable so tests step time instead of sleeping."""
+    injectable so tests step time instead of sleeping. The limits a bucket was filled under are kept
+    with it, so a reload that changes a limit (or sets one) starts that bucket full."""
 
     __slots__ = ("_clock", "_state")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._state: dict[str, tuple[float, float, float]] = {}
+        self._state: dict[str, tuple[float, float, float, TenantLimits]] = {}
 
     def take(self, tenant: str, limits: TenantLimits, tokens: int) -> Decision:
         """Take one request and ``tokens`` from ``tenant``'s buckets, both or neither."""
         now = self._clock()
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-        req, tok, stamp = self._state.get(tenant) or (float(rpm or 0), float(tpm or 0), now)
+        req, tok, stamp = self._levels(tenant, limits, now)
         waits = [0.0]
         if rpm is not None:
             req = refill(req, stamp, now, rpm)
@@ -150,24 +161,40 @@ class LocalBuckets:
         wait = max(waits)
         allowed = wait == 0.0
         if allowed:
-            req -= 1.0
-            tok -= tokens
-        self._state[tenant] = (req, tok, now)
+            if rpm is not None:
+                req -= 1.0
+            if tpm is not None:
+                tok = floor_debt(tok - tokens, tpm)
+        self._state[tenant] = (req, tok, now, limits)
         return _decision(allowed, wait, limits, req, tok, tokens if allowed else 0)
 
     def adjust(self, tenant: str, limits: TenantLimits, delta: int) -> None:
-        """Take ``delta`` more tokens (a refund when negative) once the answer's usage is known."""
+        """Take ``delta`` more tokens (a refund when negative) once the answer's usage is known; nothing
+        when the token bucket is now under another limit (a reload started it afresh)."""
         tpm = limits.tokens_per_minute
         state = self._state.get(tenant)
-        if tpm is None or state is None or delta == 0:
+        if tpm is None or state is None or state[3].tokens_per_minute != tpm or delta == 0:
             return
         now = self._clock()
-        req, tok, stamp = state
+        req, tok, stamp = self._levels(tenant, limits, now)
         rpm = limits.requests_per_minute
         if rpm is not None:
             req = refill(req, stamp, now, rpm)
-        tok = min(float(tpm), refill(tok, stamp, now, tpm) - delta)
-        self._state[tenant] = (req, tok, now)
+        tok = floor_debt(min(float(tpm), refill(tok, stamp, now, tpm) - delta), tpm)
+        self._state[tenant] = (req, tok, now, limits)
+
+    def _levels(self, tenant: str, limits: TenantLimits, now: float) -> tuple[float, float, float]:
+        """``tenant``'s levels and stamp; a bucket new, or kept under another limit, is full."""
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        state = self._state.get(tenant)
+        if state is None:
+            return float(rpm or 0), float(tpm or 0), now
+        req, tok, stamp, was = state
+        if was.requests_per_minute != rpm:
+            req = float(rpm or 0)
+        if was.tokens_per_minute != tpm:
+            tok = float(tpm or 0)
+        return req, tok, stamp
 
 
 def _decision(
@@ -213,11 +240,18 @@ def prompt_tokens(counted: int | None, prompt: bytes | memoryview | None) -> int
     return counted if counted is not None else math.ceil(len(prompt or b"") / CHARS_PER_TOKEN)
 
 
-def request_tokens(prompt: int, body: bytes, default_max_tokens: int) -> int:
+def request_tokens(
+    prompt: int, body: bytes, default_max_tokens: int, context: int | None, tokens_per_minute: int
+) -> int:
     """What a request reserves: its ``prompt`` tokens plus its ``max_tokens`` (``default_max_tokens``,
-    the model's default, when it sets none)."""
+    the model's default, when it sets none), at most the model's ``context`` (when known: the engine
+    never computes more) and at most ``tokens_per_minute`` (one minute's worth: a client's huge
+    ``max_tokens`` must not hold its tenant's bucket empty for longer than a minute)."""
     completion = max_tokens(body)
-    return prompt + (default_max_tokens if completion is None else completion)
+    reserved = prompt + (default_max_tokens if completion is None else completion)
+    if context is not None:
+        reserved = min(reserved, context)
+    return min(reserved, tokens_per_minute)
 
 
 def limits_for(

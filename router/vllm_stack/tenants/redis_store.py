@@ -14,15 +14,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_stack.tenants.ratelimit import Decision, TenantLimits, _decision
+from vllm_stack.tenants.ratelimit import MAX_DEBT_MINUTES, Decision, TenantLimits, _decision
 
-#: Keys are this prefix and the tenant's name (hash fields: r, t: the levels; s: the stamp).
+#: Keys are this prefix and the tenant's name (hash fields: see :data:`SCRIPT`).
 KEY_PREFIX = "vllm-stack:ratelimit:"
 #: Seconds a decision may take before the store counts as failing (the request must not wait long; the
 #: router's ``rate_limit_store_timeout``).
 TIMEOUT = 0.5
 
-# KEYS[1]: the tenant's hash. ARGV: rpm, tpm (-1: not limited), tokens, mode ("take"; "adjust": take
+#: The longest a tenant's hash is kept (seconds until full; its TTL): the levels are bounded (one
+#: request per request, one minute of debt per token), so this only guards against a stored level from
+#: elsewhere turning PEXPIRE's argument into nonsense (a float's exponent, which Redis refuses).
+MAX_FULL_SECONDS = 3600
+
+# KEYS[1]: the tenant's hash (r, t: levels; s: stamp; lr, lt: the limits they were filled under: a
+# changed limit starts its bucket full, and a correction made under the old limits is dropped). ARGV: rpm, tpm (-1: not limited), tokens, mode ("take"; "adjust": take
 # ``tokens`` more from the token bucket, a refund when negative). Returns {allowed, wait, req, tok} as
 # strings (a Lua number would come back truncated to an integer).
 SCRIPT = """
@@ -31,13 +37,22 @@ local tpm = tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local v = redis.call('HMGET', KEYS[1], 'r', 't', 's')
+local v = redis.call('HMGET', KEYS[1], 'r', 't', 's', 'lr', 'lt')
 local req, tok, stamp = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
 if stamp == nil then
   req, tok, stamp = math.max(rpm, 0), math.max(tpm, 0), now
+else
+  if tonumber(v[4]) ~= rpm then req = math.max(rpm, 0) end
+  if tonumber(v[5]) ~= tpm then
+    if ARGV[4] == 'adjust' then return {0, '0', tostring(req), tostring(tok)} end
+    tok = math.max(tpm, 0)
+  end
 end
 local function refill(level, limit)
   return math.min(limit, level + math.max(0, now - stamp) * limit / 60)
+end
+local function floor_debt(level)
+  return math.max(level, -DEBT * tpm)
 end
 local wait = 0
 if rpm >= 0 then
@@ -46,7 +61,7 @@ if rpm >= 0 then
 end
 local allowed = 0
 if ARGV[4] == 'adjust' then
-  if tpm >= 0 then tok = math.min(tpm, refill(tok, tpm) - n) end
+  if tpm >= 0 then tok = floor_debt(math.min(tpm, refill(tok, tpm) - n)) end
 else
   if tpm >= 0 then
     tok = refill(tok, tpm)
@@ -54,17 +69,19 @@ else
   end
   if wait == 0 then
     allowed = 1
-    req = req - 1
-    tok = tok - n
+    if rpm >= 0 then req = req - 1 end
+    if tpm >= 0 then tok = floor_debt(tok - n) end
   end
 end
-redis.call('HSET', KEYS[1], 'r', tostring(req), 't', tostring(tok), 's', tostring(now))
 local full = 0
 if rpm > 0 then full = math.max(full, (rpm - req) * 60 / rpm) end
 if tpm > 0 then full = math.max(full, (tpm - tok) * 60 / tpm) end
-redis.call('PEXPIRE', KEYS[1], math.ceil(full * 1000) + 1000)
+local ttl = math.floor(math.min(math.max(full, 0), MAX_FULL) * 1000) + 1000
+redis.call('HSET', KEYS[1], 'r', tostring(req), 't', tostring(tok), 's', tostring(now),
+  'lr', tostring(rpm), 'lt', tostring(tpm))
+redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl))
 return {allowed, tostring(wait), tostring(req), tostring(tok)}
-"""
+""".replace("MAX_FULL", str(MAX_FULL_SECONDS)).replace("DEBT", str(MAX_DEBT_MINUTES))
 
 
 class RedisBuckets:
