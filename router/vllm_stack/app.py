@@ -467,6 +467,8 @@ class Router:
                 self.reload(load_config(self._cli_settings, path))
             except ConfigError as exc:
                 log.error("config reload rejected, keeping the running one: %s", exc)
+            except Exception:  # noqa: BLE001 - a bug in a check must not end the watcher (later edits apply)
+                log.exception("config reload failed, keeping the running one")
 
     # ---- engine fetchers (control plane, own connection pool) --------------------------------------
     def _engine_headers(self) -> dict[str, str]:

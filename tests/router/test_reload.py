@@ -10,7 +10,9 @@ with that one setting changed, and looked at.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -19,8 +21,8 @@ from typing import Any
 import pytest
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import running_router, stubs, wait_for
-from vllm_stack.app import RESTART_ONLY, Router
+from tests.router.helpers import logged, running_router, stubs, wait_for
+from vllm_stack.app import RESTART_ONLY, Router, build_router
 from vllm_stack.config import ConfigError, RouterConfig, load_config
 from vllm_stack.tenants.declaration import TenantSpec, TenantTable
 
@@ -282,3 +284,61 @@ def test_an_unknown_log_level_rejects_the_reload_and_changes_nothing() -> None:
     with pytest.raises(ConfigError, match="log_level"):
         router.reload(changed)
     assert router.config.routing_logic == "prefixaware" and "session" not in router.scheduler.profiles
+
+
+async def test_a_bad_tenants_declaration_or_header_keeps_the_watcher_and_the_running_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reloads that fail (a weight or a limit too large for a float, a tenant_header that is no header
+    name, any other error of a reload) leave the running configuration whole and the watcher alive: a
+    later good edit still applies. Was: OverflowError, and UnicodeEncodeError after the scheduling was
+    swapped, ended the watcher silently (it caught ConfigError only)."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants: [{name: a, weight: 2}]\n")
+    config = tmp_path / "router.yaml"
+    head = f"static-backends: [{BACKEND}]\ntenants-file: {tenants}\n"
+    config.write_text(head + "tenant-header: x-team\n")
+    router = build_router({}, str(config), environ={})
+    scheduling = router.scheduler
+    watcher = asyncio.ensure_future(router._watch_config(str(config), 0.02))
+    await asyncio.sleep(0)  # one turn of the loop (not a wait): the watcher reads the file's first mtime
+    stamp = [config.stat().st_mtime_ns]
+
+    def edit(text: str) -> None:  # a new mtime each time, however coarse the file system's clock
+        config.write_text(text)
+        stamp[0] += 10**9
+        os.utime(config, ns=(stamp[0], stamp[0]))
+
+    try:
+        with caplog.at_level(logging.ERROR):
+            for bad_tenants in (
+                "tenants: [{name: a, weight: 1%s}]\n" % ("0" * 400),
+                "tenants: [{name: a, requests_per_minute: 1%s}]\n" % ("0" * 400),
+            ):
+                caplog.clear()
+                tenants.write_text(bad_tenants)
+                edit(head + "tenant-header: x-team\nrouting-logic: session\n")
+                await wait_for(logged(caplog, "config reload rejected"), what="the huge number's rejection")
+            caplog.clear()
+            tenants.write_text("tenants: [{name: a, weight: 3}]\n")
+            edit(head + "tenant-header: x-tëam\nrouting-logic: session\n")
+            await wait_for(
+                logged(caplog, "tenant_header must be a header name"), what="the header's rejection"
+            )
+            assert router.config.tenants.weight("a") == 2 and router.config.tenant_header == "x-team"
+            assert router.scheduler is scheduling and b"x-team" in router.identity.headers
+            real_reload = router.reload
+            monkeypatch.setattr(router, "reload", lambda _config: (_ for _ in ()).throw(OverflowError("bug")))
+            caplog.clear()
+            edit(head + "tenant-header: x-team\nrouting-logic: session\n")
+            await wait_for(logged(caplog, "config reload failed"), what="the failing reload's log")
+            monkeypatch.setattr(router, "reload", real_reload)
+            edit(head + "tenant-header: x-other\nrouting-logic: session\n")
+            await wait_for(
+                lambda: router.config.tenant_header == "x-other", what="the good edit after the failures"
+            )
+        assert router.config.tenants.weight("a") == 3 and b"x-other" in router.identity.headers
+        assert not watcher.done()
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)

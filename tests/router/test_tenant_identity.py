@@ -93,6 +93,13 @@ def test_a_declaration_reads_both_spellings_and_bounds_the_labels() -> None:
         ([{"name": "a", "weight": 0}], "'weight' must be a positive"),
         ([{"name": "a", "weight": True}], "'weight' must be a positive"),
         ([{"name": "a", "requests_per_minute": 1.5}], "'requests_per_minute' must be a positive integer"),
+        # huge numbers: the declaration's own error (was: OverflowError, a traceback at start)
+        ([{"name": "a", "weight": 10**400}], "'weight' must be a positive"),
+        ([{"name": "a", "weight": float("inf")}], "'weight' must be a positive"),
+        ([{"name": "a", "weight": float("nan")}], "'weight' must be a positive"),
+        ([{"name": "a", "weight": 1e-320}], "'weight' must be a positive"),
+        ([{"name": "a", "requests_per_minute": 10**400}], "'requests_per_minute' must be a positive integer"),
+        ([{"name": "a", "tokens_per_minute": 10**12 + 1}], "'tokens_per_minute' must be a positive integer"),
         ([{"name": "a", "wieght": 2}], "unknown field"),
         ([{"name": "has space"}], "'name' must be"),
         ({"tenants": {"a": 1}}, "expected a list"),

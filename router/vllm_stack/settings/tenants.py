@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from vllm_stack.settings.declare import setting
+from vllm_stack.settings.declare import ConfigError, setting
 from vllm_stack.tenants.declaration import TenantTable
 from vllm_stack.tenants.identity import FAIRNESS_HEADER
+
+#: An HTTP field name (RFC 9110's token): what a request's header can be called, ASCII only.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 @dataclass(frozen=True)
@@ -36,4 +40,11 @@ class TenantsGroup:
     )
 
     def check(self) -> None:
-        """Nothing to check: a bad tenants file fails as it is read."""
+        """Raise :class:`ConfigError` on a ``tenant_header`` that is not a header name: checked with the
+        other settings, before a reload applies anything (it would otherwise fail as the tenant identity
+        is built, after the scheduling was swapped: a half-applied reload). A bad tenants file fails as
+        it is read."""
+        if _HEADER_NAME.fullmatch(self.tenant_header) is None:
+            raise ConfigError(
+                f"tenant_header must be a header name (RFC 9110 token), not {self.tenant_header!r}"
+            )

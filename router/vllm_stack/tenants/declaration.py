@@ -16,7 +16,6 @@ up names cannot grow the metrics.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,20 +131,28 @@ def load_tenants(path: str | None) -> TenantTable:
     return parse_tenants(data, path)
 
 
+#: A weight's bounds: its inverse is the fair queue's step per departure, which must stay a finite,
+#: meaningful float (a weight of 1e-320 would make it infinite); a million to one is more than any
+#: deployment's shares differ.
+MIN_WEIGHT = 0.001
+MAX_WEIGHT = 1_000_000
+#: A limit's upper bound (per minute): far past any fleet's rate, and exact as a float (the buckets'
+#: arithmetic) and as a Lua number (the Redis script's).
+MAX_LIMIT = 10**12
+
+
 def _weight(value: Any, where: str) -> float:  # noqa: ANN401 - YAML as read
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise TenantsError(f"{where}: 'weight' must be a positive number")
+    # compared before any conversion: float() of a huge YAML integer raises OverflowError, not ours
+    if isinstance(value, bool) or not isinstance(value, int | float) or not MIN_WEIGHT <= value <= MAX_WEIGHT:
+        raise TenantsError(f"{where}: 'weight' must be a positive number from {MIN_WEIGHT} to {MAX_WEIGHT}")
     return float(value)
 
 
 def _limit(value: Any, where: str, field: str) -> int | None:  # noqa: ANN401 - YAML as read
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise TenantsError(f"{where}: '{field}' must be a positive integer (leave it out for no limit)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_LIMIT:
+        raise TenantsError(
+            f"{where}: '{field}' must be a positive integer, at most {MAX_LIMIT} (leave it out for no limit)"
+        )
     return value
