@@ -57,6 +57,9 @@ def test_no_tenants_render_nothing_of_theirs(tmp_path) -> None:
         [{"name": "other"}],
         [{"name": "a", "weight": 0}],
         [{"name": "a", "requestsPerMinute": 0}],
+        [{"name": "a", "weight": 0.0001}],  # the router's bounds: weight 0.001..1e6, limits 1..1e12
+        [{"name": "a", "weight": 2000000}],
+        [{"name": "a", "tokensPerMinute": 10**12 + 1}],
         [{"name": "a", "rpm": 5}],
         [{"weight": 1}],
     ],
