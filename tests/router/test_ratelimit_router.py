@@ -5,6 +5,7 @@ no tenant has a limit."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from tests.fakes.stub_engine import StubEngine
-from tests.router.helpers import metric_value, running_router, stubs
+from tests.router.helpers import metric_value, running_router, stubs, wait_for
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 TENANT_HEADER = "x-llm-d-inference-fairness-id"
@@ -106,3 +107,39 @@ async def test_the_token_reservation_is_corrected_from_usage(
         assert left > 5900, left
     else:  # the 2048 stay taken; at most a few seconds' refill came back
         assert left < 4500, left
+
+
+def _finished(router: object, status: str) -> float:
+    """Requests the router finished with ``status`` (any model, any engine)."""
+    family = router.metrics.registry.collect()  # type: ignore[attr-defined]
+    return sum(
+        s.value
+        for metric in family
+        for s in metric.samples
+        if s.name == "vllm_stack_router_requests_total" and s.labels.get("status") == status
+    )
+
+
+async def test_a_client_gone_before_the_answer_gives_back_its_output_reservation(tmp_path: Path) -> None:
+    """The reviewer's repro through a router: tokens_per_minute 100000, max_tokens 1e9, the client
+    closes its connection before the engine answered. The reservation was capped at a minute's tokens
+    and its output part comes back: the tenant's next request passes with the bucket nearly full (was:
+    refused with retry-after ~600000 s)."""
+    engine = StubEngine(max_model_len=10**7)
+    engine.behaviour.delay_s = 30.0  # the first answer never comes before its client leaves
+    tenants = tenants_file(tmp_path, tokens_per_minute=100_000)
+    async with stubs(engine) as urls, running_router(urls, tenants_file=tenants) as (url, router):
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=TENANT) as http:
+            gone = asyncio.ensure_future(
+                http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10**9})
+            )
+            await wait_for(lambda: len(engine.seen) == 1, what="the engine receiving the first request")
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+            await wait_for(
+                lambda: _finished(router, "client_closed") == 1, what="the router seeing the client go"
+            )
+            engine.behaviour.delay_s = 0.0
+            second = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert second.status_code == 200, second.headers.get("retry-after")
+    assert int(second.headers["x-ratelimit-remaining-tokens"]) > 100_000 - 100
