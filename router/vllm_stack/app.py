@@ -718,7 +718,9 @@ def _log_level(config: RouterConfig) -> int:
 
 def _root_path(root: str, endpoints: EndpointTable) -> str:
     """``root`` once no path the router serves lies under it: those would lose their own first segment
-    (``/v1`` would turn ``/v1/models`` into ``/models``)."""
+    (``/v1`` would turn ``/v1/models`` into ``/models``). A trailing ``/`` is taken away (``/vllm/`` is
+    ``/vllm``, ``/`` is none), since the server strips the prefix only when a ``/`` follows it."""
+    root = root.rstrip("/")
     for row in endpoints.rows:
         if root and (row.path == root or row.path.startswith(root + "/")):
             raise ConfigError(f"root_path {root!r} is the start of the router's own path {row.path}")

@@ -253,9 +253,13 @@ async def test_priority_logic_sends_urgent_requests_to_the_least_loaded_engine()
 
 def test_root_path_parses_and_must_be_a_path_prefix() -> None:
     assert flags("--root-path", "/vllm") == {"root_path": "/vllm"}
-    for bad in ("vllm", "/vllm/", "/a?b"):
+    for bad in ("vllm", "vllm/", "/a?b"):
         with pytest.raises(ConfigError, match="root_path"):
             build_router({"root_path": bad, "static_backends": "http://127.0.0.1:1"}, environ={})
+    # a trailing slash is taken away (the server strips the prefix only when a "/" follows it)
+    for given, served in (("/vllm/", "/vllm"), ("/vllm//", "/vllm"), ("/", "")):
+        router = build_router({"root_path": given, "static_backends": "http://127.0.0.1:1"}, environ={})
+        assert router.root_path == served
     # a prefix of the router's own paths would take their first segment away
     with pytest.raises(ConfigError, match="/v1"):
         build_router({"root_path": "/v1", "static_backends": "http://127.0.0.1:1"}, environ={})

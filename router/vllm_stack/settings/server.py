@@ -108,8 +108,9 @@ class ServerGroup:
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}")
         root = self.root_path
-        if root and (not root.startswith("/") or root.endswith("/") or any(c in root for c in "?#% \t\r\n")):
-            raise ConfigError("root_path must be empty or a path like /vllm (a leading /, none at the end)")
+        # a trailing "/" is taken away where the server takes the root (app._root_path): "/vllm/" is "/vllm"
+        if root and (not root.startswith("/") or any(c in root for c in "?#% \t\r\n")):
+            raise ConfigError("root_path must be empty or a path like /vllm (starting with /)")
         if self.json_parser not in JSON_PARSERS:
             raise ConfigError(f"json_parser must be one of {JSON_PARSERS}")
         if self.config_watch_interval <= 0:
