@@ -222,3 +222,17 @@ async def test_with_the_queue_off_nothing_can_wait_for_a_wake_up_and_the_error_s
         error = r.json()["error"]
         assert error["code"] == "engine_sleeping" and "queue is off" in error["message"]
         assert stub.completed == 0
+
+
+async def test_a_level_that_is_not_a_number_is_400_and_one_vllm_lacks_is_never_noted() -> None:
+    _, sa = sleepy("a")
+    async with stubs(sa) as urls, running_router(urls) as (url, router):
+        engine = router.registry.engines()[0]
+        async with http(url) as h:
+            for raw in ("%C2%B2", "", "1.5", "-1"):  # "²" passes str.isdigit, then int() raised: a 502
+                r = await h.post(f"/sleep?id={engine.engine_id}&level={raw}")
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_sleep_level"), raw
+            assert sleep_calls(sa) == []  # refused by the router, nothing sent
+            r = await h.post(f"/sleep?id={engine.engine_id}&level=99999")  # vLLM's own refusal, passed back
+            assert (r.status_code, r.json()["error"]["code"]) == (422, "engine_refused")
+            assert (engine.sleeping, engine.sleep_level) == (False, 0)

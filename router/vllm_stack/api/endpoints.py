@@ -10,6 +10,7 @@ import orjson
 
 from vllm_stack.api.http import Receive, Send, read_json_object, send_bytes, send_json
 from vllm_stack.api.state import RouterState
+from vllm_stack.engines.sleep import valid_level
 from vllm_stack.errors import RouterError, model_not_found, no_healthy_engine
 from vllm_stack.version import router_version
 
@@ -205,6 +206,14 @@ async def sleep_control(router: RouterState, scope: dict[str, Any], receive: Rec
     if engine is None:
         raise RouterError(400, f"Engine with Id {wanted} not found.", param="id", code="engine_not_found")
     forwarded = [(k, v) for k, v in params if k != "id"]
+    for key, value in forwarded:
+        if key == "level" and not valid_level(value):
+            raise RouterError(
+                400,
+                f"Invalid sleep level {value!r}: vLLM's levels are 0, 1 and 2.",
+                param="level",
+                code="invalid_sleep_level",
+            )
     try:
         status, body, ctype = await router.sleep.forward(engine, scope["method"], path, forwarded)
     except Exception as exc:  # noqa: BLE001 - the engine could not be reached: a 502 that says so

@@ -110,9 +110,21 @@ class SleepControl:
             await asyncio.gather(*self._waking.values(), return_exceptions=True)
 
 
+#: vLLM's sleep levels (``POST /sleep?level=``): the only ones the router notes an engine asleep at
+SLEEP_LEVELS = ("0", "1", "2")
+
+
+def valid_level(value: str) -> bool:
+    """Whether a ``level`` parameter is a number (ASCII digits: ``str.isdigit`` also takes ``²``, which
+    ``int`` refuses). The router refuses anything else (400); a number vLLM does not take is the engine's
+    own refusal (its 422), passed back."""
+    return value.isascii() and value.isdigit()
+
+
 def _level(params: Sequence[tuple[str, str]], engine: Engine) -> int:
-    """The sleep level a ``/sleep`` call asked for (vLLM's default 1), else the one it sleeps at."""
+    """The sleep level a ``/sleep`` call asked for (vLLM's default 1), else the one it sleeps at; a level
+    vLLM does not have is never noted."""
     for key, value in params:
-        if key == "level" and value.isdigit():
+        if key == "level" and value in SLEEP_LEVELS:
             return int(value)
     return max(engine.sleep_level, 1)
