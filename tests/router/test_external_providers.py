@@ -22,6 +22,14 @@ from vllm_stack.engines.external import load_providers, parse_providers
 
 KEY = "sk-provider-secret-0123456789"
 LOCAL_KEY = "local-engine-key-abcdef"
+#: a provider whose key is read from the variable K
+KEYED = {
+    "name": "p",
+    "type": "openai",
+    "api_base": "https://x",
+    "models": [{"id": "m"}],
+    "api_key_env_var": "K",
+}
 MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -80,18 +88,23 @@ def test_an_unreadable_ca_bundle_is_refused_with_the_provider_and_file(tmp_path:
 
 
 def test_an_unset_key_variable_and_a_model_named_twice_are_refused() -> None:
-    doc = {
-        "name": "p",
-        "type": "openai",
-        "api_base": "https://x",
-        "models": [{"id": "m"}],
-        "api_key_env_var": "K",
-    }
+    doc = dict(KEYED)
     with pytest.raises(ConfigError, match="its key variable K is not set"):
         parse_providers({"external_providers": [doc]}, {})
     other = {**doc, "name": "q", "api_base": "https://y"}
     with pytest.raises(ConfigError, match="model 'm' is named by external providers 'p' and 'q'"):
         parse_providers({"external_providers": [doc, other]}, {"K": "v"})
+
+
+def test_a_keys_surrounding_whitespace_is_taken_away_and_a_line_break_inside_refused() -> None:
+    """A Secret written with ``echo`` ends in a newline: every probe failed on aiohttp's header check."""
+    doc = dict(KEYED)
+    (provider,) = parse_providers({"external_providers": [doc]}, {"K": f" {KEY}\r\n"})
+    assert provider.control_headers() == {"authorization": "Bearer " + KEY}
+    for bad in (f"{KEY}\nX-Injected: 1", f"sk\x00{KEY}"):
+        with pytest.raises(ConfigError, match="the key in K has a control character") as err:
+            parse_providers({"external_providers": [doc]}, {"K": bad})
+        assert KEY not in str(err.value)
 
 
 async def test_provider_beside_a_local_engine_over_tls_with_its_own_key(tmp_path: Path, caplog) -> None:

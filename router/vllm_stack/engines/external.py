@@ -128,7 +128,12 @@ def _provider(doc: Any, index: int, environ: Mapping[str, str]) -> ExternalProvi
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         raise ConfigError(f"{where}: api_base must be an http(s):// URL without query")
     variable = doc.get("api_key_env_var") or DEFAULT_KEY_VARIABLE
-    key = environ.get(variable) or None
+    # a Secret written with a trailing newline is the common case: surrounding whitespace is taken away;
+    # a control character inside would make every header fail (aiohttp refuses it), so it is refused now,
+    # naming the variable, never the key
+    key = (environ.get(variable) or "").strip() or None
+    if key is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        raise ConfigError(f"{where}: the key in {variable} has a control character (a line break?) inside")
     if doc.get("api_key_env_var") and key is None:
         # production-stack refuses to start without the key it was told to read; so does the router
         raise ConfigError(f"{where}: its key variable {variable} is not set")
