@@ -249,3 +249,26 @@ async def test_the_providers_429_and_retry_after_reach_the_client(tmp_path: Path
     assert got.status_code == 429
     assert got.headers["retry-after"] == "7"
     assert got.content == limited
+
+
+async def test_the_sleep_endpoints_refuse_a_provider_and_never_call_it(tmp_path: Path) -> None:
+    """/sleep, /wake_up and /is_sleeping address the stack's engines only: a provider's id is a 400 and
+    the provider gets no call (the call carried the engines' VLLM_API_KEY)."""
+    provider = StubEngine("acme", ["acme-large"])
+    async with serve(provider) as provider_url:
+        router = build_router(
+            {
+                **FAST,
+                "service_discovery": "external-only",
+                "external_providers_config": providers_file(tmp_path, provider_url),
+            },
+            environ={"ACME_API_KEY": KEY, "VLLM_API_KEY": LOCAL_KEY},
+        )
+        async with serving(router) as url, http(url) as h:
+            await wait_for(lambda: router.registry.healthy_count == 1, what="the provider healthy")
+            (engine,) = router.registry.engines()
+            for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+                for wanted in (engine.engine_id, engine.name):
+                    r = await h.request(method, path, params={"id": wanted})
+                    assert (r.status_code, r.json()["error"]["code"]) == (400, "engine_cannot_sleep"), path
+    assert not [s for s in provider.seen if "sleep" in s.path or "wake" in s.path]

@@ -10,6 +10,7 @@ import orjson
 
 from vllm_stack.api.http import Receive, Send, read_json_object, send_bytes, send_json
 from vllm_stack.api.state import RouterState
+from vllm_stack.engines.external import ENGINE_PREFIX
 from vllm_stack.engines.sleep import valid_level
 from vllm_stack.errors import RouterError, model_not_found, no_healthy_engine
 from vllm_stack.version import router_version
@@ -205,6 +206,13 @@ async def sleep_control(router: RouterState, scope: dict[str, Any], receive: Rec
     engine = router.registry.by_engine_id(wanted)
     if engine is None:
         raise RouterError(400, f"Engine with Id {wanted} not found.", param="id", code="engine_not_found")
+    if engine.name.startswith(ENGINE_PREFIX):  # a provider: never sent the engines' key, nor these calls
+        raise RouterError(
+            400,
+            f"Engine with Id {wanted} is an external provider, not an engine that sleeps.",
+            param="id",
+            code="engine_cannot_sleep",
+        )
     forwarded = [(k, v) for k, v in params if k != "id"]
     for key, value in forwarded:
         if key == "level" and not valid_level(value):
