@@ -22,8 +22,8 @@ from typing import Literal
 
 #: Who may call an endpoint: anyone (probes, metrics), a client API key (when keys are configured), or
 #: an admin key (checked by its handler, which refuses when no admin key is configured).
-#: ``admin_if_keys``: an admin key when admin keys are configured, else open (production-stack's sleep
-#: endpoints are open; checked by the route table).
+#: ``admin_if_keys``: an admin key when admin keys are configured, else a client key when client keys are,
+#: open only without any key (production-stack's sleep endpoints are open; checked by the route table).
 Auth = Literal["open", "client", "admin", "admin_if_keys"]
 
 PROXY = ""  # an endpoint's ``handler`` when an engine of the request's model answers it

@@ -33,12 +33,19 @@ def test_tutorial_19_renders_and_notes_say_the_endpoints_are_open_without_admin_
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
 
 
-def test_with_admin_keys_the_notes_ask_for_one():
+@pytest.mark.parametrize(
+    ("key", "said_needed"),
+    [
+        ("adminApiKeysSecret", "need an admin key"),
+        ("apiKeysSecret", "need a client key (routerSpec.apiKeysSecret)"),  # client keys, no admin keys
+    ],
+)
+def test_with_admin_or_client_keys_the_notes_ask_for_one(key: str, said_needed: str):
     values = copy.deepcopy(load(TUTORIAL_19))
-    values["routerSpec"] = {"adminApiKeysSecret": {"secretName": "admins", "secretKey": "keys"}}
+    values["routerSpec"] = {key: {"secretName": "keys", "secretKey": "keys"}}
     _, notes = manifest_and_notes(values)
     said = "\n".join(_sleep_notes(notes))
-    assert "need an admin key" in said and "OPEN" not in said
+    assert said_needed in said and "OPEN" not in said
 
 
 def test_sleep_mode_without_the_dev_endpoints_is_said_to_break():

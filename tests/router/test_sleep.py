@@ -174,7 +174,7 @@ async def test_ids_are_checked_and_an_engines_refusal_comes_back_with_its_status
             assert not engine.sleeping
 
 
-async def test_admin_key_needed_when_admin_keys_are_configured_open_otherwise() -> None:
+async def test_admin_key_with_admin_keys_client_key_with_client_keys_open_without_keys() -> None:
     _, sa = sleepy("a")
     env = {"VLLM_STACK_ADMIN_API_KEYS": "admin-key", "VLLM_STACK_API_KEYS": "client-key"}
     async with stubs(sa) as urls, running_router(urls, environ=env) as (url, router):
@@ -190,7 +190,17 @@ async def test_admin_key_needed_when_admin_keys_are_configured_open_otherwise() 
             assert r.status_code == 200
     async with stubs(sa) as urls, running_router(urls, environ={"VLLM_STACK_API_KEYS": "k"}) as (url, router):
         engine = router.registry.engines()[0]
-        async with http(url) as h:  # no admin keys: open, as production-stack's, even without a client key
+        async with http(url) as h:  # client keys, no admin keys: a client key, as every other route
+            for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+                r = await h.request(method, f"{path}?id={engine.engine_id}")
+                assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_api_key"), path
+            assert sleep_calls(sa) == []
+            keyed = {"authorization": "Bearer k"}
+            assert (await h.post(f"/sleep?id={engine.engine_id}", headers=keyed)).status_code == 200
+            assert (await h.post(f"/wake_up?id={engine.engine_id}", headers=keyed)).status_code == 200
+    async with stubs(sa) as urls, running_router(urls) as (url, router):
+        engine = router.registry.engines()[0]
+        async with http(url) as h:  # no keys at all: open, as production-stack's
             assert (await h.post(f"/sleep?id={engine.engine_id}")).status_code == 200
             assert (await h.post(f"/wake_up?id={engine.engine_id}")).status_code == 200
 

@@ -80,10 +80,15 @@ def _check_admin(router: RouterState, headers: list[tuple[bytes, bytes]]) -> Non
 
 
 def admin_if_keys_refusal(router: RouterState, headers: list[tuple[bytes, bytes]]) -> RouterError | None:
-    """The sleep endpoints' rule: an admin key when admin keys are configured; open without them, as
-    production-stack's router serves them (no client key asked either)."""
-    if router.admin_auth.enabled and not router.admin_auth.check(headers):
-        return RouterError(403, "This endpoint needs an admin API key.", code="admin_key_required")
+    """The sleep endpoints' rule: an admin key when admin keys are configured; else a client key when
+    client keys are (as every other route: keys on must not leave engines open to put to sleep); open
+    only when the router has no keys at all, as production-stack's router serves them."""
+    if router.admin_auth.enabled:
+        if not router.admin_auth.check(headers):
+            return RouterError(403, "This endpoint needs an admin API key.", code="admin_key_required")
+        return None
+    if not router.auth.check(headers):
+        return RouterError(401, "Invalid or missing API key.", code="invalid_api_key")
     return None
 
 
