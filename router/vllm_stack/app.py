@@ -486,6 +486,10 @@ class Router:
             timeout=timeout,
             **({"ssl": tls} if tls is not None else {}),
         ) as resp:
+            if resp.status == 429 and provider is not None:
+                # a provider over its rate limit answered: reachable, and it serves the models its file
+                # names (its kind's are fixed), so it stays in rotation; its 429s reach clients as sent
+                return []
             resp.raise_for_status()
             doc = await resp.json(content_type=None)
         data = doc.get("data") if isinstance(doc, dict) else None

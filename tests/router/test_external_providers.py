@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -272,3 +273,34 @@ async def test_the_sleep_endpoints_refuse_a_provider_and_never_call_it(tmp_path:
                     r = await h.request(method, path, params={"id": wanted})
                     assert (r.status_code, r.json()["error"]["code"]) == (400, "engine_cannot_sleep"), path
     assert not [s for s in provider.seen if "sleep" in s.path or "wake" in s.path]
+
+
+async def test_a_provider_whose_health_probe_is_rate_limited_stays_in_rotation(tmp_path: Path) -> None:
+    """A 429 (with retry-after) on the ``/v1/models`` probe says the provider is reachable: it stays
+    healthy through many such probes and keeps serving (was: out of rotation, every request 502)."""
+    provider = StubEngine("acme", ["acme-large"])
+    probes: list[int] = []
+
+    async def limited_probe(scope: dict, receive: Any, send: Any) -> None:  # noqa: ANN401
+        if scope["type"] == "http" and scope["path"] == "/v1/models":
+            probes.append(1)
+            headers = [(b"content-type", b"application/json"), (b"retry-after", b"30")]
+            await send({"type": "http.response.start", "status": 429, "headers": headers})
+            await send({"type": "http.response.body", "body": b'{"error":{"message":"Rate limit reached"}}'})
+            return
+        await provider(scope, receive, send)
+
+    async with serve(limited_probe) as provider_url:
+        router = build_router(
+            {
+                **FAST,
+                "service_discovery": "external-only",
+                "external_providers_config": providers_file(tmp_path, provider_url),
+            },
+            environ={"ACME_API_KEY": KEY},
+        )
+        async with serving(router) as url, http(url) as h:
+            await wait_for(lambda: len(probes) >= 4, what="four health probes answered 429")
+            assert router.registry.healthy_count == 1
+            answer = await h.post("/v1/chat/completions", json={"model": "large", "messages": MSG})
+            assert answer.status_code == 200, answer.text
