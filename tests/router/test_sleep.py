@@ -246,3 +246,55 @@ async def test_a_level_that_is_not_a_number_is_400_and_one_vllm_lacks_is_never_n
             r = await h.post(f"/sleep?id={engine.engine_id}&level=99999")  # vLLM's own refusal, passed back
             assert (r.status_code, r.json()["error"]["code"]) == (422, "engine_refused")
             assert (engine.sleeping, engine.sleep_level) == (False, 0)
+
+
+async def test_with_waking_off_a_configured_model_is_refused_at_once_not_queued() -> None:
+    """The chart lists every modelSpec in ``models``; such a model still gets the immediate 503, not
+    the queue's timeout (60 s) for an engine nothing wakes."""
+    stub, sa = sleepy("a")
+    settings = {"wake_sleeping_engines": False, "models": ["stub-model"]}
+    async with stubs(sa) as urls, running_router(urls, **settings) as (url, router):
+        engine = router.registry.engines()[0]
+        async with http(url) as h:
+            assert (await h.post(f"/sleep?id={engine.engine_id}")).status_code == 200
+            r = await bounded(
+                h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"}),
+                5,
+                "the immediate 503 for a configured model whose engines all sleep",
+            )
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_sleeping")
+        assert sa.sleeping and stub.completed == 0
+
+
+def failing_wake_up(engine: SleepModeEngine, calls: list[str]) -> Callable[..., Awaitable[None]]:
+    """``engine`` whose ``/wake_up`` fails (500), each call noted in ``calls``."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # noqa: ANN401
+        if scope["type"] == "http" and scope["path"] == "/wake_up":
+            calls.append(scope["path"])
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"cannot wake"})
+            return
+        await engine(scope, receive, send)
+
+    return app
+
+
+async def test_a_failed_wake_up_is_tried_again_at_most_once_per_retry_interval() -> None:
+    _, sa = sleepy("a")
+    calls: list[str] = []
+    async with (
+        stubs(failing_wake_up(sa, calls)) as urls,
+        running_router(urls, queue_timeout=0.2) as (url, router),
+    ):
+        engine = router.registry.engines()[0]
+        async with http(url) as h:
+            assert (await h.post(f"/sleep?id={engine.engine_id}")).status_code == 200
+            for _ in range(3):  # each waits for a wake-up that failed: the queue's timeout answers it
+                r = await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})
+                assert (r.status_code, r.json()["error"]["code"]) == (503, "queue_timeout")
+            assert calls == ["/wake_up"]  # one call, not one per request
+            assert metric_value(router, "vllm_stack_router_engine_wakeups_total", outcome="failed") == 1
+            router.sleep.retry_after = 0.0  # the interval over: the next request tries again
+            r = await h.post("/v1/completions", json={"model": "stub-model", "prompt": "x"})
+            assert r.status_code == 503 and len(calls) >= 2

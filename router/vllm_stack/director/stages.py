@@ -379,8 +379,11 @@ class DirectedRequest:
         if reason != Reason.NO_CANDIDATE:
             return False
         model = self.ctx.pool or self.ctx.model
-        # its engines all sleep: one is woken (as KEDA wakes a model from zero), or it is refused
-        return self.director.wake_for(model) or model in settings.served_models
+        # its engines all sleep: one is woken (as KEDA wakes a model from zero), or it is refused at once
+        # (waking off: a configured model's queue would only time out, 60 s later)
+        if self.director.registry.sleeping(model):
+            return self.director.wake_for(model)
+        return model in settings.served_models
 
     def _wait_or_fail(self, reason: str) -> None:
         director = self.director

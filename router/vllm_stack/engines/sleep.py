@@ -8,13 +8,16 @@ server's paths (models, metrics), so it stays healthy here; it only leaves the c
 changes, nothing per request). Its state is learnt from every scrape (``vllm:engine_sleep_state``, the
 kind's parser) and, at once, after each sleep or wake-up call made through the router. A request for a
 model whose engines all sleep wakes one of them (:meth:`SleepControl.wake_for`), one call per engine at
-a time, while the request waits in the model's queue as for scale from zero.
+a time, while the request waits in the model's queue as for scale from zero; a wake-up that failed is
+tried again for that engine at most once per :data:`WAKE_RETRY_AFTER` seconds (one warning each time),
+however many requests arrive meanwhile (they wait in the queue as for any wake-up).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
@@ -25,6 +28,10 @@ from vllm_stack.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
+#: Seconds before a wake-up that failed is tried again on the same engine: a few tries within the
+#: queue's default 60 s wait, without a call and a warning per request while the engine cannot wake.
+WAKE_RETRY_AFTER = 10.0
+
 #: One call to an engine: (engine, method, path, query parameters) -> (status, body, content type).
 #: Raises on a transport failure.
 EngineCall = Callable[[Engine, str, str, Sequence[tuple[str, str]]], Awaitable[tuple[int, bytes, str]]]
@@ -33,13 +40,16 @@ EngineCall = Callable[[Engine, str, str, Sequence[tuple[str, str]]], Awaitable[t
 class SleepControl:
     """Calls the engines' sleep endpoints and keeps the registry's view of who sleeps up to date."""
 
-    __slots__ = ("_call", "_metrics", "_registry", "_waking")
+    __slots__ = ("_call", "_failed", "_metrics", "_registry", "_waking", "retry_after")
 
     def __init__(self, registry: EngineRegistry, metrics: RouterMetrics, call: EngineCall) -> None:
         self._registry = registry
         self._metrics = metrics
         self._call = call
         self._waking: dict[str, asyncio.Task[None]] = {}  # engine name -> its wake-up call in flight
+        # engine name -> when its last wake-up failed (monotonic); entries older than retry_after go
+        self._failed: dict[str, float] = {}
+        self.retry_after = WAKE_RETRY_AFTER
 
     async def forward(
         self, engine: Engine, method: str, path: str, params: Sequence[tuple[str, str]]
@@ -82,7 +92,13 @@ class SleepControl:
             return False
         if any(e.name in self._waking for e in sleepers):
             return True
-        engine = min(sleepers, key=lambda e: (e.sleep_level, e.name))
+        now = time.monotonic()
+        ready = [e for e in sleepers if now - self._failed.get(e.name, -self.retry_after) >= self.retry_after]
+        if (
+            not ready
+        ):  # each failed to wake a moment ago: the request waits for the next try or the queue's timeout
+            return True
+        engine = min(ready, key=lambda e: (e.sleep_level, e.name))
         task = asyncio.ensure_future(self._wake(engine))
         self._waking[engine.name] = task
         task.add_done_callback(lambda _t, name=engine.name: self._waking.pop(name, None))
@@ -94,14 +110,23 @@ class SleepControl:
             status, body, _ = await self._call(engine, "POST", "/wake_up", ())
         except Exception as exc:  # noqa: BLE001 - counted; the queue's timeout answers the request
             log.warning("engine %s: wake-up failed: %s", engine.name, exc)
-            self._metrics.engine_wakeups.labels("failed").inc()
+            self._wake_failed(engine)
             return
         if status >= 300:
             log.warning("engine %s: wake-up answered %d: %s", engine.name, status, body[:200])
-            self._metrics.engine_wakeups.labels("failed").inc()
+            self._wake_failed(engine)
             return
+        self._failed.pop(engine.name, None)
         self._metrics.engine_wakeups.labels("woken").inc()
         await self.refresh(engine)
+
+    def _wake_failed(self, engine: Engine) -> None:
+        """Counted, and noted so the next try on ``engine`` waits :attr:`retry_after` seconds (entries
+        that old are dropped here: the map holds only engines failing now)."""
+        self._metrics.engine_wakeups.labels("failed").inc()
+        now = time.monotonic()
+        self._failed = {n: t for n, t in self._failed.items() if now - t < self.retry_after}
+        self._failed[engine.name] = now
 
     async def close(self) -> None:
         for task in list(self._waking.values()):
