@@ -304,3 +304,36 @@ async def test_a_provider_whose_health_probe_is_rate_limited_stays_in_rotation(t
             assert router.registry.healthy_count == 1
             answer = await h.post("/v1/chat/completions", json={"model": "large", "messages": MSG})
             assert answer.status_code == 200, answer.text
+
+
+async def test_a_model_served_locally_and_by_a_provider_gets_each_legs_key_and_name(tmp_path: Path) -> None:
+    """``large`` is a local engine's model and the provider's alias of ``acme-large``: a local leg
+    carries the engines' key and the client's name, a provider's leg its own key and its own id
+    (was: no key on the local leg and the alias rewritten on both)."""
+    provider, local = StubEngine("acme", ["acme-large"]), StubEngine("local", ["large"])
+    async with serve(provider) as provider_url, stubs(local) as urls:
+        router = build_router(
+            {
+                **FAST,
+                "routing_logic": "roundrobin",
+                "static_backends": urls[0],
+                "external_providers_config": providers_file(tmp_path, provider_url),
+            },
+            environ={"ACME_API_KEY": KEY, "VLLM_API_KEY": LOCAL_KEY},
+        )
+        async with serving(router) as url, http(url) as h:
+            await wait_for(
+                lambda: router.registry.healthy_count == 2, what="the engine and the provider healthy"
+            )
+            for _ in range(4):  # round robin: both legs
+                r = await h.post("/v1/chat/completions", json={"model": "large", "messages": MSG})
+                assert r.status_code == 200, r.text
+    to_local = [s for s in local.seen if s.method == "POST"]
+    to_provider = [s for s in provider.seen if s.method == "POST"]
+    assert to_local and to_provider
+    for sent in to_local:
+        assert [v for k, v in sent.header_list if k == "authorization"] == ["Bearer " + LOCAL_KEY]
+        assert b'"model":"large"' in sent.body.replace(b" ", b"")
+    for sent in to_provider:
+        assert [v for k, v in sent.header_list if k == "authorization"] == ["Bearer " + KEY]
+        assert b'"model":"acme-large"' in sent.body.replace(b" ", b"")

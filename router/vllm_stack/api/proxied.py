@@ -126,9 +126,6 @@ def resolve(
         model, body = _retarget(catalog, model, session_key, body, multipart)
         spec = catalog.get(model) if model else None
     model, model_label = _resolve_model(router, path, model, spec)
-    aliases = router.external_aliases
-    if aliases and not multipart and model in aliases:  # the provider knows the model by its own id
-        body = with_top_level(body, "model", aliases[model])
     priority = 0
     policy = router.priority
     if priority_value is not None or body_priority is not None or policy.defaults:
@@ -142,6 +139,15 @@ def resolve(
     if priority:
         ctx.priority = priority
     return ctx
+
+
+def provider_body(router: RouterState, ctx: RequestContext) -> bytes:
+    """The body as an external provider gets it: an alias of one of its models replaced by the provider's
+    own id (a local engine serving the same name gets the client's ``ctx.body``; multipart is left)."""
+    own = router.external_aliases.get(ctx.model)
+    if own is None or ctx.path in router.endpoints.multipart:
+        return ctx.body
+    return with_top_level(ctx.body, "model", own)
 
 
 def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> None:
@@ -210,10 +216,14 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         ctx.tenant = identity.of_header(tenant_value)
     director = router.director
     key = director.settings.engine_auth
-    if key and ctx.model not in router.external_models:  # a provider gets its own key (the leg's)
+    provider_tail = None
+    if ctx.model in router.external_models:  # a provider's legs: its key (the leg's head), its model id
+        aliased = provider_body(router, ctx)
+        provider_tail = b"".join(lines) + b"content-length: %d\r\n\r\n" % len(aliased) + aliased
+    if key:  # a local engine's legs (a provider's model may be served locally too)
         lines += (b"authorization: ", key, b"\r\n")
     body = ctx.body
     lines += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
-    # Everything after the request line, Host and plugins' headers: the same for every leg.
+    # Everything after the request line, Host and plugins' headers: the same for every leg of a kind.
     tail = b"".join(lines)
-    ProxiedRequest(director, conn, request, ctx, tail)  # starts it
+    ProxiedRequest(director, conn, request, ctx, tail, provider_tail)  # starts it

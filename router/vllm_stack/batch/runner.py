@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 import orjson
 
-from vllm_stack.api.proxied import model_served, resolve
+from vllm_stack.api.proxied import model_served, provider_body, resolve
 from vllm_stack.api.state import RouterState
 from vllm_stack.batch.files import FileDirectory
 from vllm_stack.batch.line_request import BatchLineRequest, send_failed
@@ -324,6 +324,7 @@ class BatchRunner:
             async with self._reading:
                 body = await asyncio.to_thread(self._read_body, line)
             ctx = resolve(router, line.endpoint, body, b"application/json", None, None, ())
+            ctx.body = provider_body(router, ctx)  # an alias: the provider's own id (every leg)
         except RouterError as err:
             if err.status in SHED_STATUSES:
                 self._shed(line)

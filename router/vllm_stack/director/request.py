@@ -33,6 +33,7 @@ from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.director.stages import DirectedRequest, route_header
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
+from vllm_stack.engines.external import ENGINE_PREFIX
 from vllm_stack.errors import RouterError, sse_error_event
 from vllm_stack.relay.leg import Leg
 from vllm_stack.scheduling.framework import RequestContext
@@ -59,7 +60,18 @@ class Pick(enum.Enum):
 class ProxiedRequest(DirectedRequest):
     """The state of one proxied request; the client connection's handler while it runs."""
 
-    __slots__ = ("conn", "request", "tail", "leg", "pick", "picked", "disagg_pending", "pd", "evictable")
+    __slots__ = (
+        "conn",
+        "request",
+        "tail",
+        "provider_tail",
+        "leg",
+        "pick",
+        "picked",
+        "disagg_pending",
+        "pd",
+        "evictable",
+    )
 
     def __init__(
         self,
@@ -68,11 +80,15 @@ class ProxiedRequest(DirectedRequest):
         request: HttpRequest,
         ctx: RequestContext,
         tail: bytes,
+        provider_tail: bytes | None = None,
     ) -> None:
         DirectedRequest.__init__(self, director, ctx, 1 + director.settings.retries)
         self.conn = conn
         self.request = request
         self.tail = tail  # request headers, framing and body as sent upstream (same for every leg)
+        # a model an external provider serves: what a provider's leg sends instead (no engine key, the
+        # provider's own model id for an alias); ``tail`` is then a local engine's (None: no provider)
+        self.provider_tail = provider_tail
         self.leg: Leg | None = None
         self.pick = Pick.UNASKED  # gateway mode only
         self.picked: PickAnswer | None = None  # the endpoint picker's answer, told the request's end
@@ -215,9 +231,16 @@ class ProxiedRequest(DirectedRequest):
         """The picker changed the body (e.g. the model's name): the legs send its version."""
         ctx = self.ctx
         head = self.tail[: len(self.tail) - len(ctx.body)]
-        head = head[: head.rfind(b"content-length: ")] + b"content-length: %d\r\n\r\n" % len(body)
-        self.tail = head + body
+        head = head[: head.rfind(b"content-length: ")]
+        framing = b"content-length: %d\r\n\r\n" % len(body)
+        self.tail = head + framing + body
         ctx.body = body
+        if self.provider_tail is not None:  # the picker's body for a provider's leg too, without the key
+            key = self.director.settings.engine_auth
+            line = b"authorization: " + key + b"\r\n" if key else b""
+            self.provider_tail = (
+                (head[: -len(line)] if line and head.endswith(line) else head) + framing + body
+            )
 
     # ---- disaggregated prefill (.prefill_stage) -------------------------------------------------------
     def resume_after_prefill(self, engine: Engine | None) -> None:
@@ -260,8 +283,11 @@ class ProxiedRequest(DirectedRequest):
         trace = ctx.trace
         if trace is not None:  # the leg's span, sent as its traceparent (the engine's spans join it)
             line += trace.leg_begin("upstream", engine.name, pool.host_header.decode("latin-1"))
+        tail = self.tail
+        if self.provider_tail is not None and engine.name.startswith(ENGINE_PREFIX):
+            tail = self.provider_tail  # a provider's leg: its key (head_lines), never the engines'
         leg = self.leg = Leg(
-            self, self.conn, request, pool, director.metrics, line + ctx.upstream_headers + self.tail
+            self, self.conn, request, pool, director.metrics, line + ctx.upstream_headers + tail
         )
         if ctx.keep_answer_end:
             leg.answer_end = b""  # before any read: none is handled before this returns

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_stack.api.head import unauthorized
-from vllm_stack.api.proxied import resolve
+from vllm_stack.api.proxied import provider_body, resolve
 from vllm_stack.epp.paths import headerless, refusal
 from vllm_stack.epp.request import PickedRequest
 from vllm_stack.errors import RouterError, error_body, no_healthy_engine
@@ -303,6 +303,7 @@ class Exchange:
         priority = wanted[router.priority.header.decode()]
         try:
             ctx = resolve(router, path, body, wanted["content-type"] or b"", session, priority, raw)
+            ctx.body = provider_body(router, ctx)  # an alias: the provider's own id (every leg)
         except RouterError as error:
             router.metrics.observe_request(
                 "unknown", "none", str(error.status), time.perf_counter() - started
