@@ -29,7 +29,7 @@ from vllm_stack_dev.testbed.engines import (
 
 from tests.conftest import CHAT_MODEL, READY_TIMEOUT
 from tests.fakes.wire_tap import Exchange, WireTap, tapped
-from tests.router.helpers import http, metric_value, running_router
+from tests.router.helpers import REAL_ENGINE_HEALTH, http, metric_value, running_router
 from vllm_stack.app import Router
 
 pytestmark = pytest.mark.engine
@@ -41,6 +41,7 @@ LONG = " ".join(f"word{i} of the long document that the decode engine should not
 
 #: The router between the two engines: prefill on the first, decode on the second.
 SETTINGS = {
+    **REAL_ENGINE_HEALTH,
     "routing_logic": "disaggregated_prefill",
     "static_roles": "prefill,decode",
     "disagg_min_uncached_tokens": 128,

@@ -66,7 +66,9 @@ async def test_a_real_engines_refusal_comes_back_with_its_status(engines, awake_
         engine = router.registry.engines()[0]
         async with http(url) as h:
             r = await h.post("/sleep", params={"id": engine.engine_id, "level": "3"})  # vLLM: 0 <= level <= 2
-        assert r.status_code == 422, r.text
+        # the engine's own answer to the same request, whatever status this vLLM gives (0.32: 400)
+        direct = httpx.post(engines[0].url + "/sleep", params={"level": "3"}, timeout=30)
+        assert direct.status_code >= 400 and r.status_code == direct.status_code, (direct.text, r.text)
         error = r.json()["error"]
         assert (
             error["code"] == "engine_refused" and f"Engine {engine.name} refused /sleep" in error["message"]
