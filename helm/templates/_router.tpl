@@ -44,6 +44,8 @@ instead of routerSpec.extraArgs. Call with (dict "root" $ "pool" NAME-or-"").
 {{- with $r.sessionKey }}{{ $args = concat $args (list "--session-key" .) }}{{ end -}}
 {{- /* production-stack's rootPath: every route under it as well as at / (the probes use it: router-deployment.yaml). */ -}}
 {{- with $r.rootPath }}{{ $args = concat $args (list "--root-path" .) }}{{ end -}}
+{{- /* A stream whose engine breaks is continued elsewhere unless turned off (the picker relays nothing). */ -}}
+{{- if and (not $pool) (eq (toString $r.streamContinuation) "false") }}{{ $args = append $args "--no-stream-continuation" }}{{ end -}}
 {{- /* production-stack's prefixaware minimum match, in its unit (characters): 0 renders nothing, as there. */ -}}
 {{- if $r.prefixMinMatchLength }}{{ $args = concat $args (list "--prefix-min-match-length" (include "vllm-stack.str" $r.prefixMinMatchLength)) }}{{ end -}}
 {{- with (include "vllm-stack.router.tokenizers" $root) }}{{ $args = concat $args (list "--tokenizers" .) }}{{ end -}}

@@ -270,6 +270,7 @@ class Router:
             config.debug_headers,
             config.eviction_after if config.eviction_enabled else None,
             config.wake_sleeping_engines,
+            config.stream_continuation,
         )
 
     def _with_rate_limits(self, config: RouterConfig, setup: SchedulingSetup) -> SchedulingSetup:

@@ -407,6 +407,21 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        # Streams that survive their engine (director.continuation): not on the plain path
+        self.stream_continuations = Counter(
+            PREFIX + "stream_continuations_total",
+            "Streams whose engine broke after they began, by outcome: continued (sent to another engine), "
+            "completed (a continued stream ended whole), refused (the other engine answered with an "
+            "error), or why none was tried (parameter_<name>, partial_event, too_long, no_engine, ...).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.stream_continuation_seconds = Histogram(
+            PREFIX + "stream_continuation_seconds",
+            "Time from a stream's break to the first event of its continuation: the client's extra wait.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.circuit_breaker_state = Gauge(
             PREFIX + "circuit_breaker_state",
             "Circuit breaker state per engine: 0 closed, 1 half-open, 2 open.",

@@ -229,6 +229,8 @@ class StubEngine:
         model = doc.get("model", "")
         n = int(doc.get("max_tokens") or self.behaviour.tokens)
         b = self.behaviour
+        completions = scope["path"].endswith("/v1/completions")
+        answer_id = f"{'cmpl' if completions else 'chatcmpl'}-stub-{self.name}"  # which engine answered
         gone = asyncio.Event()
 
         async def watch() -> None:
@@ -252,12 +254,15 @@ class StubEngine:
                 if b.break_after_chunks is not None and i >= b.break_after_chunks:
                     raise ConnectionAbortedError("stub breaks the stream on purpose")
                 chunk = {
-                    "id": "chatcmpl-stub",
+                    "id": answer_id,
                     "object": "chat.completion.chunk",
                     "created": 1700000000,
                     "model": model,
                     "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
                 }
+                if completions:  # vLLM's completions events: the text on the choice, no delta
+                    chunk["object"] = "text_completion"
+                    chunk["choices"] = [{"index": 0, "text": f"t{i} ", "finish_reason": None}]
                 await send(
                     {
                         "type": "http.response.body",
@@ -273,7 +278,7 @@ class StubEngine:
                 return
             if (doc.get("stream_options") or {}).get("include_usage"):  # vLLM's last chunk: usage only
                 usage = {
-                    "id": "chatcmpl-stub",
+                    "id": answer_id,
                     "object": "chat.completion.chunk",
                     "created": 1700000000,
                     "model": model,

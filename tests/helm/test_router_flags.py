@@ -130,6 +130,20 @@ def test_root_path_is_rendered_and_the_probes_follow_it(tmp_path):
     assert "--root-path" not in plain["args"] and plain["readinessProbe"]["httpGet"]["path"] == "/ready"
 
 
+def test_stream_continuation_is_on_unless_the_values_turn_it_off(tmp_path):
+    """routerSpec.streamContinuation: false renders --no-stream-continuation; the default renders nothing
+    (the router's default is on)."""
+    objs = render([values_file(tmp_path, {"routerSpec": {"streamContinuation": False}})])
+    args = container(one(objs, "Deployment", router_name()))["args"]
+    assert build_parser().parse_args(args).stream_continuation is False
+    (tmp_path / "plain").mkdir()
+    plain = container(one(render([values_file(tmp_path / "plain", {})]), "Deployment", router_name()))["args"]
+    assert (
+        "--no-stream-continuation" not in plain
+        and build_parser().parse_args(plain).stream_continuation is not False
+    )
+
+
 @pytest.mark.parametrize(
     "extra, word", [(["--bogus"], "--bogus"), (["stray"], "stray"), (["--log-stats", "x"], "x")]
 )

@@ -447,9 +447,10 @@ def test_a_killed_engine_container_is_restarted_ejected_and_readmitted(
     release: tuple[Cluster, RealNode, float], tmp_path: Path
 ) -> None:
     """SIGKILL to one engine's vLLM (its container's init process): the kubelet restarts the container, the
-    router stops routing to the engine and takes it back once it is Ready again, and the only requests that
-    fail are those the engine was already answering (first byte received) when it died; the others in
-    flight on it are retried by the router before their first byte."""
+    router stops routing to the engine and takes it back once it is Ready again, and no request fails: those
+    in flight on it before their first byte are retried, the streams it was answering are continued on the
+    other engine (the router's stream continuation, on by default; docs/hardening.md), each a whole answer
+    with its usage and [DONE]."""
     cluster, node, _ = release
     (router,) = pods(cluster, "router")
     victim = pods(cluster, "serving-engine")[0]
@@ -460,7 +461,6 @@ def test_a_killed_engine_container_is_restarted_ejected_and_readmitted(
             client, victim, 120, f"a complete answer from {victim['metadata']['name']} before the kill"
         )
         client.step("engine killed")
-        killed_at = time.time()
         ctr(node, "tasks", "kill", "-s", "SIGKILL", container_id(victim, "vllm"))  # fails unless it exits 0
         seen_out = False
         deadline = time.monotonic() + ROLLOUT_S
@@ -483,9 +483,4 @@ def test_a_killed_engine_container_is_restarted_ejected_and_readmitted(
         report = client.stop()
     print(f"\n{report.table()}")
     (tmp_path / "table.md").write_text(report.table() + "\n")
-    cut = [
-        r
-        for r in report.failures
-        if served_by(r, victim) and r.first_byte is not None and r.start <= killed_at
-    ]
-    assert not [r for r in report.failures if r not in cut], report.explain()
+    assert not report.failures, report.explain()

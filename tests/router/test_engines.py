@@ -16,12 +16,15 @@ import jsonschema
 import openai
 import pytest
 
+from tests.fakes.wire_tap import tapped
 from tests.router.helpers import client, http, metric_value, running_router, wait_for
 
 pytestmark = pytest.mark.engine
 
 MODEL = "tiny-llama"
 MSG = [{"role": "user", "content": "Say something."}]
+SYSTEM = {"role": "system", "content": "You answer in one line."}
+LONG = 1000  # tokens of a request that must still run when its engine is killed
 
 
 def successes(engine) -> float:  # noqa: ANN001
@@ -213,16 +216,20 @@ async def test_disconnect_aborts_the_engine_request(engines) -> None:
         )
 
 
-async def test_tool_call_then_engine_killed_mid_stream_and_before_responding(engines, killable) -> None:
-    """One kill of a real engine with two requests on it: the stream that already sent events is not
-    retried and ends with an SSE error event (the SDK raises APIError); the request that had no answer
+async def test_tool_call_then_engine_killed_under_streams_and_a_request_not_yet_answered(
+    engines, killable
+) -> None:
+    """One kill of a real engine with five requests on it. Three streams that had sent events (plain chat,
+    chat with a system prompt, completions) go on on the other engine: each client reads one complete,
+    well-formed answer whose text is what it had, then what the other engine generated from exactly that
+    text (read on the wire in front of it). A fourth stream, with a ``seed`` (a continuation would not be
+    its sample), ends with an SSE error event (the SDK raises APIError). The request that had no answer
     yet is retried on the other engine."""
-    # killable first in the list: round-robin sends the first request to it
-    async with running_router(
-        [killable.url, engines[0].url], routing_logic="roundrobin", health_check_interval=30
-    ) as (
-        url,
-        router,
+    async with (
+        tapped(engines[0].port) as tap,
+        running_router(  # killable first: round-robin's first pick
+            [killable.url, tap.url], routing_logic="roundrobin", health_check_interval=30
+        ) as (url, router),
     ):
         c = client(url)
         tools = [
@@ -252,33 +259,90 @@ async def test_tool_call_then_engine_killed_mid_stream_and_before_responding(eng
         assert out.choices[0].message.tool_calls, out.model_dump()  # random weights: check shape, not content
         call = out.choices[0].message.tool_calls[0]
         assert call.type == "function" and call.function.name == "get_weather"
-        await c.completions.create(model=MODEL, prompt="a", max_tokens=2)  # round-robin: now killable is next
-        long = {"model": MODEL, "prompt": "a", "max_tokens": 1000, "extra_body": {"ignore_eos": True}}
-        stream = await c.with_options(timeout=600).completions.create(stream=True, **long)  # -> killable
-        events = [await stream.__anext__()]  # the stream started: from here it must not be retried
-        await c.completions.create(model=MODEL, prompt="a", max_tokens=2)  # -> engines[0]
+
+        async def filler() -> None:  # -> the other engine: round-robin's next pick is killable again
+            await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
+
+        await filler()
+        slow = c.with_options(timeout=600)
+        long: dict = {"max_tokens": LONG, "extra_body": {"ignore_eos": True}}
+        usage = {"stream_options": {"include_usage": True}}
+        streams = {}
+        for name, make in (
+            (
+                "chat",
+                lambda: slow.chat.completions.create(model=MODEL, messages=MSG, stream=True, **usage, **long),
+            ),
+            (
+                "chat_with_system",
+                lambda: slow.chat.completions.create(
+                    model=MODEL, messages=[SYSTEM, *MSG], stream=True, **usage, **long
+                ),
+            ),
+            (
+                "completions",
+                lambda: slow.completions.create(model=MODEL, prompt="Once", stream=True, **usage, **long),
+            ),
+            (
+                "seeded",
+                lambda: slow.completions.create(model=MODEL, prompt="Twice", stream=True, seed=1, **long),
+            ),
+        ):
+            stream = await make()
+            streams[name] = (stream, [await stream.__anext__()])  # it began: a break now comes mid-stream
+            await filler()
         before = successes(engines[0])
-        pending = asyncio.ensure_future(c.with_options(timeout=600).completions.create(**long))  # -> killable
+        pending = asyncio.ensure_future(
+            slow.completions.create(model=MODEL, prompt="a", **long)
+        )  # -> killable
         killable_engine = router.registry.get(killable.address)
-        await wait_for(lambda: killable_engine.in_flight == 2, what="two requests on the killable engine")
-        await wait_for(  # and both inside it (its scheduler runs them), not only sent by the router
-            lambda: (t := killable_engine.fresh_telemetry()) is not None and t.running >= 2,
-            what="two requests running in the killable engine",
+        await wait_for(lambda: killable_engine.in_flight == 5, what="five requests on the killable engine")
+        await wait_for(  # and all inside it (its scheduler runs them), not only sent by the router
+            lambda: (t := killable_engine.fresh_telemetry()) is not None and t.running >= 5,
+            what="five requests running in the killable engine",
         )
-        killable.kill()  # the non-streamed request has no answer yet: retried on the other engine
+        killable.kill()
+        seeded, seeded_events = streams.pop("seeded")
         with pytest.raises(openai.APIError, match="failed mid-stream"):
-            async for event in stream:
-                events.append(event)
-        assert len(events) < 1000
+            async for event in seeded:
+                seeded_events.append(event)
+        assert len(seeded_events) < LONG
+        for name, (stream, received) in streams.items():
+            received += [event async for event in stream]  # no error: the stream went on and ended
+            assert {e.id for e in received} == {received[0].id}, name  # one answer
+            # every token counted once: the first engine's (one event each) and the continuation's
+            assert received[-1].usage is not None and received[-1].usage.completion_tokens == LONG, name
+            chat = name != "completions"
+            text = "".join(
+                ((e.choices[0].delta.content or "") if chat else e.choices[0].text)
+                for e in received
+                if e.choices
+            )
+            assert [e.choices[0].finish_reason for e in received if e.choices][-1] == "length", name
+            (leg,) = [x for x in tap.exchanges() if _continues(x, name)]
+            sent = json.loads(leg.body)
+            before_break = sent["messages"][-1]["content"] if chat else sent["prompt"].removeprefix("Once")
+            assert sent.get("continue_final_message", False) is chat, name
+            generated = _streamed_text(leg.answer, chat)
+            assert text == before_break + generated, name  # what it had, then the rest from that text
+            assert before_break and generated, name  # broken mid-way: both engines wrote some of it
         result = await asyncio.wait_for(pending, 300)
-        assert result.usage.completion_tokens == 1000
-        assert successes(engines[0]) - before == 1  # the retried request, and not the broken stream
-        assert (
-            # the engine took the request and died before answering: retried as upstream_closed (an
-            # accepted request, not a refused connect); the scraper's refused connect ejects it
-            metric_value(router, "vllm_stack_router_retries_total", model=MODEL, reason="upstream_closed")
-            == 1
-        )
+        assert result.usage.completion_tokens == LONG
+        assert successes(engines[0]) - before == 4  # the retried request and the three continuations
+        retries = {
+            reason: metric_value(router, "vllm_stack_router_retries_total", model=MODEL, reason=reason)
+            for reason in ("upstream_closed", "stream_continued")
+        }
+        # the engine took the request and died before answering: retried as upstream_closed (an accepted
+        # request, not a refused connect); the scraper's refused connect ejects it
+        assert retries == {"upstream_closed": 1, "stream_continued": 3}
+        outcomes = {
+            outcome: metric_value(
+                router, "vllm_stack_router_stream_continuations_total", model=MODEL, outcome=outcome
+            )
+            for outcome in ("continued", "completed", "parameter_seed")
+        }
+        assert outcomes == {"continued": 3, "completed": 3, "parameter_seed": 1}
         assert (
             metric_value(
                 router,
@@ -287,6 +351,28 @@ async def test_tool_call_then_engine_killed_mid_stream_and_before_responding(eng
                 engine=killable_engine.name,
                 status="upstream_error",
             )
-            == 1
+            == 1  # the seeded stream
         )
         assert not killable_engine.healthy
+
+
+def _continues(exchange, name: str) -> bool:  # noqa: ANN001
+    """Whether a request on the wire continues the stream ``name`` of the kill test."""
+    body = json.loads(exchange.body)
+    if name == "completions":
+        return str(body.get("prompt", "")).startswith("Once")
+    if not body.get("continue_final_message"):
+        return False
+    return (body["messages"][0] == SYSTEM) is (name == "chat_with_system")
+
+
+def _streamed_text(answer: bytes | None, chat: bool) -> str:
+    """The text of the SSE answer an engine sent (as it was on the wire, dechunked)."""
+    assert answer is not None
+    parts = []
+    for block in answer.split(b"\n\n"):
+        if not block.startswith(b"data: {"):
+            continue
+        for choice in json.loads(block[6:])["choices"]:
+            parts.append((choice["delta"].get("content") or "") if chat else choice["text"])
+    return "".join(parts)

@@ -114,10 +114,12 @@ async def test_circuit_breaker_opens_then_half_open_probe_closes_it(two_stubs) -
 
 
 async def test_no_retry_after_stream_started_and_sse_error_event() -> None:
+    """With stream continuation off (on, test_stream_continuation.py), a stream that began is never
+    sent again: it ends with an error event."""
     a, b = StubEngine("a", ["stub-model"]), StubEngine("b", ["stub-model"])
     for e in (a, b):
         e.behaviour.break_after_chunks = 2
-    async with stubs(a, b) as urls, running_router(urls) as (url, router):
+    async with stubs(a, b) as urls, running_router(urls, stream_continuation=False) as (url, router):
         async with http(url) as h:
             async with h.stream(
                 "POST", "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 6}

@@ -99,6 +99,8 @@ class ProxySettings:
     eviction_after: float | None = None
     # A request whose model's engines all sleep wakes one and waits for it (False: refused, 503)
     wake_sleeping: bool = True
+    # A stream whose engine breaks goes on on another engine (director.continuation; False: broken off)
+    stream_continuation: bool = True
 
 
 class Director:

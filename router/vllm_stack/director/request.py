@@ -24,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from vllm_stack.director.continuation import PATHS as CONTINUABLE_PATHS
+from vllm_stack.director.continuation import Continuation
 from vllm_stack.director.eviction import DROPPED_REASON, EVICTED
 from vllm_stack.director.prefill_stage import PrefillStage
 from vllm_stack.director.stages import DirectedRequest, route_header
@@ -35,7 +38,9 @@ from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.external import ENGINE_PREFIX
 from vllm_stack.errors import RouterError, sse_error_event
+from vllm_stack.relay.continued_leg import ContinuedLeg
 from vllm_stack.relay.leg import Leg
+from vllm_stack.relay.transcript import NotContinuable
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
@@ -46,6 +51,11 @@ if TYPE_CHECKING:
 __all__ = ["ProxiedRequest", "route_header"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a kept stream may stay silent once its engine is no longer a candidate (it left discovery, or
+#: was found unhealthy) before it is continued elsewhere: vLLM stopped with SIGTERM leaves its streams
+#: open and silent until its process exits (a pod's grace period later).
+STALLED_AFTER = 2.0
 
 
 class Pick(enum.Enum):
@@ -71,6 +81,7 @@ class ProxiedRequest(DirectedRequest):
         "disagg_pending",
         "pd",
         "evictable",
+        "continuing",
     )
 
     def __init__(
@@ -97,6 +108,7 @@ class ProxiedRequest(DirectedRequest):
         self.disagg_pending = disagg is not None and ctx.path in disagg.paths
         self.pd: PrefillStage | None = None  # while its prefill stage runs
         self.evictable = False  # tracked by the director's evictor (sheddable, eviction on)
+        self.continuing: Continuation | None = None  # its stream broke and goes on elsewhere (.continuation)
         # Constructing the request starts it (as asyncio's tasks start): one call less per request.
         conn.handler = self
         tracer = director.tracer
@@ -286,9 +298,13 @@ class ProxiedRequest(DirectedRequest):
         tail = self.tail
         if self.provider_tail is not None and engine.name.startswith(ENGINE_PREFIX):
             tail = self.provider_tail  # a provider's leg: its key (head_lines), never the engines'
-        leg = self.leg = Leg(
-            self, self.conn, request, pool, director.metrics, line + ctx.upstream_headers + tail
-        )
+        continuing = self.continuing
+        if continuing is None:
+            leg = self.leg = Leg(
+                self, self.conn, request, pool, director.metrics, line + ctx.upstream_headers + tail
+            )
+        else:
+            leg = self.leg = self._continued_leg(continuing, pool, line + ctx.upstream_headers + tail)
         if ctx.keep_answer_end:
             leg.answer_end = b""  # before any read: none is handled before this returns
         if ctx.priority < 0 and director.settings.eviction_after is not None:
@@ -355,6 +371,8 @@ class ProxiedRequest(DirectedRequest):
         status = leg.status
         ctx = self.ctx
         ctx.ttft = leg.ttft
+        if self.continuing is not None:
+            self._continued_stream_complete()
         if ctx.trace is not None:
             ctx.trace.leg_end(status, stream=leg.sse)
         self._end(str(status), FAILURE if status >= 500 else SUCCESS, leg.answer_end)
@@ -365,6 +383,133 @@ class ProxiedRequest(DirectedRequest):
         if ctx.trace is not None:
             ctx.trace.leg_end(leg.status, f"broken: {error}", stream=leg.sse)
         self._end("upstream_error", FAILURE)
+
+    # ---- a stream that survives its engine (.continuation) ------------------------------------------------
+    def keeps_stream(self) -> bool:
+        return (
+            self.director.settings.stream_continuation
+            and self.attempts_left > 0
+            and self.ctx.path in CONTINUABLE_PATHS
+        )
+
+    def continue_stream(self, leg: Leg, error: BaseException | str) -> bool:
+        """The engine broke the stream after it began: send the request, with the text streamed so far
+        as the start of the answer, to another engine of the model (another attempt, from the retry
+        budget), and relay the rest into the client's stream. False (the stream is broken off with an
+        error event, as before) when that cannot be done faithfully."""
+        if self.done or not self.director.settings.stream_continuation:
+            return False
+        ctx = self.ctx
+        metrics = self.director.metrics
+        engine = self.engine
+        assert engine is not None
+        continuing = self.continuing
+        why = None
+        if self.attempts_left <= 0:
+            why = "no_attempt_left"
+        elif leg.kept is None:
+            why = "too_long"
+        elif not leg.at_event_boundary():
+            why = "partial_event"
+        elif continuing is None:
+            try:
+                continuing = Continuation.begin(
+                    ctx.path,
+                    ctx.body,
+                    b"".join(leg.kept),
+                    leg.chunked and leg.dechunker is None,
+                    leg.keep_alive,
+                )
+            except NotContinuable as exc:
+                why = str(exc)
+            else:
+                continuing.ttft = leg.ttft
+        if why is None:
+            assert continuing is not None
+            if continuing.transcript.finished:
+                why = "answer_finished"
+            else:
+                ctx.exclude(engine.name)
+                if not self._other_candidate():
+                    why = "no_engine"
+        if why is not None:
+            metrics.stream_continuations.labels(ctx.model_label, why).inc()
+            return False
+        assert continuing is not None
+        log.warning(
+            "engine %s broke a stream after %d events (%s); continuing it on another engine (%s)",
+            engine.name,
+            continuing.transcript.tokens,
+            error,
+            ctx.log_ref(),
+        )
+        self.continuing = continuing
+        continuing.broke_at = time.perf_counter()
+        leg.abort()
+        self.leg = None
+        self._settle(FAILURE)
+        if ctx.trace is not None:
+            ctx.trace.leg_end(leg.status, f"broken, continued: {error}", stream=True)
+        metrics.stream_continuations.labels(ctx.model_label, "continued").inc()
+        metrics.retry(ctx.model, "stream_continued")
+        self._rebody(continuing.body())
+        self._attempt()
+        return True
+
+    def _continued_leg(self, continuing: Continuation, pool: Any, upstream_request: bytes) -> ContinuedLeg:  # noqa: ANN401
+        """The leg of a continuation: its events rewritten into the client's stream."""
+        metrics = self.director.metrics
+        broke_at = continuing.broke_at
+
+        def first_event(now: float) -> None:
+            metrics.stream_continuation_seconds.observe(now - broke_at)
+
+        leg = ContinuedLeg(
+            self,
+            self.conn,
+            self.request,
+            pool,
+            metrics,
+            upstream_request,
+            continuing.transcript,
+            continuing.client_chunked,
+            continuing.keep_alive,
+            broke_at,
+            first_event,
+        )
+        leg.ttft = continuing.ttft
+        return leg
+
+    def continuation_refused(self, leg: Leg, message: str) -> None:
+        ctx = self.ctx
+        ctx.ttft = leg.ttft
+        if ctx.trace is not None:
+            ctx.trace.leg_end(leg.status, "continuation refused", stream=True)
+        self.director.metrics.stream_continuations.labels(ctx.model_label, "refused").inc()
+        log.warning("%s (%s)", message, ctx.log_ref())
+        self._end("upstream_error", RELEASED)
+
+    def _continued_stream_complete(self) -> None:
+        self.director.metrics.stream_continuations.labels(self.ctx.model_label, "completed").inc()
+
+    def _end_continued_stream(self, error: RouterError) -> None:
+        """The continuation could not be sent (no engine took it in time, a hook refused it): the
+        client's stream, open since the first engine's answer, ends with the router's error."""
+        continuing = self.continuing
+        assert continuing is not None
+        conn = self.conn
+        self.leg = None
+        if conn.closed:
+            return
+        event = sse_error_event(
+            error.message, error.code or "upstream_error", error.error_type or "server_error"
+        )
+        if continuing.client_chunked:
+            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
+            conn.finish(continuing.keep_alive)
+        else:
+            conn.transport.write(event)
+            conn.close()
 
     # ---- the client side (HttpConnection's Handler) -----------------------------------------------------
     def client_lost(self) -> None:
@@ -411,7 +556,12 @@ class ProxiedRequest(DirectedRequest):
         if leg is None:  # in the queue, or waiting on a stage's awaitable
             self.stage_timed_out(now, timeout)
             return
-        if leg.silent_for(now) < timeout:
+        silent = leg.silent_for(now)
+        if silent < timeout:
+            if silent >= STALLED_AFTER and leg.kept is not None and not self.engine.routable():  # type: ignore[union-attr]
+                # its engine left, or was found unhealthy, and the stream stopped (a stopped vLLM's
+                # stream waits on a dead engine core): continued elsewhere, or left to the timeout
+                self.continue_stream(leg, f"engine {self.engine_name()} left and its stream stalled")
             return
         if leg.committed:
             leg.break_midway(f"engine {self.engine_name()} went silent", "read timeout")
@@ -490,6 +640,9 @@ class ProxiedRequest(DirectedRequest):
             self.evictable = False
             self.director.evictor.forget(self.ctx.pool or self.ctx.model, self)
         if error is not None:
+            if self.continuing is not None:  # the client's stream is open: it ends with the error
+                self._end_continued_stream(error)
+                return
             self.conn.send_error(error, self.ctx.request_id, self.request.keep_alive)
             return
         leg = self.leg

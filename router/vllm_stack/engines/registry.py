@@ -185,6 +185,7 @@ class EngineRegistry:
             info = current.get(name)
             if info is None or info.url.rstrip("/") != engine.url:
                 del self._engines[name]
+                engine.ready = False  # for the requests still on it (a stream that stalls is continued)
                 self._metrics.forget_engine(name)
                 for hook in self.on_engine_left:
                     hook(engine)

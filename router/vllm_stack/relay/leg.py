@@ -45,6 +45,9 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 NOT_FOUND = 404
 BUFFER_LIMIT = 1 << 20  # bytes of a non-streamed answer held back (and still retryable)
 ANSWER_END_BYTES = 2048  # kept for a plugin that asked (vLLM's usage object fits, with room)
+#: Bytes of a stream kept so that another engine can continue it should its engine break (Leg.kept);
+#: a longer stream is not continued (about 4,000 tokens of vLLM's chat events)
+KEEP_LIMIT = 1 << 20
 _NO_BODY_STATUS = frozenset({204, 304})
 _HOP_BY_HOP_BUT_FRAMING = HOP_BY_HOP - {b"transfer-encoding"}
 #: Any hop-by-hop header but the framing, in a lower-cased head (whose lines start after a CRLF).
@@ -98,6 +101,10 @@ class Dechunker:
         out = b"".join(self._parts)
         self._parts.clear()
         return out
+
+    def parts(self) -> list[bytes]:
+        """The body bytes parsed before a feed that failed (what followed them was not a chunk)."""
+        return self._parts
 
 
 class _Ended:
@@ -199,6 +206,19 @@ class LegOwner(Protocol):
         """The answer broke after it was committed; the leg ended the client's answer as HTTP allows."""
         ...
 
+    def keeps_stream(self) -> bool:
+        """A stream is committed: whether to keep its bytes (:attr:`Leg.kept`) for a continuation."""
+        ...
+
+    def continue_stream(self, leg: Leg, error: BaseException | str) -> bool:
+        """The engine broke a kept stream: True when the owner continues it on another engine (the leg
+        ends and reports nothing more), False to break it off."""
+        ...
+
+    def continuation_refused(self, leg: Leg, message: str) -> None:
+        """A continuation's engine answered with an error; the leg ended the client's stream with it."""
+        ...
+
 
 class Leg(PooledExchange):
     """One upstream exchange of a proxied request, and its forwarding to the client."""
@@ -226,6 +246,8 @@ class Leg(PooledExchange):
         "last_activity",
         "upstream_request",
         "answer_end",
+        "kept",
+        "kept_size",
     )
 
     def __init__(
@@ -268,6 +290,9 @@ class Leg(PooledExchange):
         self.last_activity = time.perf_counter()
         self.upstream_request = upstream_request
         self.answer_end: bytes | None = None  # b"" when the owner wants the answer's last bytes kept
+        # A stream's bytes as forwarded, while another engine could continue it (None: not kept)
+        self.kept: list[bytes] | None = None
+        self.kept_size = 0
         up = pool.take()
         if up is None:
             self._connect()
@@ -346,6 +371,8 @@ class Leg(PooledExchange):
         self.committed = True
         if self.sse:
             self.itl = self.metrics.itl_child(self.owner.ctx.model_label)
+            if self.owner.keeps_stream():
+                self.kept = []
         self.out.append(self.head)
         if self.held:
             self.out += self.held
@@ -379,6 +406,13 @@ class Leg(PooledExchange):
                 self.out.append(data)
                 self.last_data = data
                 if self.sse:
+                    kept = self.kept
+                    if kept is not None:  # for a continuation, up to KEEP_LIMIT
+                        self.kept_size += len(data)
+                        if self.kept_size <= KEEP_LIMIT:
+                            kept.append(data)
+                        else:
+                            self.kept = None
                     events = data.count(b"\n\n")  # an SSE event ends with a blank line
                     if events:
                         self._observe_tokens(now, events)
@@ -495,7 +529,18 @@ class Leg(PooledExchange):
                     self, f"Engine {name} closed the connection without answering: {error}", "upstream_closed"
                 )
             return
+        if (self.kept is not None or self.kept_size) and self.owner.continue_stream(self, error):
+            return
         self.break_midway(f"engine {self.owner.engine_name()} failed mid-stream", error)
+
+    def at_event_boundary(self) -> bool:
+        """Whether the client's stream stands after a whole event (nothing, or the end of one)."""
+        last = self.last_data
+        if last is None:
+            return True
+        if self.chunked and self.dechunker is None:
+            return last.endswith(b"\n\n\r\n")
+        return last.endswith(b"\n\n")
 
     def break_midway(self, message: str, error: BaseException | str) -> None:
         """The answer was being forwarded and cannot go on: end an SSE stream with an error event,

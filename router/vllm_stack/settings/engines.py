@@ -58,6 +58,14 @@ class EngineGroup:
         doc="extra attempts on another engine (default 2)",
         aliases=("--max-instance-failover-reroute-attempts",),
     )
+    stream_continuation: bool = setting(
+        True,
+        doc="a stream whose engine breaks after it began is continued on another engine of the model "
+        '(one of the retries; docs/hardening.md "A stream that survives its engine"); off: it ends '
+        "with an error event",
+        negatable=True,
+        chart="routerSpec.streamContinuation",
+    )
     wake_sleeping_engines: bool = setting(
         True,
         doc="a request whose model's engines all sleep (vLLM's sleep mode) wakes one and waits for it "
