@@ -47,6 +47,9 @@ class Endpoint:
     multipart: bool = False  # a multipart/form-data body (its ``model`` is a form field)
     batchable: bool = False  # a batch's ``endpoint`` may name it
     disaggregable: bool = False  # a request may be prefilled on another engine (prompt, max_tokens)
+    #: A stream broken by its engine may go on on another (director.continuation): "chat" (the text as
+    #: a partial assistant message) or "prompt" (the text after the prompt); "" for none
+    continuation: str = ""
     #: The span's ``gen_ai.operation.name`` (OpenTelemetry's GenAI conventions); default the last segment.
     operation: str = ""
     probe: bool = False  # answered even on a connection past the connection limit
@@ -83,6 +86,9 @@ class EndpointTable:
         self.multipart = frozenset(r.path for r in proxied if r.multipart)
         self.batchable = tuple(r.path for r in proxied if r.batchable)  # in the table's order (messages)
         self.disaggregable = frozenset(r.path for r in proxied if r.disaggregable)
+        self.continuable: Mapping[str, str] = MappingProxyType(
+            {r.path: r.continuation for r in proxied if r.continuation}
+        )
         #: The router's own endpoints: method -> path -> handler name (HEAD as GET).
         routes: dict[str, dict[str, str]] = {}
         for row in answered:
@@ -138,8 +144,16 @@ def _check(row: Endpoint) -> None:
 ENDPOINTS = EndpointTable(
     (
         # Sent to an engine of the request's model.
-        Endpoint("/v1/chat/completions", batchable=True, disaggregable=True, operation="chat"),
-        Endpoint("/v1/completions", batchable=True, disaggregable=True, operation="text_completion"),
+        Endpoint(
+            "/v1/chat/completions", batchable=True, disaggregable=True, operation="chat", continuation="chat"
+        ),
+        Endpoint(
+            "/v1/completions",
+            batchable=True,
+            disaggregable=True,
+            operation="text_completion",
+            continuation="prompt",
+        ),
         Endpoint("/v1/embeddings", batchable=True, operation="embeddings"),
         Endpoint("/v1/responses"),
         Endpoint("/v1/messages"),

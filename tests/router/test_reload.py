@@ -112,6 +112,7 @@ PROBES: dict[str, Probe] = {
     "lmcache_lookup_timeout": Probe(0.5, lambda r: picker(r, "kvaware").controller.timeout, base=KVAWARE),
     "debug_headers": Probe(True, lambda r: r.director.settings.debug_headers),
     "wake_sleeping_engines": Probe(False, lambda r: r.director.settings.wake_sleeping),
+    "stream_continuation": Probe(False, lambda r: r.director.settings.stream_continuation),
     "lora_adapters": Probe(
         ({"name": "ad", "source": "/models/ad", "base_model": "stub-model"},),
         lambda r: r.catalog is not None and r.catalog.get("ad") is not None,

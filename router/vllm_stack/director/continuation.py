@@ -30,11 +30,11 @@ from typing import Any
 
 import orjson
 
+from vllm_stack.endpoint_table import ENDPOINTS
 from vllm_stack.relay.transcript import NotContinuable, StreamTranscript, dechunked
 
-CHAT_PATH = "/v1/chat/completions"
-COMPLETIONS_PATH = "/v1/completions"
-PATHS = frozenset({CHAT_PATH, COMPLETIONS_PATH})
+#: path -> how its request is continued: "chat" (a partial assistant message) or "prompt" (prompt + text)
+PATHS = ENDPOINTS.continuable
 
 #: Fields whose presence (with a value that is not the default) makes a continuation unfaithful.
 _UNFAITHFUL = (
@@ -96,7 +96,8 @@ class Continuation:
     ) -> Continuation:
         """The continuation of a request to ``path`` with ``body`` whose client received ``sent`` (as
         framed to it); NotContinuable (its reason) when the request or its stream rules one out."""
-        if path not in PATHS:
+        kind = PATHS.get(path)
+        if kind is None:
             raise NotContinuable("path")
         try:
             request = orjson.loads(body)
@@ -107,7 +108,7 @@ class Continuation:
         blocking = _blocking_field(request)
         if blocking is not None:
             raise NotContinuable(f"parameter_{blocking}")
-        chat = path == CHAT_PATH
+        chat = kind == "chat"
         if chat:
             messages = request.get("messages")
             if not isinstance(messages, list) or not messages:
