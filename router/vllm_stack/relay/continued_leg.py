@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import httptools
 import orjson
 
 from vllm_stack.errors import sse_error_event
@@ -83,7 +84,13 @@ class ContinuedLeg(Leg):
         now = time.perf_counter()
         self.last_activity = now
         if self.dechunker is not None and data:
-            data = self.dechunker.feed(data)
+            try:
+                data = self.dechunker.feed(data)
+            except httptools.HttpParserError:  # bytes past the answer's last chunk: the answer's part
+                data = b"".join(self.dechunker.parts())
+                complete = True
+                if self.up is not None:
+                    self.up.keep_alive = False  # what followed is not ours: the connection is not pooled
         if self.refused:
             if self.held_size < BUFFER_LIMIT:
                 self.held.append(data)

@@ -145,8 +145,11 @@ class StreamTranscript:
             prompt = usage.get("prompt_tokens")
             completion = usage.get("completion_tokens")
             if isinstance(prompt, int) and isinstance(completion, int):
+                # the tokens generated, exactly; the prompt as this engine read it less the streamed tokens
+                # (exact where the streamed text tokenizes back to the tokens generated)
                 usage["prompt_tokens"] = max(0, prompt - carried)
-                usage["completion_tokens"] = completion + min(carried, prompt)
+                usage["completion_tokens"] = completion + carried
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         self.take(event)
         return orjson.dumps(event)
 
