@@ -74,7 +74,7 @@ test-fast: install
 
 # The real control plane (etcd, kube-apiserver, controller manager, scheduler, kwok) and what runs on it.
 test-cluster: install
-	@$(BIN)/pytest -m cluster $(PYTEST_ARGS)
+	@$(BIN)/pytest -m "cluster or cluster_full" $(PYTEST_ARGS)
 
 # The node tier: a real kubelet and containerd joined to the control plane (`make install` builds them and the
 # CPU engine image). `make test` runs its reduced set; this, every node test (marker node_full too).

@@ -280,7 +280,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
 
 
 # Markers whose tests run only when `-m` names them.
-OPT_IN_MARKERS = ("stacks", "image_builds", "node_full")
+OPT_IN_MARKERS = ("stacks", "image_builds", "node_full", "cluster_full")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -288,6 +288,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     with ``-m stacks``: they take a quarter of an hour, on top of `make test`'s own stacks. The same for
     `image_builds` (`make test-images`): they build images (the CPU engine image, ~7 GB; a router rebuild)."""
     # `node_full` (`make test-node`): the node tier's whole matrix; `make test` runs its `node` tests.
+    # `cluster_full` (`make test-cluster`): the cluster tier's whole Helm matrix; `make test` runs a half.
     markexpr = config.getoption("markexpr") or ""
     skipped = [marker for marker in OPT_IN_MARKERS if marker not in markexpr]
     kept = [item for item in items if not any(item.get_closest_marker(m) for m in skipped)]

@@ -10,8 +10,11 @@ raised. Cases that claim the same fixed nodePort (cluster-wide) never run at the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
 
 #: Concurrent cases: enough to keep the API server busy on two cores while others wait on Pods.
 WORKERS = 4
@@ -67,3 +70,25 @@ class _Held:
     def __exit__(self, *exc: object) -> None:
         for lock in reversed(self._locks):
             lock.release()
+
+
+def helm_matrix(files: Iterable[Path], ids: Callable[[Path], str]) -> list[object]:
+    """Each values file with Helm 3 and Helm 4: in `make test`, one of the two per file (alternating, so
+    both majors run on half the files each); the other with marker ``cluster_full`` (`make test-cluster`
+    runs the whole matrix)."""
+    cases = []
+    for index, values in enumerate(files):
+        for major in (3, 4):
+            marks = [] if major == (3, 4)[index % 2] else [pytest.mark.cluster_full]
+            cases.append(pytest.param(values, major, marks=marks, id=f"{ids(values)}-helm{major}"))
+    return cases
+
+
+def selected(request: pytest.FixtureRequest, test: str, names: Sequence[str]) -> list[tuple[object, ...]]:
+    """The cases of ``test`` this session runs, in order: a deselected case (``cluster_full``'s, or one
+    left out by ``-k``) is not started by its module's :class:`ConcurrentCases`."""
+    return [
+        tuple(item.callspec.params[name] for name in names)  # type: ignore[attr-defined]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test
+    ]

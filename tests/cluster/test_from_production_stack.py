@@ -49,7 +49,7 @@ from vllm_stack_dev.testbed.engines import (
 from vllm_stack_dev.waiting import wait_http_ok
 
 from tests import shared_data
-from tests.cluster.cases import ConcurrentCases
+from tests.cluster.cases import ConcurrentCases, selected
 from tests.cluster.test_install import (
     NODE_PORTS,
     RELEASE,
@@ -238,8 +238,17 @@ def one_helm(index: int, path: Path) -> int:
     return 3 if path.name in HELM3_ONLY else (3, 4)[index % 2]
 
 
-CASES = [(shared_data.PS_VALUES / name, major) for name in FILES for major in (3, 4)] + [
-    (path, one_helm(i, path)) for i, path in enumerate(other_files())
+#: The three files with both Helms in `make test`; every other file production-stack ships, with one Helm,
+#: in `make test-cluster` (marker cluster_full)
+CASES = [
+    pytest.param(shared_data.PS_VALUES / name, major, id=f"{name}-helm{major}")
+    for name in FILES
+    for major in (3, 4)
+] + [
+    pytest.param(
+        path, one_helm(i, path), marks=pytest.mark.cluster_full, id=f"{path.name}-helm{one_helm(i, path)}"
+    )
+    for i, path in enumerate(other_files())
 ]
 
 
@@ -257,15 +266,18 @@ def engine(tiny_model_dir: Path, engine_logs_dir: Path) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def migrations(
-    cluster: Cluster, engine: Engine, tmp_path_factory: pytest.TempPathFactory
+    cluster: Cluster, engine: Engine, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ConcurrentCases]:
     logs = tmp_path_factory.mktemp("from-production-stack")
-    cases = ConcurrentCases(lambda case: migrate_case(cluster, engine, logs, *case), CASES)  # type: ignore[misc]
+    chosen = selected(
+        request, "test_a_production_stack_release_upgrades_in_place_and_rolls_back", ("values", "major")
+    )
+    cases = ConcurrentCases(lambda case: migrate_case(cluster, engine, logs, *case), chosen)  # type: ignore[misc]
     yield cases
     cases.close()
 
 
-@pytest.mark.parametrize(("values", "major"), CASES, ids=[f"{v.name}-helm{m}" for v, m in CASES])
+@pytest.mark.parametrize(("values", "major"), CASES)
 def test_a_production_stack_release_upgrades_in_place_and_rolls_back(
     migrations: ConcurrentCases, values: Path, major: int
 ) -> None:

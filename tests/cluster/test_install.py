@@ -23,7 +23,7 @@ from vllm_stack_dev.cluster.control_plane import Cluster
 from vllm_stack_dev.cluster.releases import Helm, existing, place, wait_workloads_ready
 
 from tests import shared_data
-from tests.cluster.cases import ConcurrentCases, KeyedLocks
+from tests.cluster.cases import ConcurrentCases, KeyedLocks, helm_matrix, selected
 from tests.helm.chart import CHART, EXAMPLES, ROOT, TUTORIALS
 
 pytestmark = pytest.mark.cluster
@@ -72,7 +72,7 @@ def discard(cluster: Cluster, helm: Helm, namespace: str) -> None:
 #: An SGLang model beside a vLLM one (engineKind: sglang): not a chart example, since `vllm-stack up`, which
 #: runs every example, cannot run SGLang here (tests/up/test_plan.py shows its refusal).
 SGLANG_VALUES = ROOT / "tests" / "helm" / "data" / "sglang-beside-vllm.yaml"
-CASES = [(values, major) for values in [*every_values_file(), SGLANG_VALUES] for major in (3, 4)]
+CASES = helm_matrix([*every_values_file(), SGLANG_VALUES], file_id)
 NODE_PORTS = KeyedLocks()
 
 
@@ -96,13 +96,14 @@ def install_case(cluster: Cluster, values: Path, major: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def installs(cluster: Cluster) -> Iterator[ConcurrentCases]:
-    cases = ConcurrentCases(lambda case: install_case(cluster, *case), CASES)  # type: ignore[misc]
+def installs(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[ConcurrentCases]:
+    chosen = selected(request, "test_every_values_file_installs_runs_and_uninstalls", ("values", "major"))
+    cases = ConcurrentCases(lambda case: install_case(cluster, *case), chosen)  # type: ignore[misc]
     yield cases
     cases.close()
 
 
-@pytest.mark.parametrize(("values", "major"), CASES, ids=[f"{file_id(v)}-helm{m}" for v, m in CASES])
+@pytest.mark.parametrize(("values", "major"), CASES)
 def test_every_values_file_installs_runs_and_uninstalls(
     installs: ConcurrentCases, values: Path, major: int
 ) -> None:

@@ -19,7 +19,7 @@ from vllm_stack_dev.cluster.control_plane import Cluster
 from vllm_stack_dev.cluster.releases import Helm, place, wait_workloads_ready
 
 from tests import shared_data
-from tests.cluster.cases import ConcurrentCases
+from tests.cluster.cases import ConcurrentCases, helm_matrix, selected
 from tests.cluster.test_install import NODE_PORTS, RELEASE, discard, fresh_namespace, uninstall_and_check
 from tests.helm.chart import CHART, EXAMPLES, ROOT, engine_name, flag, router_name
 
@@ -164,17 +164,18 @@ def upgrade_case(cluster: Cluster, values_path: Path, major: int) -> None:
                 discard(cluster, helm, namespace)
 
 
-CASES = [(values, major) for values in upgrade_files() for major in (3, 4)]
+CASES = helm_matrix(upgrade_files(), file_id)
 
 
 @pytest.fixture(scope="module")
-def upgrades(cluster: Cluster) -> Iterator[ConcurrentCases]:
-    cases = ConcurrentCases(lambda case: upgrade_case(cluster, *case), CASES)  # type: ignore[misc]
+def upgrades(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[ConcurrentCases]:
+    chosen = selected(request, "test_upgrade_with_changed_values_then_rollback", ("values_path", "major"))
+    cases = ConcurrentCases(lambda case: upgrade_case(cluster, *case), chosen)  # type: ignore[misc]
     yield cases
     cases.close()
 
 
-@pytest.mark.parametrize(("values_path", "major"), CASES, ids=[f"{file_id(v)}-helm{m}" for v, m in CASES])
+@pytest.mark.parametrize(("values_path", "major"), CASES)
 def test_upgrade_with_changed_values_then_rollback(
     upgrades: ConcurrentCases, values_path: Path, major: int
 ) -> None:
