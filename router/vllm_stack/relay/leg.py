@@ -46,8 +46,10 @@ NOT_FOUND = 404
 BUFFER_LIMIT = 1 << 20  # bytes of a non-streamed answer held back (and still retryable)
 ANSWER_END_BYTES = 2048  # kept for a plugin that asked (vLLM's usage object fits, with room)
 #: Bytes of a stream kept so that another engine can continue it should its engine break (Leg.kept);
-#: a longer stream is not continued (about 4,000 tokens of vLLM's chat events)
+#: a longer stream is not continued (about 4,000 tokens of vLLM's chat events). Its size is added up every
+#: 64 reads, not per read (one token each): past the limit by at most 63 reads' bytes, then released.
 KEEP_LIMIT = 1 << 20
+KEEP_CHECK = 63  # a mask: reads 64, 128, ...
 _NO_BODY_STATUS = frozenset({204, 304})
 _HOP_BY_HOP_BUT_FRAMING = HOP_BY_HOP - {b"transfer-encoding"}
 #: Any hop-by-hop header but the framing, in a lower-cased head (whose lines start after a CRLF).
@@ -407,12 +409,10 @@ class Leg(PooledExchange):
                 self.last_data = data
                 if self.sse:
                     kept = self.kept
-                    if kept is not None:  # for a continuation, up to KEEP_LIMIT
-                        self.kept_size += len(data)
-                        if self.kept_size <= KEEP_LIMIT:
-                            kept.append(data)
-                        else:
-                            self.kept = None
+                    if kept is not None:  # for a continuation; its size checked every KEEP_CHECK reads
+                        kept.append(data)
+                        if not len(kept) & KEEP_CHECK:
+                            self._bound_kept(kept)
                     events = data.count(b"\n\n")  # an SSE event ends with a blank line
                     if events:
                         self._observe_tokens(now, events)
@@ -532,6 +532,12 @@ class Leg(PooledExchange):
         if (self.kept is not None or self.kept_size) and self.owner.continue_stream(self, error):
             return
         self.break_midway(f"engine {self.owner.engine_name()} failed mid-stream", error)
+
+    def _bound_kept(self, kept: list[bytes]) -> None:
+        """The kept bytes past :data:`KEEP_LIMIT`: let them go (this stream will not be continued)."""
+        self.kept_size = sum(map(len, kept))
+        if self.kept_size > KEEP_LIMIT:
+            self.kept = None
 
     def at_event_boundary(self) -> bool:
         """Whether the client's stream stands after a whole event (nothing, or the end of one)."""
