@@ -17,6 +17,7 @@ import pytest
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, metric_value, running_router, stubs, wait_for
 from vllm_stack.director.continuation import Continuation
+from vllm_stack.relay.leg import KEEP_LIMIT
 from vllm_stack.relay.transcript import NotContinuable
 
 MODEL = "stub-model"
@@ -282,5 +283,22 @@ async def test_a_stream_that_stalls_on_an_engine_found_down_is_continued() -> No
     )
     assert (
         metric_value(router, "vllm_stack_router_stream_continuations_total", model=MODEL, outcome="completed")
+        == 1
+    )
+
+
+async def test_a_stream_longer_than_the_bytes_kept_for_it_is_broken_off() -> None:
+    """The bytes a stream keeps for a continuation are bounded (KEEP_LIMIT, checked every 64 reads): past
+    it they are let go, and a break then ends the stream with an error event."""
+    a, b = StubEngine("a", [MODEL]), StubEngine("b", [MODEL])
+    a.behaviour.break_after_chunks = KEEP_LIMIT // 100  # the stub's events are about 150 bytes
+    async with stubs(a, b) as urls, running_router(urls) as (url, router):
+        body = {"model": MODEL, "messages": [USER], "max_tokens": KEEP_LIMIT // 50, "stream": True}
+        answer = await raw_stream(url, "/v1/chat/completions", body)
+    evs = events(answer.body)
+    assert "mid-stream" in evs[-1]["error"]["message"] and len(evs) == KEEP_LIMIT // 100 + 1
+    assert sent_to(b, "/v1/chat/completions") == []
+    assert (
+        metric_value(router, "vllm_stack_router_stream_continuations_total", model=MODEL, outcome="too_long")
         == 1
     )

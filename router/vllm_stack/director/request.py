@@ -39,7 +39,7 @@ from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.external import ENGINE_PREFIX
 from vllm_stack.errors import RouterError, sse_error_event
 from vllm_stack.relay.continued_leg import ContinuedLeg
-from vllm_stack.relay.leg import Leg
+from vllm_stack.relay.leg import KEEP_LIMIT, Leg
 from vllm_stack.relay.transcript import NotContinuable
 from vllm_stack.scheduling.framework import RequestContext
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
@@ -407,7 +407,7 @@ class ProxiedRequest(DirectedRequest):
         why = None
         if self.attempts_left <= 0:
             why = "no_attempt_left"
-        elif leg.kept is None:
+        elif leg.kept is None or sum(map(len, leg.kept)) > KEEP_LIMIT:
             why = "too_long"
         elif not leg.at_event_boundary():
             why = "partial_event"
