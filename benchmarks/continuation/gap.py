@@ -12,9 +12,10 @@ the proxy's address for A and B's own:
   stream is cut and the client sends the request again (answers of 5xx are retried by the client too).
 
 One round per cut point and contender: a streamed chat completion (``ignore_eos``, ``max_tokens`` =
-cut point + 64) goes to A; after ``k`` content events the proxy kills A. Measured at the client, from the
-kill: the time to the next content event (continued: B's first token of the continuation; client retry:
-the retried stream's event number k + 1, the first the client did not have), and whether the answer the
+cut point + 64) goes to A; after ``k`` token events the proxy kills A. Measured at the client, from the
+kill: the time to the next new token (continued: the continuation's first event, which ends the longest
+wait after the kill, since events A sent before it died may still arrive first; client retry: the retried
+stream's event number k + 1, the first the client did not have), and whether the answer the
 client holds in the end is whole (k + 64 content events, no error). The normal inter-token gap (median
 before the kill) is the reference. Rounds rotate the contenders' order; the proxy is revived and each
 router sees A healthy again before the next round.
@@ -159,8 +160,9 @@ async def content_events(response: aiohttp.ClientResponse):  # noqa: ANN201 - an
                 yield now, "error"
                 return
             for choice in event.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
-                    yield now, "token"
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str) and not delta.get("role"):
+                    yield now, "token"  # one per token (its text empty while a character is incomplete)
 
 
 async def one_round(
@@ -180,15 +182,19 @@ async def one_round(
                 ended = kind
                 break
             times.append(now)
-            if killed_at and result.gap_s is None:
-                result.gap_s = now - killed_at
             if len(times) == cut and not killed_at:
                 await proxy.kill()
                 killed_at = time.perf_counter()
-    if len(times) > 1:
-        before = [b - a for a, b in zip(times[: cut - 1], times[1:cut], strict=True)]
-        result.itl_s = statistics.median(before) if before else None
-    if killed_at and ended == "done" and result.gap_s is not None:
+    head = times[:cut]
+    if len(head) > 1:
+        result.itl_s = statistics.median(b - a for a, b in zip(head, head[1:], strict=False))
+    if killed_at and ended == "done":
+        # the continuation's first event ends the longest wait after the kill (events the first engine sent
+        # before it died may still arrive first, at once)
+        after = [killed_at] + times[cut:]
+        waits = [(b - a, b) for a, b in zip(after, after[1:], strict=False)]
+        if waits:
+            result.gap_s = max(waits)[1] - killed_at
         result.events, result.whole = len(times), True  # one answer, continued (vLLM: one token per event)
         return result
     if not killed_at:
