@@ -38,7 +38,7 @@ from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.external import ENGINE_PREFIX
 from vllm_stack.errors import RouterError, sse_error_event
-from vllm_stack.relay.continued_leg import ContinuedLeg
+from vllm_stack.relay.continued_leg import ContinuedLeg, end_client_stream
 from vllm_stack.relay.leg import KEEP_LIMIT, Leg
 from vllm_stack.relay.transcript import NotContinuable
 from vllm_stack.scheduling.framework import RequestContext
@@ -497,19 +497,12 @@ class ProxiedRequest(DirectedRequest):
         client's stream, open since the first engine's answer, ends with the router's error."""
         continuing = self.continuing
         assert continuing is not None
-        conn = self.conn
         self.leg = None
-        if conn.closed:
-            return
         event = sse_error_event(
             error.message, error.code or "upstream_error", error.error_type or "server_error"
         )
-        if continuing.client_chunked:
-            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
-            conn.finish(continuing.keep_alive)
-        else:
-            conn.transport.write(event)
-            conn.close()
+        if end_client_stream(self.conn, event, continuing.client_chunked):
+            self.conn.finish(continuing.keep_alive)
 
     # ---- the client side (HttpConnection's Handler) -----------------------------------------------------
     def client_lost(self) -> None:

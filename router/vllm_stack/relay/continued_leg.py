@@ -17,7 +17,6 @@ How it ends:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -26,14 +25,33 @@ import orjson
 
 from vllm_stack.errors import sse_error_event
 from vllm_stack.metrics import RouterMetrics
-from vllm_stack.relay.leg import ANSWER_END_BYTES, BUFFER_LIMIT, Dechunker, Leg, LegOwner
+from vllm_stack.relay.leg import (
+    _CHUNK_END,
+    ANSWER_END_BYTES,
+    BUFFER_LIMIT,
+    RETRYABLE_STATUS,
+    Dechunker,
+    Leg,
+    LegOwner,
+)
 from vllm_stack.relay.pool import EnginePool
 from vllm_stack.relay.transcript import NotContinuable, StreamTranscript, sse_payloads
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
-log = logging.getLogger(__name__)
-
 CONTINUED_TRAILER = b"x-vllm-stack-continued"
+
+
+def end_client_stream(conn: HttpConnection, event: bytes, chunked: bool) -> bool:
+    """Write ``event`` as the last of the client's open stream, in its framing: a last chunk, or the bytes
+    and then the connection's close. True when the connection stays open (chunked)."""
+    if conn.closed:
+        return False
+    if chunked:
+        conn.transport.write(b"%x\r\n%b\r\n%b" % (len(event), event, _CHUNK_END))
+        return True
+    conn.transport.write(event)
+    conn.close()
+    return False
 
 
 class ContinuedLeg(Leg):
@@ -66,7 +84,7 @@ class ContinuedLeg(Leg):
         self.last_event = last_event  # the client's last event (the first ITL sample spans the break)
 
     def on_head(self, status: int, head: bytes) -> None:
-        if status in (429, 500, 502, 503, 504) and self.owner.retry_on_status(self, status):
+        if status in RETRYABLE_STATUS and self.owner.retry_on_status(self, status):
             self.abort()
             return
         self.status = status
@@ -168,12 +186,5 @@ class ContinuedLeg(Leg):
     def end_stream(self, event: bytes) -> None:
         """Stop the exchange and end the client's stream with ``event`` in its framing."""
         self.abort()
-        conn = self.conn
-        if conn.closed:
-            return
-        if self.client_chunked:
-            conn.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
-        else:
-            conn.transport.write(event)
-            conn.close()
+        if not end_client_stream(self.conn, event, self.client_chunked):
             self.keep_alive = False
