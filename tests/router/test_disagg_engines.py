@@ -58,8 +58,14 @@ async def pd_router(engines: EngineGroup) -> AsyncIterator[tuple[str, Router, Wi
             yield url, router, prefill_tap, decode_tap
 
 
+#: The client's wait for the answer's head: a prefill, then the decode engine's first NIXL handshake with
+#: the prefill engine and its pull of the KV. 3-5 s on a quiet machine (also with four busy processes on
+#: its two cores); once over 30 s in CI, beside the engine tier's other engines.
+HANDOVER_TIMEOUT = 120.0
+
+
 async def stream_long_prompt(c: httpx.AsyncClient) -> None:
-    async with c.stream("POST", "/v1/chat/completions", json=SENT) as r:
+    async with c.stream("POST", "/v1/chat/completions", json=SENT, timeout=HANDOVER_TIMEOUT) as r:
         text = (await r.aread()).decode()
     assert r.status_code == 200, text
     assert text.rstrip().endswith("data: [DONE]")
