@@ -262,7 +262,8 @@ async def run(args: argparse.Namespace) -> dict:
                         f"{name}-{index}",
                     )
                     try:
-                        wait_ready(router, MODEL, 120)
+                        # in a thread: the proxy serves on this loop (the Rust router asks A for /v1/models)
+                        await asyncio.to_thread(wait_ready, router, MODEL, 120)
                         for cut in cuts:
                             await revive_if_dead(proxy, session, router.url)
                             await steer_to_a(proxy, session, router.url)
