@@ -30,6 +30,10 @@ class StubBehaviour:
     delay_s: float = 0.0  # before the response starts
     token_delay_s: float = 0.0  # between streamed chunks
     break_after_chunks: int | None = None  # close the connection after this many streamed chunks
+    # End a stream after this many chunks with ``give_up_event`` and [DONE], as vLLM does when its engine
+    # core dies (an error event, code 500) or it aborts the request as it shuts down (finish_reason abort)
+    give_up_after_chunks: int | None = None
+    give_up_event: dict[str, Any] | None = None
     tokens: int = 8  # streamed chunks when max_tokens is absent
     lora_load_delay_s: float = 0.0  # before a LoRA load answers
     lora_load_status: int = 200  # a load's answer (400 with vLLM's words when not 200)
@@ -253,6 +257,13 @@ class StubEngine:
                     return
                 if b.break_after_chunks is not None and i >= b.break_after_chunks:
                     raise ConnectionAbortedError("stub breaks the stream on purpose")
+                if b.give_up_after_chunks is not None and i >= b.give_up_after_chunks:
+                    event = b"data: " + orjson.dumps(b.give_up_event) + b"\n\n"
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    await send(
+                        {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+                    )
+                    return
                 chunk = {
                     "id": answer_id,
                     "object": "chat.completion.chunk",

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,7 +28,8 @@ import openai
 import pytest
 from vllm_stack_dev.testbed.engines import Engine, wait_ready
 
-from tests.router.helpers import client, running_router, wait_for
+from tests.fakes.wire_tap import tapped
+from tests.router.helpers import client, metric_value, running_router, wait_for
 from vllm_stack.engines.circuit import BreakerState
 from vllm_stack.engines.engine import Engine as RegisteredEngine
 
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.engine
 
 MODEL = "tiny-llama"
 BUSY_S = 20.0
+CORE_KILL_TOKENS = 1000  # a stream that still runs when its engine core is killed
 DEFAULTS = {  # the chart's routerSpec defaults (helm/values.yaml), not the fast test settings
     "health_check_interval": 5.0,
     "engine_scrape_interval": 1.0,
@@ -151,6 +155,79 @@ async def test_killed_engine_loses_no_request_and_its_restart_gets_traffic(
     assert load.failed == [], load.failed[:5]
     assert ejected_after <= 1.0
     assert traffic_after <= 2.0
+
+
+def _engine_cores(engine: Engine) -> list[int]:
+    """The PIDs of the engine's EngineCore processes (vLLM titles them so), in its process group."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.getpgid(int(entry.name)) == engine.process.pid and (
+                entry / "cmdline"
+            ).read_bytes().startswith(b"VLLM::EngineCore"):
+                pids.append(int(entry.name))
+    return pids
+
+
+async def test_streams_of_an_engine_whose_core_died_go_on_on_the_other(session_engines, engines) -> None:
+    """The spare's engine core killed under two streams (chat and completions) that had begun: its API
+    server ends each with an error event of its own (EngineDeadError, "EngineCore encountered an issue",
+    code 500; the same a vLLM container sent SIGTERM by the kubelet writes, tests/node) and [DONE]. The
+    router forwards neither: each stream goes on on the other engine, one whole answer with every token
+    counted. The spare is restarted for the tests after this one."""
+    spare = session_engines.spare_engine()
+    long = {"max_tokens": CORE_KILL_TOKENS, "stream": True, "extra_body": {"ignore_eos": True},
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    try:
+        async with (
+            tapped(spare.port) as tap,
+            running_router([tap.url, engines[0].url], routing_logic="roundrobin", **DEFAULTS) as (
+                url,
+                router,
+            ),
+        ):
+            c = client(url).with_options(timeout=600)
+            streams = []
+            for make in (
+                lambda: c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], **long
+                ),
+                lambda: c.completions.create(model=MODEL, prompt="Once", **long),
+            ):
+                stream = await make()  # round-robin: to the spare
+                streams.append((stream, [await stream.__anext__()]))  # it began
+                await c.completions.create(model=MODEL, prompt="a", max_tokens=2)  # to the other
+            registered = router.registry.get(f"{tap.host}:{tap.port}")
+            assert registered is not None
+            await wait_for(
+                lambda: (t := registered.fresh_telemetry()) is not None and t.running >= 2,
+                30,
+                "both streams running in the spare",
+            )
+            (core,) = _engine_cores(spare)
+            os.kill(core, signal.SIGKILL)
+            for stream, received in streams:
+                received += [event async for event in stream]  # no error event: the stream went on
+                assert {e.id for e in received} == {received[0].id}
+                assert received[-1].usage is not None
+                assert received[-1].usage.completion_tokens == CORE_KILL_TOKENS
+                assert [e.choices[0].finish_reason for e in received if e.choices][-1] == "length"
+            gave_up = [
+                x for x in tap.exchanges() if x.answer and b"EngineCore encountered an issue" in x.answer
+            ]
+            assert len(gave_up) == 2, [x.answer[-300:] for x in tap.exchanges() if x.answer]
+            outcomes = {
+                outcome: metric_value(
+                    router, "vllm_stack_router_stream_continuations_total", model=MODEL, outcome=outcome
+                )
+                for outcome in ("continued", "completed")
+            }
+            assert outcomes == {"continued": 2, "completed": 2}
+    finally:
+        spare.kill()
+        session_engines.restart_spare()  # the next test that takes it waits for it to be ready
 
 
 async def test_hung_engine_opens_its_circuit_and_comes_back(engines) -> None:

@@ -8,6 +8,7 @@ second engine's side from what the stub saw (the request that continued the answ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httptools
@@ -302,3 +303,140 @@ async def test_a_stream_longer_than_the_bytes_kept_for_it_is_broken_off() -> Non
         metric_value(router, "vllm_stack_router_stream_continuations_total", model=MODEL, outcome="too_long")
         == 1
     )
+
+
+#: vLLM 0.32's last event when its engine core dies (a SIGTERM in a container ends its streams so)
+ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+
+
+def aborted(completions: bool) -> dict[str, Any]:
+    """vLLM's last event of a request it aborted as it shut down: the choice finished ``abort``."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "abort"}
+    choice.update({"text": ""} if completions else {"delta": {"content": ""}})
+    return {"id": "x", "object": "text_completion" if completions else "chat.completion.chunk",
+            "created": 1700000000, "model": MODEL, "choices": [choice]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "event"),
+    [
+        ("/v1/chat/completions", ENGINE_DEAD),
+        ("/v1/chat/completions", aborted(False)),
+        ("/v1/completions", ENGINE_DEAD),
+        ("/v1/completions", aborted(True)),
+    ],
+    ids=["chat-engine-dead", "chat-abort", "completions-engine-dead", "completions-abort"],
+)
+async def test_a_stream_its_engine_gave_up_with_an_event_goes_on_on_another(path: str, event: dict) -> None:
+    """An engine that ends a stream with an event of its own (an error of the server's, a choice finished
+    ``abort``) broke it as surely as one that closed the connection: the event and its [DONE] are not
+    forwarded, the stream goes on on the other engine as one answer."""
+    a, b = StubEngine("a", [MODEL]), StubEngine("b", [MODEL])
+    a.behaviour.give_up_after_chunks, a.behaviour.give_up_event = 2, event
+    chat = path == "/v1/chat/completions"
+    async with stubs(a, b) as urls, running_router(urls) as (url, router):
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "stream": True}
+        body.update({"messages": [USER]} if chat else {"prompt": "Once"})
+        answer = await raw_stream(url, path, body)
+    evs = events(answer.body)
+    assert answer.complete and evs[-1] == "[DONE]" and evs.count("[DONE]") == 1
+    assert not any("error" in e or e["choices"][0]["finish_reason"] == "abort" for e in evs[:-1])
+    assert text_of(evs, chat=chat) == "t0 t1 t0 t1 t2 "
+    (continued,) = sent_to(b, path)
+    assert continued["max_tokens"] == 3
+    assert (b"x-vllm-stack-continued", b"1") in answer.fields
+    assert (
+        metric_value(router, "vllm_stack_router_stream_continuations_total", model=MODEL, outcome="completed")
+        == 1
+    )
+
+
+async def test_an_error_event_of_the_request_itself_is_forwarded_as_it_came() -> None:
+    """An error event below 500 says the request is wrong, which another engine would say too: the
+    client reads it, nothing is continued."""
+    a, b = StubEngine("a", [MODEL]), StubEngine("b", [MODEL])
+    refusal = {"error": {"message": "bad request mid-stream", "type": "BadRequestError", "code": 400}}
+    a.behaviour.give_up_after_chunks, a.behaviour.give_up_event = 2, refusal
+    async with stubs(a, b) as urls, running_router(urls) as (url, _):
+        body = {"model": MODEL, "messages": [USER], "max_tokens": 5, "stream": True}
+        answer = await raw_stream(url, "/v1/chat/completions", body)
+    assert events(answer.body) == [*events(answer.body)[:2], refusal, "[DONE]"]
+    assert sent_to(b, "/v1/chat/completions") == []
+
+
+async def test_the_events_before_a_give_up_in_the_same_read_reach_the_client() -> None:
+    """An engine whose tokens, error event, [DONE] and last chunk come in one write: the tokens are
+    forwarded, the rest is not, and the other engine continues after the tokens."""
+    b = StubEngine("b", [MODEL])
+
+    def chunk(payload: bytes) -> bytes:
+        event = b"data: " + payload + b"\n\n"
+        return b"%x\r\n%b\r\n" % (len(event), event)
+
+    def token(i: int) -> bytes:
+        choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
+        return orjson.dumps({"id": "chatcmpl-raw", "object": "chat.completion.chunk", "created": 1,
+                             "model": MODEL, "choices": [choice]})  # fmt: skip
+
+    stream = chunk(token(0)) + chunk(token(1)) + chunk(orjson.dumps(ENGINE_DEAD)) + chunk(b"[DONE]")
+    models = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answers on a kept-alive connection: the model list to the router's probes, an empty 200 to its
+        scrapes, and to a POST the whole stream above in one write."""
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                fields = dict(line.partition(b":")[::2] for line in head.split(b"\r\n")[1:] if line)
+                length = int({k.lower(): v for k, v in fields.items()}.get(b"content-length", b"0"))
+                await reader.readexactly(length)
+                if head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n" + stream + b"0\r\n\r\n")  # fmt: skip
+                else:
+                    body = models if b" /v1/models " in head.split(b"\r\n")[0] else b""
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    raw_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with stubs(b) as (b_url,), running_router([raw_url, b_url]) as (url, _):
+            body = {"model": MODEL, "messages": [USER], "max_tokens": 4, "stream": True}
+            answer = await raw_stream(url, "/v1/chat/completions", body)
+    finally:
+        server.close()
+    evs = events(answer.body)
+    assert evs[-1] == "[DONE]" and not any("error" in e for e in evs[:-1])
+    assert text_of(evs) == "t0 t1 t0 t1 " and {e["id"] for e in evs[:-1]} == {"chatcmpl-raw"}
+    (continued,) = sent_to(b, "/v1/chat/completions")
+    assert continued["messages"][-1] == {"role": "assistant", "content": "t0 t1 "}
+
+
+async def test_a_continuation_its_engine_gives_up_goes_on_on_a_third_engine() -> None:
+    a, b, c = StubEngine("a", [MODEL]), StubEngine("b", [MODEL]), StubEngine("c", [MODEL])
+    a.behaviour.break_after_chunks = 2
+    for e in (b, c):
+        e.behaviour.token_delay_s = 0.5
+    async with stubs(a, b, c) as urls, running_router(urls) as (url, _):
+        body = {"model": MODEL, "messages": [USER], "max_tokens": 6, "stream": True}
+        reading = asyncio.ensure_future(raw_stream(url, "/v1/chat/completions", body))
+        await wait_for(lambda: len(b.seen) + len(c.seen) == 1, within=20, what="the first continuation")
+        second, third = (b, c) if b.seen else (c, b)
+        second.behaviour.give_up_after_chunks, second.behaviour.give_up_event = 1, ENGINE_DEAD
+        answer = await reading
+    evs = events(answer.body)
+    assert evs[-1] == "[DONE]" and not any("error" in e for e in evs[:-1])
+    assert text_of(evs) == "t0 t1 t0 t0 t1 t2 "
+    (last,) = sent_to(third, "/v1/chat/completions")
+    assert last["messages"][-1] == {"role": "assistant", "content": "t0 t1 t0 "}
+    assert (b"x-vllm-stack-continued", b"2") in answer.fields

@@ -31,7 +31,8 @@ from typing import Any
 import orjson
 
 from vllm_stack.endpoint_table import ENDPOINTS
-from vllm_stack.relay.transcript import NotContinuable, StreamTranscript, dechunked
+from vllm_stack.relay.sse import dechunked
+from vllm_stack.relay.transcript import NotContinuable, StreamTranscript
 
 #: path -> how its request is continued: "chat" (a partial assistant message) or "prompt" (prompt + text)
 PATHS = ENDPOINTS.continuable

@@ -40,8 +40,8 @@ from typing import Any, Protocol
 import msgspec
 
 from vllm_stack.endpoint_table import ENDPOINTS
-from vllm_stack.relay.leg import Dechunker
 from vllm_stack.relay.pool import EnginePool, PooledExchange, UpstreamConnectError, UpstreamConnection
+from vllm_stack.relay.sse import Dechunker
 
 log = logging.getLogger(__name__)
 

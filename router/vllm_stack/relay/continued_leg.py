@@ -30,15 +30,16 @@ from vllm_stack.relay.leg import (
     ANSWER_END_BYTES,
     BUFFER_LIMIT,
     RETRYABLE_STATUS,
-    Dechunker,
     Leg,
     LegOwner,
 )
 from vllm_stack.relay.pool import EnginePool
-from vllm_stack.relay.transcript import NotContinuable, StreamTranscript, sse_payloads
+from vllm_stack.relay.sse import GAVE_UP_MARKERS, Dechunker, engine_gave_up, sse_payloads
+from vllm_stack.relay.transcript import NotContinuable, StreamTranscript
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 CONTINUED_TRAILER = b"x-vllm-stack-continued"
+GAVE_UP_ERROR, GAVE_UP_ABORT = GAVE_UP_MARKERS
 
 
 def end_client_stream(conn: HttpConnection, event: bytes, chunked: bool) -> bool:
@@ -120,6 +121,10 @@ class ContinuedLeg(Leg):
         if data:
             payloads, self.pending = sse_payloads(self.pending + data)
             for payload in payloads:
+                if (GAVE_UP_ERROR in payload or GAVE_UP_ABORT in payload) and self._gave_up(
+                    payload, out, now
+                ):
+                    return
                 try:
                     rewritten = self.transcript.rewrite(payload)
                 except (NotContinuable, orjson.JSONDecodeError) as exc:
@@ -145,6 +150,19 @@ class ContinuedLeg(Leg):
                 up.release()
             self._write_end()
             self.owner.leg_complete(self)
+
+    def _gave_up(self, payload: bytes, out: list[bytes], now: float) -> bool:
+        """This engine gave up the continuation with ``payload`` (:func:`engine_gave_up`): the events
+        before it are written, and the owner may continue again on another engine (True)."""
+        reason = engine_gave_up(payload)
+        if reason is None:
+            return False
+        if out:
+            self._observe_tokens(now, len(out))
+            self._write(b"".join(out))
+            out.clear()
+        message = f"engine {self.owner.engine_name()} gave up the continued stream: {reason}"
+        return self.owner.continue_stream(self, message)
 
     def _write(self, body: bytes) -> None:
         if self.answer_end is not None:

@@ -35,6 +35,7 @@ from vllm_stack.errors import sse_error_event, status_line
 from vllm_stack.metrics import RouterMetrics, _HistogramChild
 from vllm_stack.relay.headers import HOP_BY_HOP, connection_listed
 from vllm_stack.relay.pool import EnginePool, PooledExchange, UpstreamConnectError, UpstreamConnection
+from vllm_stack.relay.sse import GAVE_UP_MARKERS, Dechunker, dechunked, engine_gave_up, sse_payloads
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 log = logging.getLogger(__name__)
@@ -73,40 +74,9 @@ def _without_hop_by_hop(status: int, head: bytes, drop: frozenset[bytes]) -> byt
 
 
 _CHUNK_END = b"0\r\n\r\n"
+_GAVE_UP_ERROR, _GAVE_UP_ABORT = GAVE_UP_MARKERS
 _CR_LF = b"\r\n"  # the bytes the upstream parser skips after an answer without a word (see on_read)
 _NO_HISTOGRAM = _HistogramChild(())
-
-
-class _BodyParts:
-    """The parser callback of :class:`Dechunker`: an object apart, so the parser holds no cycle."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-
-    def on_body(self, body: bytes) -> None:
-        self.parts.append(body)
-
-
-class Dechunker:
-    """Chunked to plain body bytes, for the rare HTTP/1.0 client of an engine that answers chunked."""
-
-    def __init__(self) -> None:
-        sink = _BodyParts()
-        self._parts = sink.parts
-        self._parser = httptools.HttpResponseParser(sink)
-        self._parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-
-    def feed(self, data: bytes) -> bytes:
-        self._parser.feed_data(data)
-        out = b"".join(self._parts)
-        self._parts.clear()
-        return out
-
-    def parts(self) -> list[bytes]:
-        """The body bytes parsed before a feed that failed (what followed them was not a chunk)."""
-        return self._parts
 
 
 class _Ended:
@@ -405,10 +375,15 @@ class Leg(PooledExchange):
             if self.answer_end is not None:
                 self.answer_end = (self.answer_end + data)[-ANSWER_END_BYTES:]
             if self.committed:
+                kept = self.kept  # a stream another engine could continue
+                if kept is not None and (_GAVE_UP_ERROR in data or _GAVE_UP_ABORT in data):
+                    rest = self._engine_gave_up(data, now)
+                    if rest is None:  # continued on another engine
+                        return
+                    data = rest
                 self.out.append(data)
                 self.last_data = data
                 if self.sse:
-                    kept = self.kept
                     if kept is not None:  # for a continuation; its size checked every KEEP_CHECK reads
                         kept.append(data)
                         if not len(kept) & KEEP_CHECK:
@@ -532,6 +507,38 @@ class Leg(PooledExchange):
         if (self.kept is not None or self.kept_size) and self.owner.continue_stream(self, error):
             return
         self.break_midway(f"engine {self.owner.engine_name()} failed mid-stream", error)
+
+    def _engine_gave_up(self, data: bytes, now: float) -> bytes | None:
+        """A read of a kept stream in which the engine may have given up on it (an error event of its
+        own, a choice finished ``abort``: :func:`~vllm_stack.relay.sse.engine_gave_up`), as vLLM does when
+        its engine core dies or it is stopped. The events before that one are forwarded; from it on, the
+        owner may continue the stream on another engine as it does a broken one (None), else the rest of
+        the read is returned, to be forwarded as it came."""
+        raw = self.chunked and self.dechunker is None
+        boundary = b"\n\n\r\n" if raw else b"\n\n"  # the end of an event (in vLLM's chunk of its own)
+        at = min(i for i in (data.find(_GAVE_UP_ERROR), data.find(_GAVE_UP_ABORT)) if i >= 0)
+        start = data.rfind(boundary, 0, at)
+        start = 0 if start < 0 else start + len(boundary)
+        rest = data[start:]
+        payloads, _ = sse_payloads(dechunked(rest) if raw else rest)
+        reason = engine_gave_up(payloads[0]) if payloads else None
+        if reason is None:
+            return data
+        if start:
+            head = data[:start]
+            self.last_data = head
+            if self.kept is not None:
+                self.kept.append(head)
+            self._observe_tokens(now, head.count(b"\n\n"))
+            self.out.append(head)
+            if not self.conn.closed:
+                self.conn.transport.writelines(self.out)
+            self.out.clear()
+        if self.owner.continue_stream(
+            self, f"engine {self.owner.engine_name()} gave up the stream: {reason}"
+        ):
+            return None
+        return rest
 
     def _bound_kept(self, kept: list[bytes]) -> None:
         """The kept bytes past :data:`KEEP_LIMIT`: let them go (this stream will not be continued)."""

@@ -16,33 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import httptools
 import orjson
 
-from vllm_stack.relay.leg import Dechunker
-
-DONE = b"[DONE]"
-
-
-def dechunked(raw: bytes) -> bytes:
-    """The body bytes of ``raw``, a chunked body as far as it went (an unfinished one too)."""
-    dechunker = Dechunker()
-    try:
-        return dechunker.feed(raw)
-    except httptools.HttpParserError:
-        return b"".join(dechunker.parts())  # bytes past the last chunk: what came before them
-
-
-def sse_payloads(body: bytes) -> tuple[list[bytes], bytes]:
-    """The ``data:`` payloads of the whole SSE events in ``body`` and the bytes of an unfinished last
-    event (vLLM writes one ``data:`` line per event; comments and other fields are skipped)."""
-    *events, rest = body.replace(b"\r\n", b"\n").split(b"\n\n")
-    payloads = []
-    for event in events:
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                payloads.append(line[5:].strip())
-    return payloads, rest
+from vllm_stack.relay.sse import DONE, sse_payloads
 
 
 class NotContinuable(Exception):  # noqa: N818 - a reason, read by the caller as one
