@@ -103,7 +103,12 @@ def finished_pod(cluster: Cluster, name: str, namespace: str, timeout: float) ->
         time.sleep(0.5)
 
 
-def get_from_node(node: RealNode, url: str) -> dict:
-    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there); its JSON."""
+def text_from_node(node: RealNode, url: str) -> str:
+    """GET ``url`` from the node's network namespace (Pod IPs are reachable only there); its body."""
     code = f"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen({url!r}, timeout=10).read().decode())"
-    return json.loads(node.run_in_node([sys.executable, "-c", code], timeout=30))
+    return node.run_in_node([sys.executable, "-c", code], timeout=30)
+
+
+def get_from_node(node: RealNode, url: str) -> dict:
+    """GET ``url`` from the node's network namespace; its JSON."""
+    return json.loads(text_from_node(node, url))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_stack_dev.cluster.control_plane import Cluster
 from vllm_stack_dev.cluster.node import RealNode
 from vllm_stack_dev.cluster.releases import Helm, pod_ready, wait_workloads_ready
@@ -43,6 +44,7 @@ from tests.node.containers import (
     get_from_node,
     oci_spec,
     pod_log,
+    text_from_node,
 )
 from tests.node.traffic import Request, Traffic, TrafficReport, pod_resolv_conf
 
@@ -484,3 +486,62 @@ def test_a_killed_engine_container_is_restarted_ejected_and_readmitted(
     print(f"\n{report.table()}")
     (tmp_path / "table.md").write_text(report.table() + "\n")
     assert not report.failures, report.explain()
+
+
+# Streams of tens of seconds on these engines while two new ones start beside them (about 10 tokens/s
+# each), so that the old engines' SIGTERM finds some under way
+CUT_STREAM_TOKENS = 300
+
+
+def continuations(node: RealNode, router: dict) -> dict[str, float]:
+    """The router's `stream_continuations_total`, outcome -> count (summed over models)."""
+    text = text_from_node(node, f"http://{router['status']['podIP']}:8000/metrics")
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm_stack_router_stream_continuations_total":
+                outcome = sample.labels["outcome"]
+                counts[outcome] = counts.get(outcome, 0.0) + sample.value
+    return counts
+
+
+@pytest.mark.node_full
+def test_an_engine_roll_without_a_prestop_wait_continues_the_streams_it_cut(
+    release: tuple[Cluster, RealNode, float], replicas: int, tmp_path: Path
+) -> None:
+    """The engines rolled with no preStop wait (servingEngineSpec.preStopSleepSeconds 0), under streams
+    long enough to be under way at the old engines' SIGTERM: vLLM's engine core dies there and its open
+    streams end with an error event (measured here: "EngineCore encountered an issue", code 500), and the
+    router continues each on a new engine (stream continuation, on by default) instead of forwarding it:
+    not one request fails, each stream a whole answer with its usage and [DONE], and the router counts
+    the continuations."""
+    cluster, node, _ = release
+    values = _values(replicas)
+    values["servingEngineSpec"]["preStopSleepSeconds"] = 0
+    model = values["servingEngineSpec"]["modelSpec"][0]
+    model["vllmConfig"]["maxNumSeqs"] = 24
+    # the Pods this rolls in have no preStop wait; the ones it replaces still wait theirs
+    _upgrade(cluster, values, tmp_path, "no prestop wait")
+    before = _engines_after(cluster, _engine_names(cluster), replicas, "no prestop wait")
+    (router,) = pods(cluster, "router")
+    counted = continuations(node, router)
+    with Traffic(node, tmp_path / "traffic", f"http://{SERVICE}", MODEL, concurrency=CONCURRENCY,
+                 stream_tokens=CUT_STREAM_TOKENS, request_timeout=300, resolv_conf=pod_resolv_conf(NAMESPACE)
+                 ) as client:  # fmt: skip
+        client.start("steady", first=CONCURRENCY, timeout=240)
+        client.step("roll, no preStop wait")
+        model["vllmConfig"]["maxNumSeqs"] = 16
+        _upgrade(cluster, values, tmp_path, "roll without prestop")
+        after = _engines_after(cluster, before, replicas, "roll without prestop")
+        assert not after & before, (before, after)
+        client.step("settle")
+        wait_served(client, _pod(cluster, sorted(after)[0]), 240, "a complete answer from a new engine")
+        report = client.stop()
+    now = continuations(node, router)
+    table = report.table()
+    (tmp_path / "table.md").write_text(table + "\n")
+    print(f"\n{table}\ncontinuations before {counted}, after {now}")
+    assert not report.failures, report.explain()
+    continued = now.get("continued", 0) - counted.get("continued", 0)
+    assert continued > 0, (counted, now)
+    assert now.get("completed", 0) - counted.get("completed", 0) == continued, (counted, now)
