@@ -34,6 +34,7 @@ class StubBehaviour:
     # core dies (an error event, code 500) or it aborts the request as it shuts down (finish_reason abort)
     give_up_after_chunks: int | None = None
     give_up_event: dict[str, Any] | None = None
+    give_up_delay_s: float = 0.5  # before that event (vLLM: about 1.5 s after its engine core died)
     tokens: int = 8  # streamed chunks when max_tokens is absent
     lora_load_delay_s: float = 0.0  # before a LoRA load answers
     lora_load_status: int = 200  # a load's answer (400 with vLLM's words when not 200)
@@ -258,6 +259,7 @@ class StubEngine:
                 if b.break_after_chunks is not None and i >= b.break_after_chunks:
                     raise ConnectionAbortedError("stub breaks the stream on purpose")
                 if b.give_up_after_chunks is not None and i >= b.give_up_after_chunks:
+                    await asyncio.sleep(b.give_up_delay_s)
                     event = b"data: " + orjson.dumps(b.give_up_event) + b"\n\n"
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                     await send(

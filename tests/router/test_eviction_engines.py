@@ -93,7 +93,9 @@ async def test_a_critical_request_that_waits_evicts_one_sheddable_stream(two_slo
             )
             assert not old.done() and engine.in_flight == 1
             assert (
-                metric_value(router, "vllm_stack_router_tenant_rejections_total", tenant="default", reason="evicted")
+                metric_value(
+                    router, "vllm_stack_router_tenant_rejections_total", tenant="default", reason="evicted"
+                )
                 == 1
             )
             old.cancel()

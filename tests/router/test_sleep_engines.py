@@ -67,7 +67,8 @@ async def test_a_real_engines_refusal_comes_back_with_its_status(engines, awake_
         async with http(url) as h:
             r = await h.post("/sleep", params={"id": engine.engine_id, "level": "3"})  # vLLM: 0 <= level <= 2
         # the engine's own answer to the same request, whatever status this vLLM gives (0.32: 400)
-        direct = httpx.post(engines[0].url + "/sleep", params={"level": "3"}, timeout=30)
+        async with http(engines[0].url) as d:
+            direct = await d.post("/sleep", params={"level": "3"})
         assert direct.status_code >= 400 and r.status_code == direct.status_code, (direct.text, r.text)
         error = r.json()["error"]
         assert (

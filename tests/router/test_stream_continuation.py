@@ -372,8 +372,8 @@ async def test_an_error_event_of_the_request_itself_is_forwarded_as_it_came() ->
 
 
 async def test_the_events_before_a_give_up_in_the_same_read_reach_the_client() -> None:
-    """An engine whose tokens, error event, [DONE] and last chunk come in one write: the tokens are
-    forwarded, the rest is not, and the other engine continues after the tokens."""
+    """An engine whose token, error event, [DONE] and last chunk come in one write after a pause: the
+    token is forwarded, the rest is not, and the other engine continues after the tokens."""
     b = StubEngine("b", [MODEL])
 
     def chunk(payload: bytes) -> bytes:
@@ -385,12 +385,12 @@ async def test_the_events_before_a_give_up_in_the_same_read_reach_the_client() -
         return orjson.dumps({"id": "chatcmpl-raw", "object": "chat.completion.chunk", "created": 1,
                              "model": MODEL, "choices": [choice]})  # fmt: skip
 
-    stream = chunk(token(0)) + chunk(token(1)) + chunk(orjson.dumps(ENGINE_DEAD)) + chunk(b"[DONE]")
+    last = chunk(token(1)) + chunk(orjson.dumps(ENGINE_DEAD)) + chunk(b"[DONE]") + b"0\r\n\r\n"
     models = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answers on a kept-alive connection: the model list to the router's probes, an empty 200 to its
-        scrapes, and to a POST the whole stream above in one write."""
+        scrapes, and to a POST a token, then after a pause the rest in one write."""
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -399,7 +399,10 @@ async def test_the_events_before_a_give_up_in_the_same_read_reach_the_client() -
                 await reader.readexactly(length)
                 if head.startswith(b"POST"):
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                 b"transfer-encoding: chunked\r\n\r\n" + stream + b"0\r\n\r\n")  # fmt: skip
+                                 b"transfer-encoding: chunked\r\n\r\n" + chunk(token(0)))  # fmt: skip
+                    await writer.drain()
+                    await asyncio.sleep(0.5)  # the engine core dies; the server says so a moment later
+                    writer.write(last)
                 else:
                     body = models if b" /v1/models " in head.split(b"\r\n")[0] else b""
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"

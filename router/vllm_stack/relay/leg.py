@@ -51,6 +51,11 @@ ANSWER_END_BYTES = 2048  # kept for a plugin that asked (vLLM's usage object fit
 #: 64 reads, not per read (one token each): past the limit by at most 63 reads' bytes, then released.
 KEEP_LIMIT = 1 << 20
 KEEP_CHECK = 63  # a mask: reads 64, 128, ...
+#: Seconds a kept stream was quiet before a read in which its engine's give-up event is looked for. vLLM
+#: writes that event about 1.5 s after its engine core died (measured on the tiny CPU model), past a
+#: pause no token stream has at speed; looking in every read would cost a token's read several
+#: thousand instructions (two byte searches), looking after a pause costs one subtraction.
+GIVE_UP_QUIET = 0.2
 _NO_BODY_STATUS = frozenset({204, 304})
 _HOP_BY_HOP_BUT_FRAMING = HOP_BY_HOP - {b"transfer-encoding"}
 #: Any hop-by-hop header but the framing, in a lower-cased head (whose lines start after a CRLF).
@@ -356,6 +361,7 @@ class Leg(PooledExchange):
         This runs once per streamed token, so it is kept short: no lookups beyond the exchange.
         """
         now = time.perf_counter()
+        quiet = now - self.last_activity
         self.last_activity = now
         # The engine sent more than its answer (overrun), or maybe CR or LF bytes after it, which the
         # upstream parser skips without a word: a chunked answer's own last bytes unless it is the
@@ -376,7 +382,11 @@ class Leg(PooledExchange):
                 self.answer_end = (self.answer_end + data)[-ANSWER_END_BYTES:]
             if self.committed:
                 kept = self.kept  # a stream another engine could continue
-                if kept is not None and (_GAVE_UP_ERROR in data or _GAVE_UP_ABORT in data):
+                if (
+                    kept is not None
+                    and quiet > GIVE_UP_QUIET
+                    and (_GAVE_UP_ERROR in data or _GAVE_UP_ABORT in data)
+                ):
                     rest = self._engine_gave_up(data, now)
                     if rest is None:  # continued on another engine
                         return
