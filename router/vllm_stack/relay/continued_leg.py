@@ -34,12 +34,11 @@ from vllm_stack.relay.leg import (
     LegOwner,
 )
 from vllm_stack.relay.pool import EnginePool
-from vllm_stack.relay.sse import GAVE_UP_MARKERS, Dechunker, engine_gave_up, sse_payloads
+from vllm_stack.relay.sse import GAVE_UP_MARKER, Dechunker, engine_gave_up, sse_payloads
 from vllm_stack.relay.transcript import NotContinuable, StreamTranscript
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 CONTINUED_TRAILER = b"x-vllm-stack-continued"
-GAVE_UP_ERROR, GAVE_UP_ABORT = GAVE_UP_MARKERS
 
 
 def end_client_stream(conn: HttpConnection, event: bytes, chunked: bool) -> bool:
@@ -121,9 +120,7 @@ class ContinuedLeg(Leg):
         if data:
             payloads, self.pending = sse_payloads(self.pending + data)
             for payload in payloads:
-                if (GAVE_UP_ERROR in payload or GAVE_UP_ABORT in payload) and self._gave_up(
-                    payload, out, now
-                ):
+                if GAVE_UP_MARKER in payload and self._gave_up(payload, out, now):
                     return
                 try:
                     rewritten = self.transcript.rewrite(payload)

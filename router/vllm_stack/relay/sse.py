@@ -14,10 +14,9 @@ import orjson
 
 DONE = b"[DONE]"
 #: What an event of an engine that gave up on a stream holds, as JSON writes it: an ``error`` key (an
-#: escaped quote inside a string never reads so), or the value ``"abort"`` (a finish reason; a token
-#: whose whole text is "abort" reads so too). A cheap search of a read for either comes first;
-#: :func:`engine_gave_up` reads the event itself.
-GAVE_UP_MARKERS = (b'"error":', b'"abort"')
+#: escaped quote inside a string never reads so). A cheap search comes first; :func:`engine_gave_up`
+#: reads the event itself.
+GAVE_UP_MARKER = b'"error":'
 
 
 class _BodyParts:
@@ -76,9 +75,10 @@ def sse_payloads(body: bytes) -> tuple[list[bytes], bytes]:
 def engine_gave_up(payload: bytes) -> str | None:
     """Why the engine ended its stream with this event, where it gave up rather than finished: an error
     event of a server error (vLLM's engine core died: ``EngineDeadError``, code 500; a SIGTERM in a
-    container ends a vLLM 0.32 stream so), or a choice finished ``abort`` (vLLM aborted the request as it
-    shut down). None for any other event, and for an error of the request itself (a code below 500),
-    which another engine would answer the same."""
+    container ends a vLLM 0.32 stream so). None for any other event, and for an error of the request
+    itself (a code below 500), which another engine would answer the same. (A choice finished ``abort``
+    is an answer's end like another: it looks like every token event, and telling it apart would cost
+    every one.)"""
     try:
         event: Any = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -86,13 +86,10 @@ def engine_gave_up(payload: bytes) -> str | None:
     if not isinstance(event, dict):
         return None
     error = event.get("error")
-    if error is not None:
-        code = error.get("code") if isinstance(error, dict) else None
-        if isinstance(code, int) and code < 500:
-            return None
-        message = error.get("message") if isinstance(error, dict) else error
-        return f"its error event: {str(message)[:200]}"
-    for choice in event.get("choices") or ():
-        if isinstance(choice, dict) and choice.get("finish_reason") == "abort":
-            return "finish_reason abort"
-    return None
+    if error is None:
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and code < 500:
+        return None
+    message = error.get("message") if isinstance(error, dict) else error
+    return f"its error event: {str(message)[:200]}"
