@@ -384,15 +384,16 @@ class Leg(PooledExchange):
                 kept = self.kept  # a stream another engine could continue
                 # An error event opening the read (its first key's letter, after a chunk size of 2 or 3
                 # hex digits and "data: {"), where vLLM writes it (a read of its own): see _KEY_AT
-                if (
-                    kept is not None
-                    and len(data) > _KEY_AT + 1
-                    and (data[_KEY_AT] == _E or (data[_KEY_AT + 1] == _E and data[_KEY_AT] == _QUOTE))
-                ):
-                    rest = self._engine_gave_up(data, now)
-                    if rest is None:  # continued on another engine
-                        return
-                    data = rest
+                if kept is not None:
+                    try:
+                        key = data[_KEY_AT]
+                    except IndexError:  # a short read: the body's last chunk, a part of an event
+                        key = 0
+                    if key == _E or (key == _QUOTE and data[_KEY_AT + 1 : _KEY_AT + 2] == b"e"):
+                        rest = self._engine_gave_up(data, now)
+                        if rest is None:  # continued on another engine
+                            return
+                        data = rest
                 self.out.append(data)
                 self.last_data = data
                 if self.sse:
