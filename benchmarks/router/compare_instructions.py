@@ -11,7 +11,8 @@ the same between runs. Instructions are not time (a cache miss costs more than a
 complements the interleaved CPU-time runs (``compare_handler_cost.py``, ``compare.py``), it does not
 replace them.
 
-Usage: ``python benchmarks/router/compare_instructions.py --before REV [--after REV] [--extra 500] [--jobs 2] [--name NAME]``
+Usage: ``python benchmarks/router/compare_instructions.py --before REV [--after REV] [--extra 500] [--jobs 2] [--name NAME]
+[--after-settings JSON]``
 Results: ``benchmarks/results/NAME.{md,json}`` (default ``instructions_compare``).
 """
 
@@ -33,14 +34,22 @@ from compare_handler_cost import _CELL, LOGICS, MODES, ROOT, export_tree  # the 
 
 BASE_N = 100
 #: handler_cost's cell with the request count as a fourth argument.
-_CELL_N = _CELL.replace(
-    "tree, logic, mode = sys.argv[1], sys.argv[2], sys.argv[3]",
-    "tree, logic, mode, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])",
-).replace('"msgspec", mode)', '"msgspec", mode, n=n)')
+#: With the after tree's router settings from ``--after-settings`` (JSON in the environment).
+_CELL_N = (
+    _CELL.replace(
+        "tree, logic, mode = sys.argv[1], sys.argv[2], sys.argv[3]",
+        "tree, logic, mode, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])",
+    )
+    .replace('"msgspec", mode)', '"msgspec", mode, n=n)')
+    .replace(
+        '{**cli, "routing_logic": logic}',
+        '{**cli, "routing_logic": logic, **json.loads(__import__("os").environ.get("CELL_SETTINGS", "{}"))}',
+    )
+)
 
 
-def instructions(tree: Path, logic: str, mode: str, n: int) -> int:
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+def instructions(tree: Path, logic: str, mode: str, n: int, settings: str = "{}") -> int:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "CELL_SETTINGS": settings}
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", _CELL_N,
          str(tree), logic, mode, str(n)],
@@ -52,9 +61,9 @@ def instructions(tree: Path, logic: str, mode: str, n: int) -> int:
     return int(match.group(1))
 
 
-def per_request(tree: Path, logic: str, mode: str, extra: int) -> float:
-    low = instructions(tree, logic, mode, BASE_N)
-    high = instructions(tree, logic, mode, BASE_N + extra)
+def per_request(tree: Path, logic: str, mode: str, extra: int, settings: str = "{}") -> float:
+    low = instructions(tree, logic, mode, BASE_N, settings)
+    high = instructions(tree, logic, mode, BASE_N + extra, settings)
     return (high - low) / (3 * extra)  # handler_cost.measure runs 3 repeats of n
 
 
@@ -68,6 +77,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--cases", help="comma-separated logic/mode cells (default: all)")
     parser.add_argument("--name", default="instructions_compare", help="results file name (without suffix)")
+    parser.add_argument(
+        "--after-settings",
+        default="{}",
+        help="router settings of the after tree, JSON (e.g. '{\"stream_continuation\": false}')",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         after = ROOT
@@ -87,12 +101,20 @@ def main() -> int:
             if wanted is None or f"{logic}/{mode}" in wanted
         ]
         with ThreadPoolExecutor(args.jobs) as pool:
-            values = list(pool.map(lambda c: per_request(trees[c[0]], c[1], c[2], args.extra), cells))
+            values = list(
+                pool.map(
+                    lambda c: per_request(
+                        trees[c[0]], c[1], c[2], args.extra, args.after_settings if c[0] == "after" else "{}"
+                    ),
+                    cells,
+                )
+            )
     result: dict[str, dict[str, float]] = {}
     for (name, logic, mode), value in zip(cells, values, strict=True):
         result.setdefault(f"{logic}/{mode}", {})[name] = value
     lines = [
-        f"# Instructions per request, before ({args.before}) and after (callgrind, handler_cost path)",
+        f"# Instructions per request, before ({args.before}) and after (callgrind, handler_cost path)"
+        + (f", after with {args.after_settings}" if args.after_settings != "{}" else ""),
         "",
         "| case | before | after | after/before |",
         "|---|---|---|---|",
@@ -103,7 +125,13 @@ def main() -> int:
     print(table)
     out = ROOT / "benchmarks" / "results"
     (out / f"{args.name}.md").write_text(table)
-    (out / f"{args.name}.json").write_text(json.dumps({"before": args.before, "cells": result}, indent=1))
+    record = {
+        "before": args.before,
+        "after": args.after,
+        "after_settings": args.after_settings,
+        "cells": result,
+    }
+    (out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     return 0
 
 
