@@ -544,4 +544,6 @@ def test_an_engine_roll_without_a_prestop_wait_continues_the_streams_it_cut(
     assert not report.failures, report.explain()
     continued = now.get("continued", 0) - counted.get("continued", 0)
     assert continued > 0, (counted, now)
-    assert now.get("completed", 0) - counted.get("completed", 0) == continued, (counted, now)
+    # each continued stream completed; one may have been continued twice (onto an old engine that was
+    # stopped in turn: the roll stops every old engine at once)
+    assert 0 < now.get("completed", 0) - counted.get("completed", 0) <= continued, (counted, now)
