@@ -253,6 +253,8 @@ async def run(args: argparse.Namespace) -> dict:
             for index in range(args.rounds):
                 order = names[index % len(names) :] + names[: index % len(names)]
                 for name in order:
+                    if proxy.server is None:  # A listens before a router starts (the Rust one asks it first)
+                        await proxy.revive()
                     router = start(
                         CONTENDERS[name],
                         setup,
