@@ -35,7 +35,7 @@ from vllm_stack.errors import sse_error_event, status_line
 from vllm_stack.metrics import RouterMetrics, _HistogramChild
 from vllm_stack.relay.headers import HOP_BY_HOP, connection_listed
 from vllm_stack.relay.pool import EnginePool, PooledExchange, UpstreamConnectError, UpstreamConnection
-from vllm_stack.relay.sse import GAVE_UP_MARKER, Dechunker, dechunked, engine_gave_up, sse_payloads
+from vllm_stack.relay.sse import Dechunker, dechunked, engine_gave_up, sse_payloads
 from vllm_stack.server.http1 import HttpConnection, HttpRequest
 
 log = logging.getLogger(__name__)
@@ -389,11 +389,10 @@ class Leg(PooledExchange):
                         key = data[_KEY_AT]
                     except IndexError:  # a short read: the body's last chunk, a part of an event
                         key = 0
-                    if key == _E or (key == _QUOTE and data[_KEY_AT + 1 : _KEY_AT + 2] == b"e"):
-                        rest = self._engine_gave_up(data, now)
-                        if rest is None:  # continued on another engine
-                            return
-                        data = rest
+                    if (
+                        key == _E or (key == _QUOTE and data[_KEY_AT + 1 : _KEY_AT + 2] == b"e")
+                    ) and self._engine_gave_up(data):
+                        return  # continued on another engine
                 self.out.append(data)
                 self.last_data = data
                 if self.sse:
@@ -521,39 +520,18 @@ class Leg(PooledExchange):
             return
         self.break_midway(f"engine {self.owner.engine_name()} failed mid-stream", error)
 
-    def _engine_gave_up(self, data: bytes, now: float) -> bytes | None:
-        """A read of a kept stream in which the engine may have given up on it (an error event of its
-        own: :func:`~vllm_stack.relay.sse.engine_gave_up`), as vLLM does when its engine core dies (also
-        when a container's SIGTERM stops it). The events before that one are forwarded; from it on, the
-        owner may continue the stream on another engine as it does a broken one (None), else the rest of
-        the read is returned, to be forwarded as it came."""
-        raw = self.chunked and self.dechunker is None
-        boundary = b"\n\n\r\n" if raw else b"\n\n"  # the end of an event (in vLLM's chunk of its own)
-        at = data.find(GAVE_UP_MARKER)
-        if at < 0:  # a first key that starts with "e" but is no error
-            return data
-        start = data.rfind(boundary, 0, at)
-        start = 0 if start < 0 else start + len(boundary)
-        rest = data[start:]
-        payloads, _ = sse_payloads(dechunked(rest) if raw else rest)
+    def _engine_gave_up(self, data: bytes) -> bool:
+        """Whether the event that opens this read of a kept stream is the engine giving the stream up (an
+        error event of its own: :func:`~vllm_stack.relay.sse.engine_gave_up`), as vLLM's is when its engine
+        core dies (also when a container's SIGTERM stops it), and the owner continued the stream on another
+        engine as it does a broken one; that event and what follows it are then not forwarded. A read
+        that does not open with a whole event (the stream stands mid-event) is not continued: the owner
+        checks where the client's stream stands."""
+        payloads, _ = sse_payloads(dechunked(data) if self.chunked and self.dechunker is None else data)
         reason = engine_gave_up(payloads[0]) if payloads else None
-        if reason is None:
-            return data
-        if start:
-            head = data[:start]
-            self.last_data = head
-            if self.kept is not None:
-                self.kept.append(head)
-            self._observe_tokens(now, head.count(b"\n\n"))
-            self.out.append(head)
-            if not self.conn.closed:
-                self.conn.transport.writelines(self.out)
-            self.out.clear()
-        if self.owner.continue_stream(
+        return reason is not None and self.owner.continue_stream(
             self, f"engine {self.owner.engine_name()} gave up the stream: {reason}"
-        ):
-            return None
-        return rest
+        )
 
     def _bound_kept(self, kept: list[bytes]) -> None:
         """The kept bytes past :data:`KEEP_LIMIT`: let them go (this stream will not be continued)."""
