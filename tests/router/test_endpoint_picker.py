@@ -267,6 +267,26 @@ async def test_gateway_mode_passes_the_pickers_refusal_to_the_client() -> None:
             )
 
 
+def test_the_pickers_refusal_keeps_the_headers_it_set() -> None:
+    """Envoy passes an ImmediateResponse's headers to the client: so does gateway mode, e.g. llm-d's flow
+    control's ``x-llm-d-request-dropped-reason`` on its 429 (its body is text), but not the framing
+    headers the router writes itself."""
+    from vllm_stack.director.request import _picker_refusal
+
+    refusal = _picker_refusal(
+        429,
+        b"inference error: ResourceExhausted - request rejected: saturated",
+        [("x-llm-d-request-dropped-reason", "rejected-saturated"), ("retry-after", "2"),
+         ("content-type", "text/plain"), ("content-length", "64"), (":status", "429")],
+    )  # fmt: skip
+    assert refusal.status == 429 and refusal.code == "endpoint_picker_refused"
+    assert refusal.message.startswith("inference error: ResourceExhausted")
+    assert refusal.headers == [
+        (b"x-llm-d-request-dropped-reason", b"rejected-saturated"),
+        (b"retry-after", b"2"),
+    ]
+
+
 async def test_client_api_keys_are_checked_on_the_headers() -> None:
     """With client keys configured, a gateway request without one is refused before its body is gathered."""
     async with picker(environ={"VLLM_STACK_API_KEYS": "k1"}) as (target, router, _, _):

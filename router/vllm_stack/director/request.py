@@ -681,16 +681,29 @@ def _streamed(body: bytes) -> bool:
     return isinstance(doc, dict) and doc.get("stream") is True
 
 
+#: Headers of a picker's ImmediateResponse the router writes itself (the body's framing and type, and the
+#: connection's own); every other header it set reaches the client, as Envoy passes them on.
+_PICKER_HEADERS_NOT_PASSED = frozenset(
+    {"content-length", "content-type", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+)
+
+
 def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) -> RouterError:
-    """The endpoint picker's ImmediateResponse as the client's error: its status, and its message (an
-    OpenAI-style body's, or the body's text, as the upstream picker writes ``inference error: ...``)."""
+    """The endpoint picker's ImmediateResponse as the client's error: its status, its message (an
+    OpenAI-style body's, or the body's text, as the upstream picker writes ``inference error: ...``), and
+    the headers it set, e.g. ``retry-after`` or llm-d's ``x-llm-d-request-dropped-reason`` (why its flow
+    control refused the request), which a client behind Envoy would see too."""
     message, code = "", "endpoint_picker_refused"
     try:
         error = orjson.loads(body)["error"]
         message, code = str(error["message"]), str(error.get("code") or code)
     except (orjson.JSONDecodeError, KeyError, TypeError):
         message = body.decode("utf-8", "replace").strip()
-    kept = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers if k == "retry-after"]
+    kept = [
+        (k.encode("latin-1"), v.encode("latin-1"))
+        for k, v in headers
+        if k not in _PICKER_HEADERS_NOT_PASSED and not k.startswith(":")
+    ]
     return RouterError(
         status if 400 <= status <= 599 else 502, message or f"Refused ({status}).", code=code, headers=kept
     )
