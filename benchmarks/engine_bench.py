@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -37,17 +37,27 @@ ENGINE_BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def launch_tiny_engines(
-    served_name: str, log_prefix: str, extra_args: list[str], count: int = 2
+    served_name: str,
+    log_prefix: str,
+    extra_args: list[str],
+    count: int = 2,
+    hosts: Sequence[str] | None = None,
+    port: int | None = None,
 ) -> tuple[list[tb.Engine], Path]:
     """Start ``count`` engines of the test bed's tiny model (CPU build, ``max_model_len`` 512, one core
     each, no KV events, no LoRA) with ``extra_args``, logging to a fresh folder named ``log_prefix...``
-    (printed); does not wait for them to be ready. Returns the engines and that folder."""
+    (printed); does not wait for them to be ready. ``hosts`` and ``port``: where each listens (a test
+    cluster's Pod IPs and the pool's port, for a picker that reads the InferencePool), else a free port
+    of 127.0.0.1 each. Returns the engines and that folder."""
     model_dir = build_model("tiny", cache_dir() / "models" / "tiny")
     log_dir = Path(tempfile.mkdtemp(prefix=log_prefix))
     spec = tb.EngineSpec(model_dir, served_name, kv_events=False, enable_lora=False, max_model_len=512,
                          extra_args=extra_args)  # fmt: skip
     cpus = tb.default_cpus(count)
-    engines = [tb.launch(spec, name=f"engine-{i}", cpu=cpus[i], log_dir=log_dir) for i in range(count)]
+    where = [{"host": h, "port": port} for h in hosts] if hosts else [{} for _ in range(count)]
+    engines = [
+        tb.launch(spec, name=f"engine-{i}", cpu=cpus[i], log_dir=log_dir, **where[i]) for i in range(count)
+    ]
     print(f"logs in {log_dir}", flush=True)
     return engines, log_dir
 

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import yaml
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from vllm_stack_dev.gotools import EPP, LWEPP, GoTool, epp_binary, lwepp_binary
@@ -339,6 +340,45 @@ schedulingProfiles:
     weight: 1
   - pluginRef: max-score-picker
 """
+
+
+#: The fairness policy llm-d's flow control takes turns by: its default, ``global-strict``, serves the
+#: oldest request of any flow, which is not fair between tenants.
+LLMD_FAIRNESS_POLICY = "round-robin-fairness-policy"
+
+
+def llmd_flow_control_profile(
+    queue_depth: int = 5, ttl_seconds: float = 60.0, max_concurrency: int | None = None
+) -> str:
+    """llm-d's default profile (:data:`LLMD_DEFAULT_PROFILE`) with its flow control on
+    (``featureGates: [flowControl]``), as its ``EndpointPickerConfig`` declares it at the commit above.
+
+    Requests wait in the picker, per priority band and per flow (the fairness id: header
+    ``x-llm-d-inference-fairness-id``, or its alias ``x-gateway-inference-fairness-id``; no header: one
+    ``default-flow``), while its saturation detector says the pool is full; a band's flows take turns
+    (:data:`LLMD_FAIRNESS_POLICY`); a request that waited ``ttl_seconds`` is refused 429 with
+    ``x-llm-d-request-dropped-reason: rejected-ttl-expired`` (503 with no endpoint). The detector is its
+    ``utilization-detector`` (its default), which calls the pool saturated when the mean over engines of
+    max(waiting / ``queue_depth``, KV usage / 0.8) from their scraped metrics reaches 1 (its default depth
+    is 5); or, with ``max_concurrency``, its ``concurrency-detector``, which counts the requests it sent
+    and has not seen answered against that many per engine (its docs: it "reacts instantaneously to new
+    requests, preventing sudden bursts from overwhelming an endpoint before telemetry updates")."""
+    if max_concurrency is None:
+        detector = {"type": "utilization-detector", "parameters": {"queueDepthThreshold": queue_depth}}
+    else:
+        detector = {
+            "type": "concurrency-detector",
+            "parameters": {"concurrencyMode": "requests", "maxConcurrency": max_concurrency},
+        }
+    profile = yaml.safe_load(LLMD_DEFAULT_PROFILE)
+    profile["featureGates"] = ["flowControl"]
+    profile["plugins"] += [{"type": LLMD_FAIRNESS_POLICY}, detector]
+    profile["flowControl"] = {
+        "defaultRequestTTL": f"{ttl_seconds:g}s",
+        "saturationDetector": {"pluginRef": detector["type"]},
+        "defaultPriorityBand": {"priority": 0, "fairnessPolicyRef": LLMD_FAIRNESS_POLICY},
+    }
+    return yaml.safe_dump(profile, sort_keys=False)
 
 
 def llmd_epp_binary() -> Path | None:
