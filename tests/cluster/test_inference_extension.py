@@ -66,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -88,6 +89,7 @@ from vllm_stack_dev.testbed.upstream_epp import (
     LlmdRouterEpp,
     UpstreamEpp,
     llmd_epp_binary,
+    llmd_flow_control_profile,
 )
 from vllm_stack_dev.waiting import wait_http_ok
 
@@ -601,6 +603,63 @@ def test_llmd_precise_profile_serves_and_follows_the_engines_kv_events(
         gateway.stop()
 
 
+@needs_llmd
+def test_llmd_flow_control_holds_and_refuses_through_our_gateway(pool: Pool) -> None:
+    """llm-d's router with its flow control on (``llmd_flow_control_profile``: its concurrency detector at
+    one request in flight per engine, a request TTL of 2 s) behind our gateway: with both engines busy on a
+    long stream each, a third request waits in its flow control and, past the TTL, the client gets its 429
+    with ``x-llm-d-request-dropped-reason: rejected-ttl-expired`` (the gateway passes the refusal's
+    headers on, as Envoy does); once the streams are done a request is served."""
+    epp = LlmdRouterEpp(
+        pool.kubeconfig, NAMESPACE, POOL, pool.work / "llmd-flow-control",
+        config=llmd_flow_control_profile(ttl_seconds=2, max_concurrency=1),
+    )  # fmt: skip
+    epp.start(timeout=60, ready_endpoints=2)
+    gateway = None
+    try:
+        gateway = OurRouter(
+            pool, "gateway-flow-control", "--endpoint-picker", f"grpc://{epp.target}",
+            "--endpoint-picker-timeout", "20", "--no-endpoint-picker-fail-open",
+        )  # fmt: skip
+        tenant = {LLMD_FAIRNESS_ID: "tenant-a"}
+        long = {"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 1500, "min_tokens": 1500, "stream": True}
+        started = [threading.Event(), threading.Event()]
+        outcomes: list[int] = []
+
+        def stream(n: int) -> None:
+            with httpx.Client(base_url=gateway.url, timeout=120) as client:
+                with client.stream("POST", "/v1/completions", json=long, headers=tenant) as answer:
+                    for _ in answer.iter_lines():
+                        started[n].set()
+                    outcomes.append(answer.status_code)
+            started[n].set()
+
+        threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in range(2)]
+        for n, thread in enumerate(threads):
+            thread.start()
+            assert started[n].wait(60), f"stream {n} never started"
+        held = gateway.client.post(
+            "/v1/completions", json={"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 4}, headers=tenant
+        )
+        assert held.status_code == 429, held.text
+        assert held.headers[LLMD_DROPPED_REASON] == "rejected-ttl-expired"
+        assert held.json()["error"]["code"] == "endpoint_picker_refused"
+        assert threads[0].is_alive() or threads[1].is_alive(), (
+            "the streams ended before the TTL: nothing was held"
+        )
+        for thread in threads:
+            thread.join(120)
+        assert outcomes == [200, 200]
+        served = gateway.client.post(
+            "/v1/completions", json={"model": CHAT_MODEL, "prompt": PROMPT, "max_tokens": 4}, headers=tenant
+        )
+        assert served.status_code == 200, served.text
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        epp.stop()
+
+
 def _serves_where_named(pool: Pool, upstream: UpstreamEpp) -> None:
     """Six requests through a fail-closed gateway asking ``upstream``: each served by the engine that
     ``upstream``'s log names for its x-request-id, counted as picked, and counted by that engine."""
@@ -722,6 +781,7 @@ def test_an_inference_objective_reaches_our_picker_through_its_watch(
 
 #: What llm-d's router adds to a refusal for want of a candidate: why the request was dropped.
 LLMD_DROPPED_REASON = "x-llm-d-request-dropped-reason"
+LLMD_FAIRNESS_ID = "x-llm-d-inference-fairness-id"
 
 
 @needs_llmd
