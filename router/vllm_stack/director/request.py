@@ -39,6 +39,7 @@ from vllm_stack.engines.engine import Engine
 from vllm_stack.engines.external import ENGINE_PREFIX
 from vllm_stack.errors import RouterError, sse_error_event
 from vllm_stack.relay.continued_leg import ContinuedLeg, end_client_stream
+from vllm_stack.relay.headers import HOP_BY_HOP
 from vllm_stack.relay.leg import KEEP_LIMIT, Leg
 from vllm_stack.relay.transcript import NotContinuable
 from vllm_stack.scheduling.framework import RequestContext
@@ -681,11 +682,10 @@ def _streamed(body: bytes) -> bool:
     return isinstance(doc, dict) and doc.get("stream") is True
 
 
-#: Headers of a picker's ImmediateResponse the router writes itself (the body's framing and type, and the
-#: connection's own); every other header it set reaches the client, as Envoy passes them on.
-_PICKER_HEADERS_NOT_PASSED = frozenset(
-    {"content-length", "content-type", "transfer-encoding", "connection", "keep-alive", "date", "server"}
-)
+#: Headers of a picker's ImmediateResponse the router writes itself: the hop-by-hop ones (as for an
+#: engine's answer), the body's length and type, its date and server; every other header it set reaches
+#: the client, as Envoy passes them on.
+_PICKER_HEADERS_NOT_PASSED = HOP_BY_HOP | {b"content-length", b"content-type", b"date", b"server"}
 
 
 def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) -> RouterError:
@@ -700,9 +700,9 @@ def _picker_refusal(status: int, body: bytes, headers: list[tuple[str, str]]) ->
     except (orjson.JSONDecodeError, KeyError, TypeError):
         message = body.decode("utf-8", "replace").strip()
     kept = [
-        (k.encode("latin-1"), v.encode("latin-1"))
+        (name, v.encode("latin-1"))
         for k, v in headers
-        if k not in _PICKER_HEADERS_NOT_PASSED and not k.startswith(":")
+        if not k.startswith(":") and (name := k.encode("latin-1")) not in _PICKER_HEADERS_NOT_PASSED
     ]
     return RouterError(
         status if 400 <= status <= 599 else 502, message or f"Refused ({status}).", code=code, headers=kept
