@@ -264,6 +264,7 @@ and the weighted names added. A key routerSpec.config gives itself (`models`, a 
 {{- /* routerSpec.tenants: the declaration beside config.yaml in the same ConfigMap (router-configmap.yaml) */ -}}
 {{- if and $r.tenants (not (hasKey $config "tenants_file")) }}{{ $_ := set $config "tenants_file" "/etc/vllm-stack/router/tenants.yaml" }}{{ end -}}
 {{- if and $r.tenantHeader (ne $r.tenantHeader "x-llm-d-inference-fairness-id") (not (hasKey $config "tenant_header")) }}{{ $_ := set $config "tenant_header" $r.tenantHeader }}{{ end -}}
+{{- if and (not (kindIs "invalid" $r.tenantHeadroomSlots)) (ne (float64 $r.tenantHeadroomSlots) 1.0) (not (hasKey $config "tenant_headroom_slots")) }}{{ $_ := set $config "tenant_headroom_slots" $r.tenantHeadroomSlots }}{{ end -}}
 {{- with $config }}{{ toYaml . }}{{ end -}}
 {{- end -}}
 

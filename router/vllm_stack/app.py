@@ -66,6 +66,7 @@ from vllm_stack.server.http1 import HttpConnection, HttpRequest
 from vllm_stack.telemetry.scraper import EngineScraper
 from vllm_stack.tenants.identity import TenantIdentity
 from vllm_stack.tenants.limiter import RateLimiter, declared_limits
+from vllm_stack.tenants.shares import TenantShares
 from vllm_stack.tracing import TRACE_HEADERS
 
 if TYPE_CHECKING:
@@ -168,8 +169,10 @@ class Router:
             self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
         )
         setup = self._build_scheduling(config)
+        # each tenant's requests on engines (tenant headroom): the director counts, the queue asks
+        self.shares = TenantShares(config.tenants)
         self.queue = RequestQueue(
-            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants
+            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants, self.shares
         )
         # LMCache's PD hand-over: the prefill engines notify the router here (bound at start)
         self.pd_notifications = (
@@ -190,6 +193,7 @@ class Router:
             self.pd_notifications,
             self.tracer,
             _build_endpoint_picker(config, self.metrics),
+            self.shares,
         )
         # Sleeping engines: /sleep, /wake_up, /is_sleeping through the router, and waking one for a request
         self.sleep = SleepControl(self.registry, self.metrics, self._call_engine)
@@ -230,6 +234,7 @@ class Router:
                 config.saturation_max_waiting,
                 config.saturation_max_kv_cache_usage,
                 config.critical_reserve_slots,
+                config.tenant_headroom_slots,
             ),
         )
 
@@ -271,6 +276,7 @@ class Router:
             config.eviction_after if config.eviction_enabled else None,
             config.wake_sleeping_engines,
             config.stream_continuation,
+            config.tenant_headroom_slots > 0,
         )
 
     def _with_rate_limits(self, config: RouterConfig, setup: SchedulingSetup) -> SchedulingSetup:
@@ -294,6 +300,9 @@ class Router:
     def _apply_runtime(self, config: RouterConfig, setup: SchedulingSetup) -> None:
         """Settings that can change while running (hot reload): swapped as whole objects."""
         self.config = config
+        self.shares.set_tenants(config.tenants)
+        if not config.tenant_headroom_slots:
+            self.shares.clear()  # nothing is counted while it is off: a later reload starts from none
         setup = self._with_rate_limits(config, setup)
         self._scheduling = setup
         self.director.configure(setup, self._proxy_settings(config))

@@ -49,6 +49,22 @@ def test_no_tenants_render_nothing_of_theirs(tmp_path) -> None:
     assert "tenants.yaml" not in data
     config = yaml.safe_load(data["config.yaml"])
     assert "tenants_file" not in config and "tenant_header" not in config
+    assert "tenant_headroom_slots" not in config  # the router's default (1) is not written out
+
+
+@pytest.mark.parametrize("slots", [0, 2])
+def test_the_tenant_headroom_renders_as_the_routers_setting(tmp_path, slots: int) -> None:
+    objs = render([values_file(tmp_path, {"routerSpec": {"tenantHeadroomSlots": slots}})])
+    config = yaml.safe_load(one(objs, "ConfigMap", router_name("ConfigMap"))["data"]["config.yaml"])
+    assert config["tenant_headroom_slots"] == slots
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    loaded = load_config({"static_backends": "http://e:8000"}, str(tmp_path / "config.yaml"))
+    assert loaded.tenant_headroom_slots == slots
+
+
+def test_the_schema_refuses_a_negative_tenant_headroom(tmp_path) -> None:
+    error = render_error([values_file(tmp_path, {"routerSpec": {"tenantHeadroomSlots": -1}})])
+    assert "tenantHeadroomSlots" in error
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ class Req:
         self.log = log
         self.room = room  # engines free now (shared by every request of a test)
         self.was_displaced = False
+        self.held_back = False  # never past its share here (the tenant headroom: test_tenant_headroom)
         self.tenant = (
             "default"  # one tenant: the order within a band is arrival's (fairness: test_fair_queue)
         )

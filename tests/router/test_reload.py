@@ -135,6 +135,11 @@ PROBES: dict[str, Probe] = {
     ),
     "critical_max_waiting": Probe(60.0, lambda r: plugin(r, "low-queue-filter").max_waiting),
     "critical_reserve_slots": Probe(1, lambda r: plugin(r, "saturation-filter").limits.reserve_slots),
+    "tenant_headroom_slots": Probe(
+        0,
+        lambda r: (plugin(r, "saturation-filter").limits.headroom_slots, r.director.settings.tenant_headroom),
+        (0, False),
+    ),
     "disaggregation": Probe(True, lambda r: r.director.settings.disagg is not None),
     "disagg_min_uncached_tokens": Probe(
         512, lambda r: r.scheduler.disaggregation.decider.min_uncached_tokens, base=DISAGG

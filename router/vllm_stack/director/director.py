@@ -23,6 +23,7 @@ from vllm_stack.metrics import RouterMetrics
 from vllm_stack.relay.pool import EnginePools
 from vllm_stack.scheduling.config import Hooks, SchedulingSetup
 from vllm_stack.scheduling.framework import Reason, RequestContext, Scheduler, SchedulingResult
+from vllm_stack.tenants.shares import TenantShares
 
 if TYPE_CHECKING:
     from vllm_stack.director.endpoint_picker import EndpointPickerClient
@@ -101,6 +102,9 @@ class ProxySettings:
     wake_sleeping: bool = True
     # A stream whose engine breaks goes on on another engine (director.continuation; False: broken off)
     stream_continuation: bool = True
+    # The tenant headroom is kept (tenant_headroom_slots > 0): requests on engines are counted per tenant
+    # and a request whose tenant is past its share is marked held_back as it is scheduled
+    tenant_headroom: bool = False
 
 
 class Director:
@@ -120,6 +124,7 @@ class Director:
         "endpoint_picker",
         "evictor",
         "waker",
+        "shares",
     )
 
     def __init__(
@@ -133,8 +138,11 @@ class Director:
         pd_notifications: PdNotifications | None = None,
         tracer: RequestTracer | None = None,
         endpoint_picker: EndpointPickerClient | None = None,
+        shares: TenantShares | None = None,
     ) -> None:
-        self.queue = queue if queue is not None else RequestQueue(metrics)
+        # Each tenant's requests on engines, per model (tenant headroom; the queue reads the same object)
+        self.shares = shares if shares is not None else TenantShares()
+        self.queue = queue if queue is not None else RequestQueue(metrics, shares=self.shares)
         self.registry = registry
         self.pools = pools
         self.metrics = metrics
@@ -160,10 +168,16 @@ class Director:
     def schedule(self, ctx: RequestContext) -> SchedulingResult:
         """Scheduling for one request: the profile its priority runs (``critical`` above 0, else
         ``standard``) over its pool's candidates. Every scheduling of a request's engine (a first try, a
-        retry, the queue's try, the lmcache decode pick before a prefill) comes here."""
+        retry, the queue's try, the lmcache decode pick before a prefill) comes here. With the tenant
+        headroom kept, a standard or sheddable request is first marked ``held_back`` when its tenant is past
+        its share (tenants.shares), and the saturation rule then keeps the headroom from it."""
         scheduler = self.scheduler
-        schedule = scheduler.critical if ctx.priority > 0 else scheduler.standard
-        return schedule(ctx, self.registry.candidates(ctx.pool or ctx.model))
+        model = ctx.pool or ctx.model
+        if ctx.priority > 0:
+            return scheduler.critical(ctx, self.registry.candidates(model))
+        if self.settings.tenant_headroom:
+            ctx.held_back = self.shares.past_share(model, ctx.tenant)
+        return scheduler.standard(ctx, self.registry.candidates(model))
 
     def wake_for(self, model: str) -> bool:
         """A request of ``model`` found no awake engine: whether it may wait for one of its sleeping

@@ -22,6 +22,11 @@ engine index changed) and on a half-second tick while anything waits. It also le
 the director, when it waited ``queue_timeout`` (``queue_timeout``), when its client went away, or
 when it was pushed out to make room (``queue_full``, :meth:`RequestQueue.add`).
 
+With the tenant headroom kept (``tenant_headroom_slots``, :mod:`vllm_stack.tenants.shares`), a request whose
+tenant is past its share may find no room where one of another tenant would: when the head is held back
+so, the band's next tenant within its share (the smallest tag among them) is tried before the queue gives
+up, and a request that joins behind waiting ones has the queue try at once (ProxiedRequest._attempt).
+
 Bounded twice: at most ``max_per_band`` requests per band and ``max_per_model`` per model. A full
 band makes room by displacing the newest request of its heaviest tenant (most waiting per unit of
 weight) when that tenant is heavier than the newcomer's would become, else refuses the newcomer; a
@@ -36,14 +41,18 @@ import heapq
 import time
 from collections import deque
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Protocol
 
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.priority import criticality
 from vllm_stack.tenants.declaration import TenantTable
+from vllm_stack.tenants.shares import TenantShares
 
 #: Seconds between the queue's own tries while anything waits (a safety net under the event kicks).
 TICK = 0.5
+
+_tag = attrgetter("tag")
 
 #: Exits that turn the request away, as the tenants' rejection reasons (metrics.REJECTION_REASONS)
 _REJECTED = {"displaced": "queue_full", "timeout": "queue_timeout"}
@@ -60,6 +69,11 @@ class Waiting(Protocol):
 
     @property
     def tenant(self) -> str: ...
+
+    @property
+    def held_back(self) -> bool:
+        """Its last try found no room kept for a tenant past its share (tenant headroom)."""
+        ...
 
     def try_dispatch(self) -> str | None:
         """Schedule it: the exit outcome (``dispatched``, ``failed``) when it left, None to stay."""
@@ -131,11 +145,13 @@ class RequestQueue:
         max_per_model: int = 1000,
         max_per_band: int = 0,
         tenants: TenantTable | None = None,
+        shares: TenantShares | None = None,
     ) -> None:
         self.metrics = metrics
         self.max_per_model = max_per_model
         self.max_per_band = max_per_band or 0  # 0: a band may hold as many as its model
         self.tenants = tenants if tenants is not None else TenantTable()  # weights and metric labels
+        self.shares = shares  # who is past its share (tenant headroom); None: nobody is
         self.length = 0  # waiting requests over all models (the hot path reads only this)
         self._queues: dict[str, _ModelQueue] = {}
         self._seq = 0
@@ -328,9 +344,27 @@ class RequestQueue:
             request = flow.requests[0]
             outcome = request.try_dispatch()
             if outcome is None:  # still no room: it keeps its place
-                break
+                if not request.held_back:
+                    break
+                # its tenant is past its share: one within its share may take the room kept for it
+                flow = self._within_share(model, band, flow)
+                if flow is None:
+                    break
+                request = flow.requests[0]
+                outcome = request.try_dispatch()
+                if outcome is None:
+                    break
             self._leave(model, q, band, flow, request, outcome)
             q = self._queues.get(model)
+
+    def _within_share(self, model: str, band: _Band, held: _Flow) -> _Flow | None:
+        """The band's tenant within its share whose turn comes first, other than ``held``'s; None when
+        every one is past its share (or the headroom is not kept)."""
+        shares = self.shares
+        if shares is None:
+            return None
+        flows = sorted((f for f in band.flows.values() if f is not held), key=_tag)
+        return next((f for f in flows if not shares.past_share(model, f.tenant)), None)
 
     def describe(self) -> dict[str, int]:
         """Waiting requests per model (``GET /engines``)."""

@@ -335,8 +335,12 @@ class DirectedRequest:
         ctx = self.ctx
         queue = director.queue
         if queue.length and not ctx.excluded and queue.ahead(ctx.pool or ctx.model, ctx.priority):
-            # requests of at least its priority wait already: it goes behind them (sheddable: shed)
+            # requests of at least its priority wait already: it goes behind them (sheddable: shed), and
+            # with the tenant headroom kept the queue tries at once: those waiting may be held back from
+            # room this one's tenant may take (RequestQueue.dispatch)
             self._wait_or_fail(Reason.ALL_SATURATED)
+            if self.queue_seq and director.settings.tenant_headroom:
+                queue.kick(ctx.pool or ctx.model)
             return
         result = self._schedule()
         engine = result.engine
@@ -404,6 +408,11 @@ class DirectedRequest:
         """Who sent it (:mod:`vllm_stack.tenants.identity`): its turn in its band of the queue."""
         return self.ctx.tenant
 
+    @property
+    def held_back(self) -> bool:
+        """Its last scheduling kept the tenant headroom from it (its tenant is past its share)."""
+        return self.ctx.held_back
+
     def try_dispatch(self) -> str | None:
         """The queue's try (it is the head of its model's queue): an engine now, or None to stay."""
         director = self.director
@@ -441,6 +450,8 @@ class DirectedRequest:
         self.booking = EngineBooking(
             engine, director.metrics.in_flight_child(engine.name), ctx.prefill_tokens
         )
+        if director.settings.tenant_headroom:
+            director.shares.started(ctx.pool or ctx.model, ctx.tenant)
         hooks = director.hooks
         if hooks.pre_request:
             ctx.upstream_headers = b""
@@ -456,9 +467,13 @@ class DirectedRequest:
         if booking is not None:
             self.booking = None
             booking.settle(outcome)
-            queue = self.director.queue
+            director = self.director
+            ctx = self.ctx
+            if director.settings.tenant_headroom:
+                director.shares.finished(ctx.pool or ctx.model, ctx.tenant)
+            queue = director.queue
             if queue.length:  # its engine has room for one waiting
-                queue.kick(self.ctx.pool or self.ctx.model)
+                queue.kick(ctx.pool or ctx.model)
 
     def first_token(self) -> None:
         """The engine has prefilled the prompt (its first token is out): its prefill estimate is released."""

@@ -35,6 +35,12 @@ running slot to free (vLLM preempts for priority only when KV blocks run out). W
 an engine whose slot count is known (the most it ran at a scrape where others waited) is also
 saturated once what is there reaches its slots less ``r``, so standard and sheddable work leaves ``r``
 slots to critical requests.
+
+Tenant headroom (``tenant_headroom_slots``, :mod:`vllm_stack.tenants.shares`): for a request whose tenant
+holds more than its share of the model's engines while another tenant is active (the director marks it
+``held_back`` on the request's context), an engine whose slot count is known is also saturated once what
+is there reaches its slots less the critical reserve and the headroom, so a tenant within its share finds
+a free slot at once instead of waiting behind the one that fills them.
 """
 
 from __future__ import annotations
@@ -182,6 +188,8 @@ class SaturationLimits:
     # Running slots kept free of the requests this rule admits (for critical ones, which do not use it);
     # 0: none. Applies to an engine once its slot count is known (Engine.running_slots).
     reserve_slots: int = 0
+    # Running slots more kept free of a request marked held_back (its tenant is past its share); 0: none.
+    headroom_slots: int = 0
 
 
 def saturated(engine: LoadedEngine, limits: SaturationLimits, now: float | None = None) -> bool:
@@ -195,14 +203,20 @@ def unsaturated(engines: Sequence[E], limits: SaturationLimits, now: float | Non
     return _unsaturated(limits, None, engines, now)
 
 
-def saturation_rule(limits: SaturationLimits) -> Callable[[object, Sequence[E]], Sequence[E]]:
+class HeldBack(Protocol):
+    """What the rule reads of a request's context (scheduling.framework.RequestContext)."""
+
+    held_back: bool  # its tenant is past its share: the headroom is kept from it
+
+
+def saturation_rule(limits: SaturationLimits) -> Callable[[HeldBack | None, Sequence[E]], Sequence[E]]:
     """The rule as a scheduling filter's ``filter(ctx, engines)``: a partial of the rule itself, so
     filtering makes no Python call besides the rule's."""
     return partial(_unsaturated, limits)
 
 
 def _unsaturated(
-    limits: SaturationLimits, _ctx: object, engines: Sequence[E], now: float | None = None
+    limits: SaturationLimits, ctx: HeldBack | None, engines: Sequence[E], now: float | None = None
 ) -> Sequence[E]:
     """The rule itself, written out in one loop: this runs for every standard request.
 
@@ -212,6 +226,8 @@ def _unsaturated(
     max_waiting = limits.max_waiting
     max_kv = limits.max_kv_cache_usage
     reserve = limits.reserve_slots
+    if ctx is not None and ctx.held_back:
+        reserve += limits.headroom_slots
     kept: list[E] | None = None
     for i, e in enumerate(engines):
         t = e.telemetry

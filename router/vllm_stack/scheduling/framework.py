@@ -88,8 +88,11 @@ class RequestContext:
     # The request's priority (vllm_stack.priority): > 0 critical, 0 standard, < 0 sheddable
     priority: int = 0
     # Who sent it (vllm_stack.tenants.identity, resolved by the API layer): what the fair queue, rate
-    # limits and eviction count by; it decides when the request is scheduled, never where
+    # limits, eviction and the tenant headroom count by
     tenant: str = DEFAULT_TENANT
+    # Its tenant holds more than its share of the model's engines while another is active (set by the
+    # director as it schedules, with tenant_headroom_slots on): the saturation rule keeps the headroom from it
+    held_back: bool = False
     # A picker's words on its decision (e.g. where LMCache's controller found the prompt), for the
     # x-vllm-stack-route debug header
     route_note: str = ""

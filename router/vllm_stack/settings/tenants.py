@@ -32,6 +32,13 @@ class TenantsGroup:
         "tokens_per_minute}]} (docs/tenants.md)",
         chart="routerSpec.tenants",
     )
+    tenant_headroom_slots: int = setting(
+        1,
+        doc="running slots per engine kept free of a tenant holding more than its share while another "
+        "tenant is active (0: none)",
+        flag="",
+        chart="routerSpec.tenantHeadroomSlots",
+    )
     tenants: TenantTable = setting(
         factory=TenantTable,
         doc="the declared tenants, read from tenants_file",
@@ -44,6 +51,8 @@ class TenantsGroup:
         other settings, before a reload applies anything (it would otherwise fail as the tenant identity
         is built, after the scheduling was swapped: a half-applied reload). A bad tenants file fails as
         it is read."""
+        if self.tenant_headroom_slots < 0:
+            raise ConfigError("tenant_headroom_slots must be >= 0")
         if _HEADER_NAME.fullmatch(self.tenant_header) is None:
             raise ConfigError(
                 f"tenant_header must be a header name (RFC 9110 token), not {self.tenant_header!r}"

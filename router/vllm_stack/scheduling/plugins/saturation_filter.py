@@ -2,8 +2,9 @@
 left, say "saturated".
 
 By default the rule's limits are the router's (``saturation_max_waiting``: 5 waiting,
-``saturation_max_kv_cache_usage``: 0.8, ``critical_reserve_slots``: 0); the parameters ``max_waiting``,
-``max_kv_cache_usage`` and ``reserve_slots`` override them for this filter. An engine whose figures are unknown (stale or never scraped) is kept:
+``saturation_max_kv_cache_usage``: 0.8, ``critical_reserve_slots``: 0, ``tenant_headroom_slots``: 1); the
+parameters ``max_waiting``, ``max_kv_cache_usage``, ``reserve_slots`` and ``headroom_slots`` override them
+for this filter. An engine whose figures are unknown (stale or never scraped) is kept:
 unknown is not full. When every candidate is saturated the scheduling result's reason is
 ``all_saturated``: the director holds a standard or critical request in the model's queue until an
 engine has room, and answers a sheddable one 429 with ``Retry-After`` (shed rather than wait).
@@ -43,5 +44,6 @@ class SaturationFilter:
             parameters.number("max_waiting", default.max_waiting, minimum=0),
             parameters.number("max_kv_cache_usage", default.max_kv_cache_usage, minimum=0),
             int(parameters.number("reserve_slots", default.reserve_slots, minimum=0)),
+            int(parameters.number("headroom_slots", default.headroom_slots, minimum=0)),
         )
         return cls(name, limits)

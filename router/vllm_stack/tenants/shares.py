@@ -1,0 +1,137 @@
+"""Who holds more than its share of a model's engines now: the tenant headroom's measure (docs/tenants.md).
+
+The fair queue decides who goes next once every engine is full, but a request that reaches a full engine
+still waits there for a running slot to free: with a noisy tenant keeping every slot busy, a quiet tenant's
+request waits for one to end however fair the queue is. The headroom (``tenant_headroom_slots``) keeps slots
+free of a tenant that holds more than its share while another tenant is active, so a request of a tenant
+within its share finds a free slot at once. This module says which tenants are past their share; the
+saturation rule (:mod:`vllm_stack.engines.load`) keeps the slots, the director asks here per request.
+
+A tenant's share of a model is its weight over the weights of the model's **active** tenants: those with
+requests on its engines now, or that sent one within the last :data:`ACTIVE_SECONDS`. A tenant is past its
+share when its requests on the model's engines, over all of them, exceed its share. A tenant with nothing
+on the engines is never past it, so a tenant is held back from the headroom only while it holds slots, and
+no tenant is held back while it is the only active one (it alone loses nothing).
+
+Bounded: a model is tracked once a request of it reached an engine; the tenants seen are swept at most once
+a second, and a model is dropped once it has no active tenant. At most :data:`MAX_TENANTS` tenants a model
+are remembered as seen (beyond them a tenant still counts while it holds slots).
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm_stack.tenants.declaration import TenantTable
+
+#: Seconds a tenant stays active after its last request arrived or ended: a quiet tenant between two
+#: requests still has the headroom kept for it.
+ACTIVE_SECONDS = 10.0
+#: Seconds between sweeps of the tenants seen.
+SWEEP_SECONDS = 1.0
+#: Tenants a model remembers as seen (tenant names from a header are the client's to make up).
+MAX_TENANTS = 10_000
+
+
+class _ModelShares:
+    """One model's tenants: requests on its engines per tenant, and when each was last seen."""
+
+    __slots__ = ("in_flight", "total", "seen", "weight_sum")
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.total = 0
+        self.seen: dict[str, float] = {}  # tenant -> time.monotonic() of its last request or end
+        self.weight_sum = 0.0  # the weights of the tenants in ``seen``
+
+
+class TenantShares:
+    """Per model, each tenant's requests on its engines and whether a tenant is past its share."""
+
+    __slots__ = ("tenants", "_models", "_next_sweep", "active_seconds")
+
+    def __init__(self, tenants: TenantTable | None = None, active_seconds: float = ACTIVE_SECONDS) -> None:
+        self.tenants = tenants if tenants is not None else TenantTable()  # weights; a reload sets another
+        self.active_seconds = active_seconds
+        self._models: dict[str, _ModelShares] = {}
+        self._next_sweep = 0.0
+
+    def started(self, model: str, tenant: str) -> None:
+        """A request of ``tenant`` went to an engine of ``model``."""
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = _ModelShares()
+        counts = m.in_flight
+        counts[tenant] = counts.get(tenant, 0) + 1
+        m.total += 1
+        self._see(m, tenant, time.monotonic())
+
+    def finished(self, model: str, tenant: str) -> None:
+        """A request :meth:`started` left its engine. One started before the headroom was turned on was
+        not counted: it takes one of its tenant's counted requests off early, or nothing when the tenant
+        holds none (a count a reload skews for as long as those requests run, never below zero)."""
+        m = self._models.get(model)
+        if m is None:
+            return
+        counts = m.in_flight
+        held = counts.get(tenant, 0)
+        if not held:
+            return
+        if held == 1:
+            del counts[tenant]
+        else:
+            counts[tenant] = held - 1
+        m.total -= 1
+        self._see(m, tenant, time.monotonic())
+
+    def past_share(self, model: str, tenant: str) -> bool:
+        """Whether ``tenant`` holds more of ``model``'s engines than its share (module docstring); it
+        counts as seen from now."""
+        m = self._models.get(model)
+        if m is None:  # nothing of the model reached an engine: nobody holds anything
+            return False
+        now = time.monotonic()
+        self._see(m, tenant, now)
+        if len(m.seen) < 2:  # it alone is active (the untenanted router's every request)
+            return False
+        if now >= self._next_sweep:
+            self._sweep(now)
+        mine = m.in_flight.get(tenant, 0)
+        return mine > 0 and mine * m.weight_sum > self.tenants.weight(tenant) * m.total
+
+    def set_tenants(self, tenants: TenantTable) -> None:
+        """A reload's declaration: its weights count from now, for the tenants seen already too."""
+        self.tenants = tenants
+        for m in self._models.values():
+            m.weight_sum = sum(tenants.weight(t) for t in m.seen)
+
+    def clear(self) -> None:
+        """Forget everything (the headroom was turned off: nothing is counted until it is on again)."""
+        self._models.clear()
+
+    def describe(self) -> dict[str, dict[str, int]]:
+        """Requests on engines per model and tenant (tests, debugging)."""
+        return {model: dict(m.in_flight) for model, m in self._models.items()}
+
+    def _see(self, m: _ModelShares, tenant: str, now: float) -> None:
+        seen = m.seen
+        if tenant not in seen:
+            if len(seen) >= MAX_TENANTS:
+                return
+            m.weight_sum += self.tenants.weight(tenant)
+        seen[tenant] = now
+
+    def _sweep(self, now: float) -> None:
+        """Tenants idle past the window and holding nothing stop being active; empty models go."""
+        self._next_sweep = now + SWEEP_SECONDS
+        horizon = now - self.active_seconds
+        weight = self.tenants.weight
+        for model, m in list(self._models.items()):
+            seen = m.seen
+            gone = [t for t, last in seen.items() if last < horizon and t not in m.in_flight]
+            for t in gone:
+                del seen[t]
+            if gone:  # summed again, not subtracted: a reload may have changed the weights
+                m.weight_sum = sum(weight(t) for t in seen)
+            if not seen and not m.in_flight:
+                del self._models[model]

@@ -1,0 +1,220 @@
+"""The tenant headroom (docs/tenants.md, "Headroom"): slots kept free of a tenant past its share while another
+tenant is active, so a request of a tenant within its share starts at once instead of waiting for a slot the
+noisy tenant holds. Its parts on their own (who is past its share, the saturation rule, the queue's try of
+the next tenant), then through the router over a stub engine whose slot count the router learned.
+
+Without the headroom every one of these fails: nobody is held back, a tenant's request takes the engine's
+last slot whoever holds the rest, and a request whose tenant is past its share blocks the queue's band."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import pytest
+
+from tests.fakes.stub_engine import StubEngine
+from tests.router.helpers import http, running_router, stubs, wait_for
+from tests.router.test_priority import figures
+from tests.router.test_priority_queue import Req
+from vllm_stack.config import ConfigError, load_config
+from vllm_stack.director.queue import RequestQueue
+from vllm_stack.engines.load import EngineTelemetry, SaturationLimits, saturation_rule
+from vllm_stack.metrics import RouterMetrics
+from vllm_stack.tenants.declaration import TenantSpec, TenantTable
+from vllm_stack.tenants.shares import TenantShares
+
+BASE = "stub-model"
+FAIRNESS = "x-llm-d-inference-fairness-id"
+
+
+# ---- who is past its share ------------------------------------------------------------------------------
+def test_a_tenant_alone_is_never_past_its_share_however_much_it_holds() -> None:
+    shares = TenantShares()
+    for _ in range(8):
+        shares.started("m", "noisy")
+    assert not shares.past_share("m", "noisy")
+
+
+def test_a_tenant_holding_more_than_its_share_is_held_while_another_is_active() -> None:
+    shares = TenantShares()
+    shares.started("m", "quiet")
+    shares.finished("m", "quiet")  # the quiet tenant holds nothing now, but it is active
+    for _ in range(3):
+        shares.started("m", "noisy")
+    assert shares.past_share("m", "noisy")  # 3 of 3 on the engines, its share a half
+    assert not shares.past_share("m", "quiet")  # nothing held: never past it
+    shares.started("m", "quiet")
+    shares.started("m", "quiet")
+    assert shares.past_share("m", "noisy")  # 3 of 5 > 1/2
+    shares.started("m", "quiet")
+    assert not shares.past_share("m", "noisy") and not shares.past_share("m", "quiet")  # 3 of 6 each
+    assert shares.describe() == {"m": {"noisy": 3, "quiet": 3}}
+
+
+def test_weights_set_the_shares() -> None:
+    shares = TenantShares(TenantTable([TenantSpec("gold", weight=3.0)]))
+    shares.started("m", "bronze")  # bronze: weight 1, share a quarter
+    for _ in range(3):
+        shares.started("m", "gold")
+    assert not shares.past_share("m", "gold")  # 3 of 4 is its share, not more
+    shares.started("m", "gold")
+    assert shares.past_share("m", "gold")
+    shares.set_tenants(TenantTable([TenantSpec("gold", weight=4.0)]))  # a reload's weights count at once
+    assert not shares.past_share("m", "gold")  # 4 of 5 is its share now
+
+
+def test_a_tenant_idle_past_the_window_is_no_longer_active_and_models_never_scheduled_are_not_tracked() -> (
+    None
+):
+    shares = TenantShares(active_seconds=0.0)
+    shares.started("m", "quiet")
+    shares.finished("m", "quiet")
+    shares.started("m", "noisy")
+    time.sleep(0.001)  # the quiet tenant's last sight is now in the past: past a window of 0 s
+    assert not shares.past_share("m", "noisy")  # swept: the noisy tenant is alone again
+    assert not shares.past_share("unknown-model", "noisy")
+    assert "unknown-model" not in shares.describe()
+    shares.finished("m", "noisy")
+    shares.finished("m", "noisy")  # one more than it started (counted before a reload): never below 0
+    assert shares.describe() == {"m": {}}
+
+
+# ---- the saturation rule ---------------------------------------------------------------------------------
+class Eng:
+    """An engine as the rule reads it: 4 slots known, 2 running at the scrape, nothing sent since."""
+
+    def __init__(self) -> None:
+        self.telemetry = EngineTelemetry(2.0, 0.0, 0.1, None, None, time.monotonic())
+        self.stale_after = 60.0
+        self.in_flight = 0
+        self.running_slots = 4
+
+
+class Ctx:
+    def __init__(self, held_back: bool) -> None:
+        self.held_back = held_back
+
+
+def test_the_rule_keeps_the_headroom_from_a_request_held_back_only() -> None:
+    rule = saturation_rule(SaturationLimits(max_waiting=1, headroom_slots=1, reserve_slots=1))
+    engine = Eng()
+    assert list(rule(Ctx(False), [engine])) == [engine]  # 2 there, 4 slots less the critical reserve of 1
+    assert list(rule(Ctx(True), [engine])) == []  # and less the headroom of 1: 2 >= 2
+    engine.telemetry.running = 1.0
+    assert list(rule(Ctx(True), [engine])) == [engine]
+
+
+def test_without_a_headroom_being_held_back_changes_nothing() -> None:
+    engine = Eng()
+    engine.telemetry.running = 3.0
+    rule = saturation_rule(SaturationLimits(max_waiting=1))
+    assert list(rule(Ctx(True), [engine])) == [engine]
+
+
+# ---- the queue -------------------------------------------------------------------------------------------
+async def test_a_held_back_head_lets_the_next_tenant_within_its_share_go() -> None:
+    shares = TenantShares()
+    shares.started("m", "quiet")
+    shares.finished("m", "quiet")
+    shares.started("m", "noisy")  # noisy holds the engines' one request: past its share
+    queue = RequestQueue(RouterMetrics(), max_per_model=100, shares=shares)
+    log: list[str] = []
+    room = [1]  # room for one request that may take the headroom, none for a held-back one
+
+    def held(r: Req) -> Req:
+        def try_dispatch() -> str | None:
+            r.held_back = shares.past_share("m", r.tenant)
+            if r.held_back or not room[0]:
+                return None
+            room[0] -= 1
+            log.append(r.name)
+            return "dispatched"
+
+        r.try_dispatch = try_dispatch  # type: ignore[method-assign]
+        return r
+
+    for i, tenant in enumerate(["noisy", "noisy", "quiet", "noisy", "quiet"]):
+        r = held(Req(f"{tenant}{i}", 0, log, room))
+        r.tenant = tenant
+        assert queue.add("m", r)
+    queue.dispatch("m")
+    assert log == ["quiet2"]  # the head (noisy0) is held back; the quiet tenant's oldest went
+    room[0] = 1
+    queue.dispatch("m")
+    assert log == ["quiet2", "quiet4"]
+    room[0] = 1
+    queue.dispatch("m")
+    assert log == ["quiet2", "quiet4"]  # only held-back requests wait: nobody takes the headroom
+    shares.finished("m", "noisy")  # noisy holds nothing now: within its share again
+    queue.dispatch("m")
+    assert log == ["quiet2", "quiet4", "noisy0"]
+    assert queue.length == 2
+    queue.close()
+
+
+# ---- through the router -----------------------------------------------------------------------------------
+CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+LONG = {**CHAT, "max_tokens": 100_000, "stream": True}  # a stream the stub sends slowly, held by the test
+
+
+async def hold(url: str, tenant: str, started: asyncio.Event) -> None:
+    """A streamed request of ``tenant`` that stays on its engine until the task is cancelled (the client
+    leaves, the router aborts the engine's request, the stub frees its slot)."""
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=LONG, headers={FAIRNESS: tenant}) as r,
+    ):
+        assert r.status_code == 200
+        async for _ in r.aiter_bytes():
+            started.set()
+
+
+async def test_a_quiet_tenant_takes_the_slot_kept_free_of_the_noisy_one_through_the_router() -> None:
+    a = StubEngine("a", [BASE])
+    a.behaviour.token_delay_s = 0.05
+    a.running, a.waiting = 3, 2  # it runs 3 at once: others wait (the router learns 3 slots)
+    async with (
+        stubs(a) as urls,
+        running_router(urls, tenant_headroom_slots=1, saturation_max_waiting=1, queue_timeout=30) as (
+            url,
+            router,
+        ),
+    ):
+        engine = router.registry.engines()[0]
+        await wait_for(lambda: engine.running_slots == 3, what="slots learned from a scrape")
+        a.running, a.waiting = 0, 0  # from here it publishes what it runs
+        await figures(router, urls, [a])
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            async with http(url) as h:
+                r = await h.post("/v1/chat/completions", json=CHAT, headers={FAIRNESS: "quiet"})
+                assert r.status_code == 200  # the quiet tenant is active
+                for _ in range(2):  # the first within its share, the second past it but below 3 - 1
+                    started = asyncio.Event()
+                    tasks.append(asyncio.ensure_future(hold(url, "noisy", started)))
+                    await asyncio.wait_for(started.wait(), 30)
+                tasks.append(asyncio.ensure_future(hold(url, "noisy", asyncio.Event())))
+                await wait_for(lambda: router.queue.length == 1, what="the third noisy request held back")
+                assert a.running == 2
+                # the quiet tenant's request joins the queue behind it and goes at once to the slot kept free
+                started = asyncio.Event()
+                tasks.append(asyncio.ensure_future(hold(url, "quiet", started)))
+                await asyncio.wait_for(started.wait(), 30)
+                assert router.queue.length == 1 and a.running == 3  # the noisy one still waits
+                tasks[0].cancel()  # a noisy request ends: the engine has a slot beyond the headroom
+                await wait_for(lambda: router.queue.length == 0, what="the noisy request dispatched")
+                await wait_for(lambda: a.running == 3, what="it runs")
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+def test_a_negative_headroom_is_refused() -> None:
+    with pytest.raises(ConfigError, match="tenant_headroom_slots"):
+        load_config({"tenant_headroom_slots": -1, "static_backends": "http://127.0.0.1:1"}, environ={})
