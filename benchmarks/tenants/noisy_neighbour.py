@@ -138,7 +138,9 @@ OUTCOMES = ("sent", "ok", "429_retry_after", "429_bare", "503", "other", "error"
 NOISY_LIMIT_SHARE = 0.3
 
 
-def router_config(backends: list[str], eviction: bool, tenants_file: Path | None = None) -> dict:
+def router_config(
+    backends: list[str], eviction: bool, tenants_file: Path | None = None, headroom: bool = True
+) -> dict:
     config = {
         "static_backends": backends,
         "routing_logic": "leastloaded",
@@ -152,6 +154,8 @@ def router_config(backends: list[str], eviction: bool, tenants_file: Path | None
         # An engine with one request waiting is saturated: the rest wait in the router's queue, where
         # they leave by tenant in turn (the default 5 lets each engine queue five in arrival order).
         config |= {"tenants_file": str(tenants_file), "saturation_max_waiting": 1}
+    if not headroom:  # fair queueing and limits alone: no slot kept free of a tenant past its share
+        config |= {"tenant_headroom_slots": 0}
     return config
 
 
@@ -193,6 +197,10 @@ def gateway_config(backends: list[str], picker_target: str) -> dict:
 #: --before: the runs a router from before issue 51 takes part in (it has no eviction setting)
 BEFORE_RUNS = ("A-alone", "A-beside", "B-evict-off", "C-sdk")
 BEFORE_PREFIX = "before/"
+#: ``--no-headroom``: ours with ``tenant_headroom_slots`` 0, beside the noisy tenant (alone, one tenant is
+#: active and the headroom never applies: the ``A-alone`` row is its baseline too)
+NO_HEADROOM_RUNS = ("A-beside", "C-sdk")
+NO_HEADROOM_PREFIX = "no-headroom/"
 
 
 @contextlib.contextmanager
@@ -478,14 +486,15 @@ def verdicts(summary: dict) -> list[str]:
         s = summary.get(run, {}).get(tenant, {}).get("p99_ms")
         return None if s is None else s["median"]
 
-    for prefix in ("", BEFORE_PREFIX, LLMD_PREFIX, LLMD_CONC_PREFIX):
-        alone = p99(prefix + "A-alone", "quiet")
+    for prefix in ("", NO_HEADROOM_PREFIX, BEFORE_PREFIX, LLMD_PREFIX, LLMD_CONC_PREFIX):
+        baseline = ("" if prefix == NO_HEADROOM_PREFIX else prefix) + "A-alone"
+        alone = p99(baseline, "quiet")
         for run in (prefix + "A-beside", prefix + "C-sdk"):
             beside = p99(run, "quiet")
             if alone is not None and beside is not None:
                 ok = beside <= 1.3 * alone
                 out.append(f"{'PASS' if ok else 'FAIL'}: quiet p99 TTFT {run} {beside:.0f} ms <= 1.3 x "
-                           f"{prefix}A-alone {alone:.0f} ms ({beside / alone:.2f} x)")  # fmt: skip
+                           f"{baseline} {alone:.0f} ms ({beside / alone:.2f} x)")  # fmt: skip
             if run in summary:
                 q = summary[run]["quiet"]
                 answered = q["ok"]["median"] == q["sent"]["median"]
@@ -509,6 +518,7 @@ def render(report: dict) -> str:
         f"{report['lead_s']:g}"
         f"{' --tenants' if report.get('tenants_declared') else ''}"
         f"{' --before ' + report['before_tree'] if report.get('before_tree') else ''}"
+        f"{' --no-headroom' if report.get('no_headroom') else ''}"
         f"{' --llmd' if report.get('llmd') else ''} --label "
         f"{report['label']}` on {report['machine']} at {report['commit']} "
         f"({report['router']}); load average before the run {report['loadavg_before']}, after "
@@ -532,6 +542,16 @@ def render(report: dict) -> str:
                 "cannot start at once (`saturation_max_waiting` 1), so waiting requests leave by tenant in turn.",
             ]
             if report.get("tenants_declared")
+            else []
+        ),
+        *(
+            [
+                "",
+                f"`{NO_HEADROOM_PREFIX}` rows: ours with `tenant_headroom_slots: 0`, fair queueing and rate "
+                "limits without the slot kept free of a tenant past its share (the rows without a prefix keep "
+                "one per engine, the default).",
+            ]
+            if report.get("no_headroom")
             else []
         ),
         *(
@@ -610,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", metavar="TREE",
                     help=f"also run {', '.join(BEFORE_RUNS)} with the router's code from TREE/router (e.g. "
                     "`git archive 336715e router`, main before issue 51), without tenants, in the same rounds")  # fmt: skip
+    ap.add_argument("--no-headroom", action="store_true",
+                    help=f"--tenants: also run {', '.join(NO_HEADROOM_RUNS)} through ours with "
+                    "tenant_headroom_slots 0 (fair queueing and limits alone), in the same rounds")  # fmt: skip
     ap.add_argument("--llmd", action="store_true",
                     help=f"also run {', '.join(LLMD_RUNS)} through llm-d's router with its flow control "
                     f"({LLMD_EPP_ENV}: its epp binary), on the same engines, in the same rounds")  # fmt: skip
@@ -654,6 +677,10 @@ def main(argv: list[str] | None = None) -> int:
                 tenants, eviction = tenants_of[run]
                 contenders = [("", partial(our_router, router_config(backends, eviction, tenants_file),
                                            router_env(), log_dir, f"{run}-{i}"))]  # fmt: skip
+                if args.no_headroom and tenants_file is not None and run in NO_HEADROOM_RUNS:
+                    contenders.append((NO_HEADROOM_PREFIX, partial(
+                        our_router, router_config(backends, eviction, tenants_file, headroom=False),
+                        router_env(), log_dir, f"no-headroom-{run}-{i}")))  # fmt: skip
                 if args.before and run in BEFORE_RUNS:
                     before_env = router_env() | {"PYTHONPATH": str(Path(args.before) / "router")}
                     contenders.append((BEFORE_PREFIX, partial(our_router, router_config(backends, False),
@@ -705,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         "lead_s": args.lead,
         "batch_tokens": BATCH_TOKENS_FACTOR * args.tokens,
         "before_tree": args.before,
+        "no_headroom": bool(args.no_headroom and args.tenants),
         "llmd": (
             {
                 "commit": LLMD_ROUTER_COMMIT,
