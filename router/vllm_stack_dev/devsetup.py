@@ -39,13 +39,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_stack_dev.debian import install_packages
 from vllm_stack_dev.gotools import install_test_tools
 from vllm_stack_dev.images import install_images
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
@@ -74,10 +74,6 @@ HELM_PACKAGES = {
 NODE_TOOLS = ["@bitnami/readme-generator-for-helm@2.7.2"]
 CHECKOV_REQUIREMENTS = ["checkov==3.2.497"]
 LMCACHE_WHEELS = ["lmcache==0.5.6", "sortedcontainers==2.4.0"]
-
-
-# The steps that install Debian packages (prometheus, images) run concurrently: one apt-get at a time.
-APT_LOCK = threading.Lock()
 
 
 class StepError(RuntimeError):
@@ -262,10 +258,7 @@ def install_prometheus() -> str:
         return "up to date"
     if os.geteuid() != 0:
         raise StepError("prometheus/promtool missing: run `sudo apt-get install -y prometheus`")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    with APT_LOCK:
-        _run(["apt-get", "update", "-qq"], env=env)
-        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"], env=env)
+    install_packages(["prometheus"], StepError)
     return "installed from Debian"
 
 
@@ -327,9 +320,7 @@ def install_node() -> str:
     if not shutil.which("containerd"):
         if os.geteuid() != 0:
             raise StepError("containerd missing: run `sudo apt-get install -y containerd`")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        _run(["apt-get", "update", "-qq"], env=env)
-        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "containerd"], env=env)
+        install_packages(["containerd"], StepError)
         done.append("containerd from Debian")
     from vllm_stack_dev.cluster.node import pause_archive
 

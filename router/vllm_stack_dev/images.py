@@ -48,6 +48,7 @@ from pathlib import Path
 
 import yaml
 
+from vllm_stack_dev.debian import install_packages
 from vllm_stack_dev.paths import repo_root
 
 # A fixed date for every file time and bytecode stamp in the images (1980-01-01, the earliest zip allows).
@@ -147,12 +148,7 @@ def ensure_tools() -> str:
         return ""
     if os.geteuid() != 0:
         raise ImageError(f"{', '.join(missing)} missing: run `sudo apt-get install -y {' '.join(missing)}`")
-    from vllm_stack_dev.devsetup import APT_LOCK  # the prometheus step may run apt-get meanwhile
-
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    with APT_LOCK:
-        _run(["apt-get", "update", "-qq"], env=env)
-        _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
+    install_packages(missing, ImageError)  # other set-up steps may run apt-get meanwhile: one at a time
     return f"installed {', '.join(missing)} from Debian; "
 
 
