@@ -57,14 +57,16 @@ class TenantShares:
         self._next_sweep = 0.0
 
     def started(self, model: str, tenant: str) -> None:
-        """A request of ``tenant`` went to an engine of ``model``."""
+        """A request of ``tenant`` went to an engine of ``model``. (No clock is read while the tenant is
+        known: a tenant with requests on the engines is active whatever its last sight says.)"""
         m = self._models.get(model)
         if m is None:
             m = self._models[model] = _ModelShares()
         counts = m.in_flight
         counts[tenant] = counts.get(tenant, 0) + 1
         m.total += 1
-        self._see(m, tenant, time.monotonic())
+        if tenant not in m.seen:
+            self._see(m, tenant, time.monotonic())
 
     def finished(self, model: str, tenant: str) -> None:
         """A request :meth:`started` left its engine. One started before the headroom was turned on was
@@ -77,12 +79,12 @@ class TenantShares:
         held = counts.get(tenant, 0)
         if not held:
             return
-        if held == 1:
+        m.total -= 1
+        if held == 1:  # its last one: active for the window from now
             del counts[tenant]
+            self._see(m, tenant, time.monotonic())
         else:
             counts[tenant] = held - 1
-        m.total -= 1
-        self._see(m, tenant, time.monotonic())
 
     def past_share(self, model: str, tenant: str) -> bool:
         """Whether ``tenant`` holds more of ``model``'s engines than its share (module docstring); it
@@ -90,14 +92,18 @@ class TenantShares:
         m = self._models.get(model)
         if m is None:  # nothing of the model reached an engine: nobody holds anything
             return False
+        mine = m.in_flight.get(tenant, 0)
+        if not mine:  # never past its share; it counts as seen from now
+            self._see(m, tenant, time.monotonic())
+            return False
+        seen = m.seen
+        if len(seen) < 2:  # it alone is active (the untenanted router's every request): no clock read
+            return False
         now = time.monotonic()
         self._see(m, tenant, now)
-        if len(m.seen) < 2:  # it alone is active (the untenanted router's every request)
-            return False
         if now >= self._next_sweep:
             self._sweep(now)
-        mine = m.in_flight.get(tenant, 0)
-        return mine > 0 and mine * m.weight_sum > self.tenants.weight(tenant) * m.total
+        return mine * m.weight_sum > self.tenants.weight(tenant) * m.total
 
     def set_tenants(self, tenants: TenantTable) -> None:
         """A reload's declaration: its weights count from now, for the tenants seen already too."""
