@@ -342,6 +342,9 @@ class RealNode:
                 "mount --make-rshared /",
                 "mount -t tmpfs -o mode=755 tmpfs /run",
                 "mount -t tmpfs -o mode=755 tmpfs /var/log",
+                # CNI's state directory, where CNI plugins would make it: a fresh machine without them has
+                # none, and a mount needs its mount point (the directory stays empty; the tmpfs is ours)
+                "mkdir -p /var/lib/cni",
                 "mount -t tmpfs -o mode=755 tmpfs /var/lib/cni",
                 "mkdir -p /run/netns /run/kubelet",
                 f"mkdir -p {self.workdir / 'kubelet'}",
