@@ -38,10 +38,22 @@ def test_a_tenant_alone_is_never_past_its_share_however_much_it_holds() -> None:
     assert not shares.past_share("m", "noisy")
 
 
+def test_nothing_is_counted_until_a_second_tenant_is_seen() -> None:
+    shares = TenantShares()
+    shares.note("default")
+    shares.note("default")
+    assert shares.solo == "default" and not shares.tracking  # the untenanted router: one tenant, no counts
+    shares.note("team-a")
+    assert shares.tracking
+    shares.clear()  # the headroom turned off: counting starts over
+    assert shares.solo is None and not shares.tracking and shares.describe() == {}
+
+
 def test_a_tenant_holding_more_than_its_share_is_held_while_another_is_active() -> None:
     shares = TenantShares()
-    shares.started("m", "quiet")
-    shares.finished("m", "quiet")  # the quiet tenant holds nothing now, but it is active
+    shares.finished(
+        shares.started("m", "quiet"), "quiet"
+    )  # the quiet tenant holds nothing now, but is active
     for _ in range(3):
         shares.started("m", "noisy")
     assert shares.past_share("m", "noisy")  # 3 of 3 on the engines, its share a half
@@ -70,15 +82,14 @@ def test_a_tenant_idle_past_the_window_is_no_longer_active_and_models_never_sche
     None
 ):
     shares = TenantShares(active_seconds=0.0)
-    shares.started("m", "quiet")
-    shares.finished("m", "quiet")
-    shares.started("m", "noisy")
+    shares.finished(shares.started("m", "quiet"), "quiet")
+    m = shares.started("m", "noisy")
     time.sleep(0.001)  # the quiet tenant's last sight is now in the past: past a window of 0 s
     assert not shares.past_share("m", "noisy")  # swept: the noisy tenant is alone again
     assert not shares.past_share("unknown-model", "noisy")
     assert "unknown-model" not in shares.describe()
-    shares.finished("m", "noisy")
-    shares.finished("m", "noisy")  # one more than it started (counted before a reload): never below 0
+    shares.finished(m, "noisy")
+    shares.finished(m, "noisy")  # one more than it started: never below 0
     assert shares.describe() == {"m": {}}
 
 
@@ -117,9 +128,8 @@ def test_without_a_headroom_being_held_back_changes_nothing() -> None:
 # ---- the queue -------------------------------------------------------------------------------------------
 async def test_a_held_back_head_lets_the_next_tenant_within_its_share_go() -> None:
     shares = TenantShares()
-    shares.started("m", "quiet")
-    shares.finished("m", "quiet")
-    shares.started("m", "noisy")  # noisy holds the engines' one request: past its share
+    shares.finished(shares.started("m", "quiet"), "quiet")
+    noisy = shares.started("m", "noisy")  # noisy holds the engines' one request: past its share
     queue = RequestQueue(RouterMetrics(), max_per_model=100, shares=shares)
     log: list[str] = []
     room = [1]  # room for one request that may take the headroom, none for a held-back one
@@ -148,7 +158,7 @@ async def test_a_held_back_head_lets_the_next_tenant_within_its_share_go() -> No
     room[0] = 1
     queue.dispatch("m")
     assert log == ["quiet2", "quiet4"]  # only held-back requests wait: nobody takes the headroom
-    shares.finished("m", "noisy")  # noisy holds nothing now: within its share again
+    shares.finished(noisy, "noisy")  # noisy holds nothing now: within its share again
     queue.dispatch("m")
     assert log == ["quiet2", "quiet4", "noisy0"]
     assert queue.length == 2

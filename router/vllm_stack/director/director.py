@@ -176,7 +176,17 @@ class Director:
         if ctx.priority > 0:
             return scheduler.critical(ctx, self.registry.candidates(model))
         if self.settings.tenant_headroom:
-            ctx.held_back = self.shares.past_share(model, ctx.tenant)
+            shares = self.shares
+            if shares.tracking:
+                m = shares.models.get(model)
+                # past_share could say yes only with another tenant active, or for a tenant not seen yet:
+                # tested here, so a model's one active tenant costs no call
+                if m is not None and (len(m.seen) > 1 or ctx.tenant not in m.seen):
+                    ctx.held_back = shares.past_share(model, ctx.tenant)
+                elif ctx.held_back:  # held back by an earlier try; alone now
+                    ctx.held_back = False
+            elif ctx.tenant != shares.solo:  # (one tenant so far: nothing is counted, nobody held back)
+                shares.note(ctx.tenant)
         return scheduler.standard(ctx, self.registry.candidates(model))
 
     def wake_for(self, model: str) -> bool:

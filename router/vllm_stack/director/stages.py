@@ -74,6 +74,7 @@ from vllm_stack.scheduling.framework import Completion, Reason, Refusal, Request
 
 if TYPE_CHECKING:
     from vllm_stack.director.director import Director
+    from vllm_stack.tenants.shares import ModelShares
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class DirectedRequest:
         "queue_seq",
         "queued_at",
         "route",
+        "share",
     )
 
     def __init__(self, director: Director, ctx: RequestContext, attempts: int) -> None:
@@ -120,6 +122,7 @@ class DirectedRequest:
         self.queue_seq = 0  # its entry in the model's queue while it waits there (director.queue)
         self.queued_at = 0.0
         self.route: bytes | None = None  # the x-vllm-stack-route value (debug_headers on)
+        self.share: ModelShares | None = None  # its model's entry in the tenants' counts while counted
 
     #: Whether the response-complete hooks run for a request no engine answered (refused, client gone).
     #: A batch line's do not: it is sent again later, and its hooks run for the send that is answered.
@@ -450,8 +453,9 @@ class DirectedRequest:
         self.booking = EngineBooking(
             engine, director.metrics.in_flight_child(engine.name), ctx.prefill_tokens
         )
-        if director.settings.tenant_headroom:
-            director.shares.started(ctx.pool or ctx.model, ctx.tenant)
+        shares = director.shares
+        if shares.tracking:  # (the tenant headroom is on and a second tenant was seen)
+            self.share = shares.started(ctx.pool or ctx.model, ctx.tenant)
         hooks = director.hooks
         if hooks.pre_request:
             ctx.upstream_headers = b""
@@ -467,13 +471,13 @@ class DirectedRequest:
         if booking is not None:
             self.booking = None
             booking.settle(outcome)
-            director = self.director
-            ctx = self.ctx
-            if director.settings.tenant_headroom:
-                director.shares.finished(ctx.pool or ctx.model, ctx.tenant)
-            queue = director.queue
+            share = self.share
+            if share is not None:
+                self.share = None
+                self.director.shares.finished(share, self.ctx.tenant)
+            queue = self.director.queue
             if queue.length:  # its engine has room for one waiting
-                queue.kick(ctx.pool or ctx.model)
+                queue.kick(self.ctx.pool or self.ctx.model)
 
     def first_token(self) -> None:
         """The engine has prefilled the prompt (its first token is out): its prefill estimate is released."""

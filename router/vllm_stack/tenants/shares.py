@@ -13,6 +13,12 @@ share when its requests on the model's engines, over all of them, exceed its sha
 on the engines is never past it, so a tenant is held back from the headroom only while it holds slots, and
 no tenant is held back while it is the only active one (it alone loses nothing).
 
+Nothing is counted while the router has seen one tenant only (an untenanted router's every request is the
+shared tenant's): the director notes each request's tenant against :attr:`TenantShares.solo`, and counting
+starts (:attr:`TenantShares.tracking`) with the first request of a second tenant. The first tenant counts
+as seen at that moment on every model, and its requests already on engines then are not counted: for as
+long as they run (a request's length), it holds less than it does. Each counted request keeps its model's entry and gives it back as it ends.
+
 Bounded: a model is tracked once a request of it reached an engine; the tenants seen are swept at most once
 a second, and a model is dropped once it has no active tenant. At most :data:`MAX_TENANTS` tenants a model
 are remembered as seen (beyond them a tenant still counts while it holds slots).
@@ -33,7 +39,7 @@ SWEEP_SECONDS = 1.0
 MAX_TENANTS = 10_000
 
 
-class _ModelShares:
+class ModelShares:
     """One model's tenants: requests on its engines per tenant, and when each was last seen."""
 
     __slots__ = ("in_flight", "total", "seen", "weight_sum")
@@ -48,33 +54,47 @@ class _ModelShares:
 class TenantShares:
     """Per model, each tenant's requests on its engines and whether a tenant is past its share."""
 
-    __slots__ = ("tenants", "_models", "_next_sweep", "active_seconds")
+    __slots__ = ("tenants", "models", "_next_sweep", "active_seconds", "solo", "tracking", "_solo_seen")
 
     def __init__(self, tenants: TenantTable | None = None, active_seconds: float = ACTIVE_SECONDS) -> None:
         self.tenants = tenants if tenants is not None else TenantTable()  # weights; a reload sets another
         self.active_seconds = active_seconds
-        self._models: dict[str, _ModelShares] = {}
+        self.solo: str | None = None  # the one tenant seen while nothing is counted
+        self.tracking = False  # requests are counted per tenant: a second tenant was seen
+        self._solo_seen = 0.0  # when counting started: the first tenant's last sight, on every model
+        # per model, once a request of it reached an engine (read by the director's fast path: a model's
+        # only active tenant is never past its share, so past_share is not called for it)
+        self.models: dict[str, ModelShares] = {}
         self._next_sweep = 0.0
 
-    def started(self, model: str, tenant: str) -> None:
-        """A request of ``tenant`` went to an engine of ``model``. (No clock is read while the tenant is
-        known: a tenant with requests on the engines is active whatever its last sight says.)"""
-        m = self._models.get(model)
+    def note(self, tenant: str) -> None:
+        """A request of ``tenant``, not the one tenant seen so far (the director checks :attr:`solo`
+        first): the first names it, another starts the counting."""
+        if self.solo is None:
+            self.solo = tenant
+        elif tenant != self.solo:
+            self.tracking = True
+            self._solo_seen = time.monotonic()
+
+    def started(self, model: str, tenant: str) -> ModelShares:
+        """A request of ``tenant`` went to an engine of ``model`` (while :attr:`tracking`); what it gives
+        to :meth:`finished` as it ends. (No clock is read while the tenant is known: a tenant with requests
+        on the engines is active whatever its last sight says.)"""
+        m = self.models.get(model)
         if m is None:
-            m = self._models[model] = _ModelShares()
+            m = self.models[model] = ModelShares()
+            if self.solo is not None:  # the first tenant was active when counting started
+                self._see(m, self.solo, self._solo_seen)
         counts = m.in_flight
         counts[tenant] = counts.get(tenant, 0) + 1
         m.total += 1
         if tenant not in m.seen:
             self._see(m, tenant, time.monotonic())
+        return m
 
-    def finished(self, model: str, tenant: str) -> None:
-        """A request :meth:`started` left its engine. One started before the headroom was turned on was
-        not counted: it takes one of its tenant's counted requests off early, or nothing when the tenant
-        holds none (a count a reload skews for as long as those requests run, never below zero)."""
-        m = self._models.get(model)
-        if m is None:
-            return
+    def finished(self, m: ModelShares, tenant: str) -> None:
+        """A request that :meth:`started` with ``m`` left its engine (after :meth:`clear`, ``m`` is no
+        model's any more and this changes nothing that is read)."""
         counts = m.in_flight
         held = counts.get(tenant, 0)
         if not held:
@@ -82,14 +102,19 @@ class TenantShares:
         m.total -= 1
         if held == 1:  # its last one: active for the window from now
             del counts[tenant]
-            self._see(m, tenant, time.monotonic())
+            seen = m.seen
+            if tenant in seen:
+                seen[tenant] = time.monotonic()
+            else:
+                self._see(m, tenant, time.monotonic())
         else:
             counts[tenant] = held - 1
 
     def past_share(self, model: str, tenant: str) -> bool:
         """Whether ``tenant`` holds more of ``model``'s engines than its share (module docstring); it
-        counts as seen from now."""
-        m = self._models.get(model)
+        counts as seen from now (the director does not call it for a model's only active tenant, whose
+        last sight is taken as its requests end)."""
+        m = self.models.get(model)
         if m is None:  # nothing of the model reached an engine: nobody holds anything
             return False
         mine = m.in_flight.get(tenant, 0)
@@ -108,18 +133,21 @@ class TenantShares:
     def set_tenants(self, tenants: TenantTable) -> None:
         """A reload's declaration: its weights count from now, for the tenants seen already too."""
         self.tenants = tenants
-        for m in self._models.values():
+        for m in self.models.values():
             m.weight_sum = sum(tenants.weight(t) for t in m.seen)
 
     def clear(self) -> None:
-        """Forget everything (the headroom was turned off: nothing is counted until it is on again)."""
-        self._models.clear()
+        """Forget everything (the headroom was turned off: nothing is counted until it is on again and a
+        second tenant is seen)."""
+        self.models.clear()
+        self.solo = None
+        self.tracking = False
 
     def describe(self) -> dict[str, dict[str, int]]:
         """Requests on engines per model and tenant (tests, debugging)."""
-        return {model: dict(m.in_flight) for model, m in self._models.items()}
+        return {model: dict(m.in_flight) for model, m in self.models.items()}
 
-    def _see(self, m: _ModelShares, tenant: str, now: float) -> None:
+    def _see(self, m: ModelShares, tenant: str, now: float) -> None:
         seen = m.seen
         if tenant not in seen:
             if len(seen) >= MAX_TENANTS:
@@ -132,7 +160,7 @@ class TenantShares:
         self._next_sweep = now + SWEEP_SECONDS
         horizon = now - self.active_seconds
         weight = self.tenants.weight
-        for model, m in list(self._models.items()):
+        for model, m in list(self.models.items()):
             seen = m.seen
             gone = [t for t, last in seen.items() if last < horizon and t not in m.in_flight]
             for t in gone:
@@ -140,4 +168,4 @@ class TenantShares:
             if gone:  # summed again, not subtracted: a reload may have changed the weights
                 m.weight_sum = sum(weight(t) for t in seen)
             if not seen and not m.in_flight:
-                del self._models[model]
+                del self.models[model]
