@@ -139,7 +139,11 @@ NOISY_LIMIT_SHARE = 0.3
 
 
 def router_config(
-    backends: list[str], eviction: bool, tenants_file: Path | None = None, headroom: bool = True
+    backends: list[str],
+    eviction: bool,
+    tenants_file: Path | None = None,
+    headroom: bool = True,
+    headroom_slots: int | None = None,
 ) -> dict:
     config = {
         "static_backends": backends,
@@ -156,6 +160,8 @@ def router_config(
         config |= {"tenants_file": str(tenants_file), "saturation_max_waiting": 1}
     if not headroom:  # fair queueing and limits alone: no slot kept free of a tenant past its share
         config |= {"tenant_headroom_slots": 0}
+    elif headroom_slots is not None:
+        config |= {"tenant_headroom_slots": headroom_slots}
     return config
 
 
@@ -519,6 +525,7 @@ def render(report: dict) -> str:
         f"{' --tenants' if report.get('tenants_declared') else ''}"
         f"{' --before ' + report['before_tree'] if report.get('before_tree') else ''}"
         f"{' --no-headroom' if report.get('no_headroom') else ''}"
+        f"{'' if report.get('headroom_slots') is None else ' --headroom-slots ' + str(report['headroom_slots'])}"
         f"{' --llmd' if report.get('llmd') else ''} --label "
         f"{report['label']}` on {report['machine']} at {report['commit']} "
         f"({report['router']}); load average before the run {report['loadavg_before']}, after "
@@ -633,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-headroom", action="store_true",
                     help=f"--tenants: also run {', '.join(NO_HEADROOM_RUNS)} through ours with "
                     "tenant_headroom_slots 0 (fair queueing and limits alone), in the same rounds")  # fmt: skip
+    ap.add_argument("--headroom-slots", type=int,
+                    help="--tenants: ours with this tenant_headroom_slots (default: the router's, 1)")  # fmt: skip
     ap.add_argument("--llmd", action="store_true",
                     help=f"also run {', '.join(LLMD_RUNS)} through llm-d's router with its flow control "
                     f"({LLMD_EPP_ENV}: its epp binary), on the same engines, in the same rounds")  # fmt: skip
@@ -675,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
             result: dict = {}
             for n, run in enumerate(chosen):
                 tenants, eviction = tenants_of[run]
-                contenders = [("", partial(our_router, router_config(backends, eviction, tenants_file),
+                ours = router_config(backends, eviction, tenants_file, headroom_slots=args.headroom_slots)
+                contenders = [("", partial(our_router, ours,
                                            router_env(), log_dir, f"{run}-{i}"))]  # fmt: skip
                 if args.no_headroom and tenants_file is not None and run in NO_HEADROOM_RUNS:
                     contenders.append((NO_HEADROOM_PREFIX, partial(
@@ -733,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_tokens": BATCH_TOKENS_FACTOR * args.tokens,
         "before_tree": args.before,
         "no_headroom": bool(args.no_headroom and args.tenants),
+        "headroom_slots": args.headroom_slots if args.tenants else None,
         "llmd": (
             {
                 "commit": LLMD_ROUTER_COMMIT,
