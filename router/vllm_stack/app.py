@@ -169,10 +169,10 @@ class Router:
             self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
         )
         setup = self._build_scheduling(config)
-        # each tenant's requests on engines (tenant headroom): the director counts, the queue asks
+        # each tenant's requests on engines (tenant headroom): the director counts and asks
         self.shares = TenantShares(config.tenants)
         self.queue = RequestQueue(
-            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants, self.shares
+            self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants
         )
         # LMCache's PD hand-over: the prefill engines notify the router here (bound at start)
         self.pd_notifications = (

@@ -35,7 +35,7 @@ def test_a_tenant_alone_is_never_past_its_share_however_much_it_holds() -> None:
     shares = TenantShares()
     for _ in range(8):
         shares.started("m", "noisy")
-    assert not shares.past_share("m", "noisy")
+    assert not shares.past_share("m", "noisy", 8)
 
 
 def test_nothing_is_counted_until_a_second_tenant_is_seen() -> None:
@@ -49,33 +49,34 @@ def test_nothing_is_counted_until_a_second_tenant_is_seen() -> None:
     assert shares.solo is None and not shares.tracking and shares.describe() == {}
 
 
-def test_a_tenant_holding_more_than_its_share_is_held_while_another_is_active() -> None:
+def test_a_tenant_holding_more_than_its_share_of_the_slots_is_held_while_another_is_active() -> None:
     shares = TenantShares()
-    shares.finished(
-        shares.started("m", "quiet"), "quiet"
-    )  # the quiet tenant holds nothing now, but is active
-    for _ in range(3):
+    quiet = shares.started("m", "quiet")
+    shares.finished(quiet, "quiet")  # the quiet tenant holds nothing now, but it is active
+    for _ in range(4):
         shares.started("m", "noisy")
-    assert shares.past_share("m", "noisy")  # 3 of 3 on the engines, its share a half
-    assert not shares.past_share("m", "quiet")  # nothing held: never past it
-    shares.started("m", "quiet")
-    shares.started("m", "quiet")
-    assert shares.past_share("m", "noisy")  # 3 of 5 > 1/2
-    shares.started("m", "quiet")
-    assert not shares.past_share("m", "noisy") and not shares.past_share("m", "quiet")  # 3 of 6 each
-    assert shares.describe() == {"m": {"noisy": 3, "quiet": 3}}
+    assert not shares.past_share("m", "noisy", 8)  # 4 of 8 slots: its share (a half), not more
+    shares.started("m", "noisy")
+    assert shares.past_share("m", "noisy", 8)  # 5 of 8
+    assert not shares.past_share("m", "quiet", 8)  # nothing held: never past it
+    for _ in range(5):
+        shares.started("m", "quiet")
+    # against the slots, not against what the others hold: both past a half of 8 now
+    assert shares.past_share("m", "quiet", 8) and shares.past_share("m", "noisy", 8)
+    assert not shares.past_share("m", "noisy", 0)  # no slot count learned: nobody is
+    assert shares.describe() == {"m": {"noisy": 5, "quiet": 5}}
 
 
 def test_weights_set_the_shares() -> None:
     shares = TenantShares(TenantTable([TenantSpec("gold", weight=3.0)]))
     shares.started("m", "bronze")  # bronze: weight 1, share a quarter
-    for _ in range(3):
+    for _ in range(6):
         shares.started("m", "gold")
-    assert not shares.past_share("m", "gold")  # 3 of 4 is its share, not more
+    assert not shares.past_share("m", "gold", 8)  # 6 of 8 is its share, not more
     shares.started("m", "gold")
-    assert shares.past_share("m", "gold")
-    shares.set_tenants(TenantTable([TenantSpec("gold", weight=4.0)]))  # a reload's weights count at once
-    assert not shares.past_share("m", "gold")  # 4 of 5 is its share now
+    assert shares.past_share("m", "gold", 8)
+    shares.set_tenants(TenantTable([TenantSpec("gold", weight=7.0)]))  # a reload's weights count at once
+    assert not shares.past_share("m", "gold", 8)  # 7 of 8 is its share now
 
 
 def test_a_tenant_idle_past_the_window_is_no_longer_active_and_models_never_scheduled_are_not_tracked() -> (
@@ -85,8 +86,8 @@ def test_a_tenant_idle_past_the_window_is_no_longer_active_and_models_never_sche
     shares.finished(shares.started("m", "quiet"), "quiet")
     m = shares.started("m", "noisy")
     time.sleep(0.001)  # the quiet tenant's last sight is now in the past: past a window of 0 s
-    assert not shares.past_share("m", "noisy")  # swept: the noisy tenant is alone again
-    assert not shares.past_share("unknown-model", "noisy")
+    assert not shares.past_share("m", "noisy", 1)  # swept: the noisy tenant is alone again
+    assert not shares.past_share("unknown-model", "noisy", 1)
     assert "unknown-model" not in shares.describe()
     shares.finished(m, "noisy")
     shares.finished(m, "noisy")  # one more than it started: never below 0
@@ -130,13 +131,13 @@ async def test_a_held_back_head_lets_the_next_tenant_within_its_share_go() -> No
     shares = TenantShares()
     shares.finished(shares.started("m", "quiet"), "quiet")
     noisy = shares.started("m", "noisy")  # noisy holds the engines' one request: past its share
-    queue = RequestQueue(RouterMetrics(), max_per_model=100, shares=shares)
+    queue = RequestQueue(RouterMetrics(), max_per_model=100)
     log: list[str] = []
     room = [1]  # room for one request that may take the headroom, none for a held-back one
 
     def held(r: Req) -> Req:
         def try_dispatch() -> str | None:
-            r.held_back = shares.past_share("m", r.tenant)
+            r.held_back = shares.past_share("m", r.tenant, 1)
             if r.held_back or not room[0]:
                 return None
             room[0] -= 1

@@ -140,9 +140,9 @@ class Director:
         endpoint_picker: EndpointPickerClient | None = None,
         shares: TenantShares | None = None,
     ) -> None:
-        # Each tenant's requests on engines, per model (tenant headroom; the queue reads the same object)
+        # Each tenant's requests on engines, per model (tenant headroom)
         self.shares = shares if shares is not None else TenantShares()
-        self.queue = queue if queue is not None else RequestQueue(metrics, shares=self.shares)
+        self.queue = queue if queue is not None else RequestQueue(metrics)
         self.registry = registry
         self.pools = pools
         self.metrics = metrics
@@ -173,8 +173,9 @@ class Director:
         its share (tenants.shares), and the saturation rule then keeps the headroom from it."""
         scheduler = self.scheduler
         model = ctx.pool or ctx.model
+        candidates = self.registry.candidates(model)
         if ctx.priority > 0:
-            return scheduler.critical(ctx, self.registry.candidates(model))
+            return scheduler.critical(ctx, candidates)
         if self.settings.tenant_headroom:
             shares = self.shares
             if shares.tracking:
@@ -182,12 +183,13 @@ class Director:
                 # past_share could say yes only with another tenant active, or for a tenant not seen yet:
                 # tested here, so a model's one active tenant costs no call
                 if m is not None and (len(m.seen) > 1 or ctx.tenant not in m.seen):
-                    ctx.held_back = shares.past_share(model, ctx.tenant)
+                    slots = sum(e.running_slots or 0 for e in candidates)  # the slots learned so far
+                    ctx.held_back = shares.past_share(model, ctx.tenant, slots)
                 elif ctx.held_back:  # held back by an earlier try; alone now
                     ctx.held_back = False
             elif ctx.tenant != shares.solo:  # (one tenant so far: nothing is counted, nobody held back)
                 shares.note(ctx.tenant)
-        return scheduler.standard(ctx, self.registry.candidates(model))
+        return scheduler.standard(ctx, candidates)
 
     def wake_for(self, model: str) -> bool:
         """A request of ``model`` found no awake engine: whether it may wait for one of its sleeping

@@ -47,7 +47,6 @@ from typing import Protocol
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.priority import criticality
 from vllm_stack.tenants.declaration import TenantTable
-from vllm_stack.tenants.shares import TenantShares
 
 #: Seconds between the queue's own tries while anything waits (a safety net under the event kicks).
 TICK = 0.5
@@ -145,13 +144,11 @@ class RequestQueue:
         max_per_model: int = 1000,
         max_per_band: int = 0,
         tenants: TenantTable | None = None,
-        shares: TenantShares | None = None,
     ) -> None:
         self.metrics = metrics
         self.max_per_model = max_per_model
         self.max_per_band = max_per_band or 0  # 0: a band may hold as many as its model
         self.tenants = tenants if tenants is not None else TenantTable()  # weights and metric labels
-        self.shares = shares  # who is past its share (tenant headroom); None: nobody is
         self.length = 0  # waiting requests over all models (the hot path reads only this)
         self._queues: dict[str, _ModelQueue] = {}
         self._seq = 0
@@ -358,13 +355,11 @@ class RequestQueue:
             q = self._queues.get(model)
 
     def _within_share(self, model: str, band: _Band, held: _Flow) -> _Flow | None:
-        """The band's tenant within its share whose turn comes first, other than ``held``'s; None when
-        every one is past its share (or the headroom is not kept)."""
-        shares = self.shares
-        if shares is None:
-            return None
+        """The band's tenant whose turn comes first among those whose oldest request was not held back
+        when it was last scheduled (as it arrived, or as the queue's head), other than ``held``'s; None
+        when there is none."""
         flows = sorted((f for f in band.flows.values() if f is not held), key=_tag)
-        return next((f for f in flows if not shares.past_share(model, f.tenant)), None)
+        return next((f for f in flows if not f.requests[0].held_back), None)
 
     def describe(self) -> dict[str, int]:
         """Waiting requests per model (``GET /engines``)."""

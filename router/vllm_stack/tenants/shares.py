@@ -9,9 +9,12 @@ saturation rule (:mod:`vllm_stack.engines.load`) keeps the slots, the director a
 
 A tenant's share of a model is its weight over the weights of the model's **active** tenants: those with
 requests on its engines now, or that sent one within the last :data:`ACTIVE_SECONDS`. A tenant is past its
-share when its requests on the model's engines, over all of them, exceed its share. A tenant with nothing
-on the engines is never past it, so a tenant is held back from the headroom only while it holds slots, and
-no tenant is held back while it is the only active one (it alone loses nothing).
+share when its requests on the model's engines exceed that share of the engines' running slots (the slot
+counts the router learned; none known: nobody is past it). Measured against the slots, not against what
+the tenants hold now: two tenants that each hold about half of a busy fleet would otherwise take turns
+being "past" it, each losing the headroom half of the time, and the fleet running a slot short per engine
+when nobody floods it. A tenant with nothing on the engines is never past its share, and no tenant is held
+back while it is the only active one (it alone loses nothing).
 
 Nothing is counted while the router has seen one tenant only (an untenanted router's every request is the
 shared tenant's): the director notes each request's tenant against :attr:`TenantShares.solo`, and counting
@@ -110,9 +113,9 @@ class TenantShares:
         else:
             counts[tenant] = held - 1
 
-    def past_share(self, model: str, tenant: str) -> bool:
-        """Whether ``tenant`` holds more of ``model``'s engines than its share (module docstring); it
-        counts as seen from now (the director does not call it for a model's only active tenant, whose
+    def past_share(self, model: str, tenant: str, slots: int) -> bool:
+        """Whether ``tenant`` holds more than its share of ``slots``, the running slots of ``model``'s
+        engines (module docstring); it counts as seen from now (the director does not call it for a model's only active tenant, whose
         last sight is taken as its requests end)."""
         m = self.models.get(model)
         if m is None:  # nothing of the model reached an engine: nobody holds anything
@@ -128,7 +131,7 @@ class TenantShares:
         self._see(m, tenant, now)
         if now >= self._next_sweep:
             self._sweep(now)
-        return mine * m.weight_sum > self.tenants.weight(tenant) * m.total
+        return slots > 0 and mine * m.weight_sum > self.tenants.weight(tenant) * slots
 
     def set_tenants(self, tenants: TenantTable) -> None:
         """A reload's declaration: its weights count from now, for the tenants seen already too."""
