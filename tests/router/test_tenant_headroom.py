@@ -229,3 +229,42 @@ async def test_a_quiet_tenant_takes_the_slot_kept_free_of_the_noisy_one_through_
 def test_a_negative_headroom_is_refused() -> None:
     with pytest.raises(ConfigError, match="tenant_headroom_slots"):
         load_config({"tenant_headroom_slots": -1, "static_backends": "http://127.0.0.1:1"}, environ={})
+
+
+async def test_turns_taken_past_a_held_back_tenant_bank_it_no_credit() -> None:
+    """While the noisy tenant is held back the quiet one leaves out of turn; once the noisy tenant may go
+    again the two alternate, instead of the noisy tenant taking as many turns in a row as it missed."""
+    queue = RequestQueue(RouterMetrics(), max_per_model=100)
+    log: list[str] = []
+    room = [0]
+    noisy_held = [True]
+
+    def make(name: str, tenant: str) -> Req:
+        r = Req(name, 0, log, room)
+        r.tenant = tenant
+
+        def try_dispatch() -> str | None:
+            r.held_back = tenant == "noisy" and noisy_held[0]
+            if r.held_back or not room[0]:
+                return None
+            room[0] -= 1
+            log.append(name)
+            return "dispatched"
+
+        r.try_dispatch = try_dispatch  # type: ignore[method-assign]
+        return r
+
+    for i in range(6):
+        assert queue.add("m", make(f"noisy{i}", "noisy"))
+    for i in range(8):
+        assert queue.add("m", make(f"quiet{i}", "quiet"))
+    for _ in range(4):  # four turns while the noisy tenant is held back: the quiet one takes them
+        room[0] = 1
+        queue.dispatch("m")
+    assert log == ["quiet0", "quiet1", "quiet2", "quiet3"]
+    noisy_held[0] = False
+    for _ in range(4):
+        room[0] = 1
+        queue.dispatch("m")
+    assert log[4:] == ["noisy0", "quiet4", "noisy1", "quiet5"], log  # in turn, not noisy0..noisy3 first
+    queue.close()

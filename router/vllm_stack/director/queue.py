@@ -344,13 +344,19 @@ class RequestQueue:
                 if not request.held_back:
                     break
                 # its tenant is past its share: one within its share may take the room kept for it
-                flow = self._within_share(model, band, flow)
+                held = flow
+                flow = self._within_share(model, band, held)
                 if flow is None:
                     break
                 request = flow.requests[0]
                 outcome = request.try_dispatch()
                 if outcome is None:
                     break
+                if outcome == "dispatched" and held.tag < flow.tag:
+                    # a turn it could not take banks no credit: else, once eligible again, it would take
+                    # as many turns in a row as others took past it while it was held back
+                    held.tag = flow.tag
+                    self._push(band, held)
             self._leave(model, q, band, flow, request, outcome)
             q = self._queues.get(model)
 
