@@ -345,7 +345,7 @@ class RequestQueue:
                     break
                 # its tenant is past its share: one within its share may take the room kept for it
                 held = flow
-                flow = self._within_share(model, band, held)
+                flow = self._within_share(band, held)
                 if flow is None:
                     break
                 request = flow.requests[0]
@@ -360,12 +360,13 @@ class RequestQueue:
             self._leave(model, q, band, flow, request, outcome)
             q = self._queues.get(model)
 
-    def _within_share(self, model: str, band: _Band, held: _Flow) -> _Flow | None:
+    @staticmethod
+    def _within_share(band: _Band, held: _Flow) -> _Flow | None:
         """The band's tenant whose turn comes first among those whose oldest request was not held back
         when it was last scheduled (as it arrived, or as the queue's head), other than ``held``'s; None
         when there is none."""
-        flows = sorted((f for f in band.flows.values() if f is not held), key=_tag)
-        return next((f for f in flows if not f.requests[0].held_back), None)
+        eligible = (f for f in band.flows.values() if f is not held and not f.requests[0].held_back)
+        return min(eligible, key=_tag, default=None)
 
     def describe(self) -> dict[str, int]:
         """Waiting requests per model (``GET /engines``)."""
