@@ -165,6 +165,7 @@ class Router:
         self.registry.on_engine_left.append(lambda engine: self.pools.forget(engine.url))
         self.registry.on_engine_left.append(lambda engine: self.plugin_state.forget_engine(engine.name))
         self.kv_feed = KvEventFeed(self._kv_event_engines, self._fetch_kv_sources)
+        self.registry.on_engine_healthy.append(lambda _engine: self.kv_feed.kick())
         self.adapters = AdapterPlacement(
             self.registry, self._post_engine, self.metrics, self._catalog(config), config.lora_load_timeout
         )

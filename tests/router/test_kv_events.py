@@ -282,3 +282,105 @@ async def test_an_adapter_uses_its_base_models_tokenizer_and_meets_its_events(ti
     ctx, name, reason = route()
     assert list(ctx.cycle["prefix-cache-picker/ids"]) == ids
     assert (name, reason) == ("e1", "prefix_hit")  # where the adapter's events said its blocks are
+
+
+async def test_feed_follows_an_engine_as_soon_as_it_turns_healthy_and_says_when_it_does() -> None:
+    """A router replica that takes requests before it follows an engine's events places them without
+    knowing what that engine caches, and without a replay endpoint it never learns what was published
+    before it subscribed (issue 50: in the routing benchmark the second of two pickers subscribed about
+    a second into the run, and the pair lost a tenth of the hits one picker had). So the feed subscribes
+    the moment an engine turns healthy (kick), not at its next round, and says whether it follows
+    every healthy engine (readiness waits for it)."""
+    pub = FakeKvPublisher(replay=False)
+    engine = Engine("e0", "http://127.0.0.1:1", CircuitBreaker(5, 10.0))
+    engine.kv_events_endpoint = pub.endpoint
+    rec = Recorder()
+    rounds: list[int] = []
+
+    def engines() -> list[Engine]:
+        rounds.append(1)
+        return [engine]
+
+    async def no_sources(_engine: Engine) -> None:
+        raise AssertionError("discovery gave the endpoint; the engine is not asked")
+
+    feed = KvEventFeed(engines, no_sources)
+    assert feed.following()  # no consumer: nothing to follow
+    feed.consumers = (rec,)
+    task = asyncio.ensure_future(feed.run(interval=3600))  # no second round within the test
+    try:
+        await until(lambda: rounds)  # the first round ran, while the engine was not healthy
+        assert feed.following()  # nothing healthy to follow
+        engine.healthy = True
+        assert not feed.following()
+        feed.kick()
+        await until(feed.following, within=5)
+        n = 0
+
+        def published() -> bool:
+            nonlocal n
+            n += 1
+            one(pub, n)  # until the subscription has taken (ZMQ drops what comes before it)
+            return bool(rec.batches)
+
+        await until(published, within=5)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close()
+
+
+async def test_the_registry_tells_when_an_engine_turns_healthy() -> None:
+    from vllm_stack.engines.discovery.base import EndpointInfo
+    from vllm_stack.engines.registry import EngineRegistry
+    from vllm_stack.metrics import RouterMetrics
+
+    registry = EngineRegistry(lambda _e: asyncio.sleep(0, []), RouterMetrics())
+    told: list[str] = []
+    registry.on_engine_healthy.append(lambda e: told.append(e.name))
+    await registry.apply_snapshot([EndpointInfo("e0", "http://127.0.0.1:1")])
+    engine = registry.get("e0")
+    registry.record_check(engine, ok=True)
+    await until(lambda: engine.healthy)
+    registry.record_check(engine, ok=True)  # already healthy: told once
+    assert told == ["e0"]
+
+
+async def test_replicas_place_a_new_prefix_alike_whatever_each_has_in_flight(tiny_model_dir) -> None:  # noqa: ANN001
+    """A document's second question that reaches another router replica before the engine has
+    published the first one's blocks is a new prefix there too. Each replica counts only its own
+    requests in flight; ranked by that work ahead, two replicas placed such a document on different
+    engines (issue 50's routing benchmark, two pickers: one document cached on both engines in 3 of 3
+    runs, the fills equal in both views). Where every engine's index comes from its events, a new
+    prefix goes by fill and a hash of the prompt, so both replicas place it alike."""
+    import json
+
+    from vllm_stack.scheduling.framework import RequestContext
+
+    bs = 16
+    replicas = [events_setup(str(tiny_model_dir)) for _ in range(2)]
+    pools = [pool(2, bs), pool(2, bs)]
+    for setup, engines in zip(replicas, pools, strict=True):
+        for engine in engines:  # both engines publish (their caches were reset)
+            setup.plugins["prefix-cache-picker"].apply_events(engine, batch({"type": "AllBlocksCleared"}))
+    # Each replica has its own requests in flight, on the other engine.
+    pools[0][1].in_flight, pools[1][0].in_flight = 3, 3
+    placed: list[list[str]] = [[], []]
+    for doc in range(12):
+        messages = [
+            {"role": "system", "content": "Answer from the document."},
+            {
+                "role": "user",
+                "content": f"Document {doc}. " + " ".join(f"line {i} of {doc}" for i in range(60)),
+            },
+        ]
+        body = json.dumps({"model": MODEL, "messages": messages}).encode()
+        for k, (setup, engines) in enumerate(zip(replicas, pools, strict=True)):
+            ctx = RequestContext(MODEL, body=body, prompt=json.dumps(messages).encode())
+            for hook in setup.hooks.prepare:
+                assert hook(ctx) is None
+            result = setup.scheduler.schedule(ctx, engines)
+            assert result.reason in ("prefix_miss", "prefix_spread")
+            placed[k].append(result.engine.name)
+    assert placed[0] == placed[1]
+    assert set(placed[0]) == {"e0", "e1"}  # new documents spread over the engines

@@ -5,6 +5,7 @@ entry."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -42,6 +43,14 @@ async def test_prefixaware_finds_prompts_prefilled_elsewhere_and_follows_cache_r
         httpx.AsyncClient(timeout=60) as h,
     ):
         routers = (router_a, router_b)
+        for url in (url_a, url_b):  # ready only once it follows both engines' events (issue 50)
+            ready = await h.get(url + "/ready")
+            while ready.status_code != 200:
+                await asyncio.sleep(0.05)  # bounded by the test's timeout; waits on the condition
+                ready = await h.get(url + "/ready")
+            assert ready.json()["kv_events_following"] is True
+        for router in routers:
+            assert router.kv_feed.following() and len(router.kv_feed._tasks) == 2  # noqa: SLF001
         for router in routers:  # subscribed to both engines (endpoints from GET /kv_event_sources)
             await wait_for(lambda r=router: len(r.kv_feed.stats) == 2, within=20, what="two KV-event streams")
         # Prefilled on the target engine directly, past both routers.

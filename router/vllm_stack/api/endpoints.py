@@ -22,12 +22,22 @@ async def health(router: RouterState, scope: dict[str, Any], receive: Receive, s
 
 
 async def ready(router: RouterState, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-    """Readiness: discovery runs and reported at least once, and at least one engine is healthy."""
+    """Readiness: discovery runs and reported at least once, at least one engine is healthy, and where
+    routing follows the engines' KV events, every healthy engine's are followed (or it has none): a
+    replica that took requests before would place them without knowing what the engines cache."""
     discovery_ok = router.discovery_running()
     healthy = router.registry.healthy_count
-    ok = discovery_ok and healthy > 0
+    following = router.kv_feed.following()
+    ok = discovery_ok and healthy > 0 and following
     await send_json(
-        send, 200 if ok else 503, {"ready": ok, "discovery_running": discovery_ok, "healthy_engines": healthy}
+        send,
+        200 if ok else 503,
+        {
+            "ready": ok,
+            "discovery_running": discovery_ok,
+            "healthy_engines": healthy,
+            "kv_events_following": following,
+        },
     )
 
 

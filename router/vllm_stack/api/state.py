@@ -21,6 +21,7 @@ from vllm_stack.engines.discovery.base import Discovery
 from vllm_stack.engines.registry import EngineRegistry
 from vllm_stack.engines.sleep import SleepControl
 from vllm_stack.metrics import RouterMetrics
+from vllm_stack.scheduling.index.feed import KvEventFeed
 from vllm_stack.tenants.declaration import TenantTable
 from vllm_stack.tenants.identity import TenantIdentity
 
@@ -35,6 +36,7 @@ class RouterState(Protocol):
     config: RouterConfig
     endpoints: EndpointTable  # the paths it serves and what it does with each
     registry: EngineRegistry
+    kv_feed: KvEventFeed  # the engines' KV events (readiness asks whether they are followed)
     metrics: RouterMetrics
     director: Director
     auth: ApiKeyAuth

@@ -79,6 +79,8 @@ class EngineRegistry:
         self.on_engine_left: list[Callable[[Engine], None]] = []  # e.g. close its pooled connections
         # Told when an engine joins, before its first probe (e.g. an external provider's key and owner)
         self.on_engine_joined: list[Callable[[Engine], None]] = []
+        # Told when an engine turns healthy (e.g. follow its KV events at once)
+        self.on_engine_healthy: list[Callable[[Engine], None]] = []
         # Told after every answered /v1/models (e.g. load the hot adapters an engine lacks)
         self.on_models_learned: list[Callable[[Engine], None]] = []
         # Told after every index rebuild (e.g. dispatch requests queued for a model that had no engine)
@@ -347,6 +349,8 @@ class EngineRegistry:
                 engine.ejected_reason = None
                 log.info("engine %s healthy", engine.name)
                 self._rebuild()
+                for healthy in self.on_engine_healthy:
+                    healthy(engine)
         else:
             engine.failures += 1
             engine.successes = 0

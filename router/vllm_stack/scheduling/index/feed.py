@@ -91,16 +91,40 @@ class KvEventFeed:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._next_ask: dict[str, float] = {}
         self.stats: dict[str, list[StreamStats]] = {}
+        self._wake = asyncio.Event()
 
     # ---- subscriptions -------------------------------------------------------------------------------
     async def run(self, interval: float = RECONCILE_INTERVAL) -> None:
-        """Until cancelled: subscribe to engines that joined, drop those that left."""
+        """Until cancelled: subscribe to engines that joined, drop those that left; at once when
+        :meth:`kick` says an engine turned healthy, else every ``interval`` seconds."""
         try:
             while True:
+                self._wake.clear()
                 await self.reconcile()
-                await asyncio.sleep(interval)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await self._wake.wait()
         finally:
             self.close()
+
+    def kick(self) -> None:
+        """An engine turned healthy: subscribe to it now, not at the next round (what a router replica
+        routes before it follows an engine's events, it routes without them)."""
+        self._wake.set()
+
+    def following(self) -> bool:
+        """Whether every healthy engine's events are followed, or its publisher was asked for and it
+        has none (for readiness: a router that follows the engines' events should take requests only
+        once it does). True while no consumer wants events."""
+        if not self.consumers:
+            return True
+        for engine in self._engines():
+            if not engine.healthy:
+                continue
+            task = self._tasks.get(engine.name)
+            if (task is None or task.done()) and engine.name not in self._next_ask:
+                return False
+        return True
 
     async def reconcile(self) -> None:
         engines = {e.name: e for e in self._engines()} if self.consumers else {}

@@ -60,6 +60,11 @@ class KvEventIndexer:
         self.index = index
         self._engines: dict[str, EngineBlocks] = {}
 
+    def follows(self, engine: str) -> bool:
+        """Whether the engine's events have come (since it joined, was cleared or lost events): its
+        index entry is then what the engine said it caches (plus the router's own recent sends)."""
+        return engine in self._engines
+
     def apply(
         self, engine: str, model: str, batch: EventBatch, capacity: int | None, kind: EngineKind = VLLM
     ) -> int:

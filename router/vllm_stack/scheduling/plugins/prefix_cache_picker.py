@@ -27,7 +27,9 @@ The choice is a cost in prompt tokens: what a hit saves against the work queued 
   ``--prefix-min-match-length``, converted at ``chars_per_token``; 0: no minimum), the request is a new
   prefix: it goes to the engine holding the fewest blocks, then the one with the least work ahead,
   so what is new spreads over the engines' caches and a short shared prefix ends up cached on
-  several engines instead of pulling every conversation onto one.
+  several engines instead of pulling every conversation onto one. Where every candidate's index
+  comes from its KV events, a hash of the prompt replaces the work ahead, which each router replica
+  knows only of its own requests: replicas then place a new prefix alike.
 - Two bounds first, so a popular prefix never piles onto one engine: the in-flight bound (requests
   in flight plus engine queue below ``ceil((1 + epsilon) * (total + 1) / n) + slack``) and the share
   bound (an engine's share of the model's last ``share_window`` decisions below
@@ -283,6 +285,10 @@ class PrefixCachePicker:
         most = max(cached)
         new_prefix = most == 0 or share < self.match_threshold or most < self.min_match_tokens
         per_request = self.request_tokens
+        # A new prefix, where every candidate's index entry comes from its KV events: placed by what
+        # every router replica knows alike (the fill, then a hash of what is new in the prompt), not by
+        # this replica's own work ahead (see _agreed_seed).
+        agreed = self._agreed_seed(engines, first, matched) if new_prefix else None
         best: tuple[float, ...] | None = None
         chosen = 0
         for i, e in enumerate(engines):
@@ -293,8 +299,10 @@ class PrefixCachePicker:
             ahead = e.prefill_tokens + per_request * e.in_flight
             # Ties go by a hash of the prompt's first block and the engine's name: different prompts
             # spread, and every router replica given the same state makes the same choice.
-            if new_prefix:
-                rank: tuple[float, ...] = (index.blocks_of(e.name), ahead, tie_break(e.name, seed))
+            if agreed is not None:
+                rank: tuple[float, ...] = (index.blocks_of(e.name), tie_break(e.name, agreed))
+            elif new_prefix:
+                rank = (index.blocks_of(e.name), ahead, tie_break(e.name, seed))
             else:
                 # Prefilling a part another engine holds also costs cache space: the copy, and for a
                 # conversation that then follows it, the dead copy it leaves behind (copy_cost 2).
@@ -314,6 +322,22 @@ class PrefixCachePicker:
         else:
             reason = "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
         return engine, reason, here, prompt, keys, recent
+
+    def _agreed_seed(self, engines: Sequence[Engine], first: list[int], matched: list[int]) -> int | None:
+        """The tie-break seed of a new prefix when every candidate's index comes from its KV events (the
+        first block past the longest match: prompts that share only a system prompt spread); None when
+        some engine's does not (then the work ahead breaks ties between equally full engines).
+
+        Why: router replicas following the same engines' events hold the same fills, but each counts
+        only its own requests in flight. A document's second question that reaches another replica
+        before the engine has published the first one's blocks is a new prefix there too; ranked by
+        each replica's own work ahead, the two placed it on different engines (issue 50's routing
+        benchmark, two pickers: in 3 of 3 runs one document was cached on both engines that way, with
+        the fills equal in both replicas' views). Ranked by fill and this seed, both choose alike."""
+        events = self.kv_events
+        if events is None or not all(events.follows(e.name) for e in engines):
+            return None
+        return first[min(max(matched), len(first) - 1)]
 
     def claim(self, ctx: RequestContext, engine: Engine, keys: list[int]) -> None:
         """Remember that ``engine`` was sent these blocks and took one of the model's decisions."""
