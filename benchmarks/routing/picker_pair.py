@@ -113,6 +113,8 @@ def main() -> int:
             target = _start_picker(args, upstreams, processes)
             processes.append(_router(port, args.backends, "--endpoint-picker", f"grpc://{target}",
                                      "--no-endpoint-picker-fail-open", "--endpoint-picker-timeout", "10"))  # fmt: skip
+            if args.replicas > 1:  # every gateway ready before the front's first probe of it: a gateway
+                _wait_ready(port, processes[-1])  # the front found down would get no requests for a while
         if (
             args.replicas > 1
         ):  # the front: requests in turn to each gateway, so each picker sees every other one
