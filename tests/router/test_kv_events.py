@@ -297,9 +297,11 @@ async def test_feed_follows_an_engine_as_soon_as_it_turns_healthy_and_says_when_
     rec = Recorder()
     rounds: list[int] = []
 
+    joined: list[Engine] = []
+
     def engines() -> list[Engine]:
         rounds.append(1)
-        return [engine]
+        return [engine, *joined]
 
     async def no_sources(_engine: Engine) -> None:
         raise AssertionError("discovery gave the endpoint; the engine is not asked")
@@ -315,6 +317,10 @@ async def test_feed_follows_an_engine_as_soon_as_it_turns_healthy_and_says_when_
         assert not feed.following()
         feed.kick()
         await until(feed.following, within=5)
+        other = Engine("e1", "http://127.0.0.1:2", CircuitBreaker(5, 10.0))
+        other.healthy, other.kv_events_endpoint = True, pub.endpoint
+        joined.append(other)
+        assert feed.following()  # a router already serving stays ready while it subscribes to a newcomer
         n = 0
 
         def published() -> bool:

@@ -92,6 +92,7 @@ class KvEventFeed:
         self._next_ask: dict[str, float] = {}
         self.stats: dict[str, list[StreamStats]] = {}
         self._wake = asyncio.Event()
+        self._caught_up = False  # following() was true once with a healthy engine
 
     # ---- subscriptions -------------------------------------------------------------------------------
     async def run(self, interval: float = RECONCILE_INTERVAL) -> None:
@@ -113,17 +114,22 @@ class KvEventFeed:
         self._wake.set()
 
     def following(self) -> bool:
-        """Whether every healthy engine's events are followed, or its publisher was asked for and it
-        has none (for readiness: a router that follows the engines' events should take requests only
-        once it does). True while no consumer wants events."""
-        if not self.consumers:
+        """For readiness: whether every healthy engine's events are followed, or its publisher was asked
+        for and it has none. A router that routes by the engines' events should take requests only once
+        it follows them. Once true with a healthy engine it stays true: an engine that joins later is
+        subscribed to at once (:meth:`kick`), and a router already serving should not leave its Service
+        for that moment. True while no consumer wants events."""
+        if self._caught_up or not self.consumers:
             return True
+        healthy = False
         for engine in self._engines():
             if not engine.healthy:
                 continue
+            healthy = True
             task = self._tasks.get(engine.name)
             if (task is None or task.done()) and engine.name not in self._next_ask:
                 return False
+        self._caught_up = healthy
         return True
 
     async def reconcile(self) -> None:
