@@ -29,6 +29,10 @@ Runs (``--runs``, interleaved per round):
 
 - ``A-alone``: the quiet tenant at 0.3 x C, alone (its baseline);
 - ``A-beside``: the quiet tenant at 0.3 x C beside the noisy one at 3 x C, both standard priority;
+- ``A-polite``: the quiet tenant at 0.3 x C beside a polite one that sends, from the start, what the noisy
+  tenant's rate limit lets in (``--limit-share`` x C, streamed, standard priority): nothing for the router
+  to hold back or refuse. Its quiet p99 is the floor ``A-beside`` can reach on these engines: what a
+  neighbour's admitted work costs the quiet tenant in the engines' batches and on the machine's cores;
 - ``B-evict-off`` / ``B-evict-on``: a critical tenant at 0.3 x C beside a sheddable batch-like tenant
   (2 x ``--tokens`` each) at 3 x C, with the router's eviction of in-flight sheddable requests off and on
   (``eviction_enabled``; ``B-evict-on`` needs a router that has the setting);
@@ -108,19 +112,21 @@ class Tenant:
 
 
 #: the runs by name, in their order
-RUN_NAMES = ("A-alone", "A-beside", "B-evict-off", "B-evict-on", "C-sdk")
+RUN_NAMES = ("A-alone", "A-beside", "A-polite", "B-evict-off", "B-evict-on", "C-sdk")
 #: the batch-like tenant's requests are this many times the interactive ones' tokens
 BATCH_TOKENS_FACTOR = 2  # within max_model_len 512 with the prompt: a longer request is refused 400
 
 
-def runs(tokens: int) -> dict[str, tuple[tuple[Tenant, ...], bool]]:
-    """Each run's tenants (interactive ones ``tokens`` long) and whether eviction is on."""
+def runs(tokens: int, polite_load: float = 0.3) -> dict[str, tuple[tuple[Tenant, ...], bool]]:
+    """Each run's tenants (interactive ones ``tokens`` long; the polite one at ``polite_load`` x C) and
+    whether eviction is on."""
     quiet = Tenant("quiet", 0.3, tokens)
     critical = Tenant("critical", 0.3, tokens, "critical")
     batch = Tenant("batch", 3.0, BATCH_TOKENS_FACTOR * tokens, "sheddable")
     return {
         "A-alone": ((quiet,), False),
         "A-beside": ((quiet, Tenant("noisy", 3.0, tokens)), False),
+        "A-polite": ((quiet, Tenant("polite", polite_load, tokens)), False),
         "B-evict-off": ((critical, batch), False),
         "B-evict-on": ((critical, batch), True),
         "C-sdk": ((quiet, Tenant("noisy-sdk", 3.0, tokens, sdk=True)), False),
@@ -170,7 +176,7 @@ def write_tenants(log_dir: Path, cap: float, share: float = NOISY_LIMIT_SHARE) -
     ``share`` x C requests per minute (their excess refused 429 with retry-after), the quiet
     and critical ones unlimited."""
     limit = max(1, round(share * cap * 60))
-    tenants = [{"name": name} for name in ("quiet", "critical")] + [
+    tenants = [{"name": name} for name in ("quiet", "critical", "polite")] + [
         {"name": name, "requests_per_minute": limit} for name in ("noisy", "noisy-sdk", "batch")
     ]
     path = log_dir / "tenants.yaml"
@@ -506,6 +512,13 @@ def verdicts(summary: dict) -> list[str]:
                 answered = q["ok"]["median"] == q["sent"]["median"]
                 out.append(f"{'PASS' if answered else 'FAIL'}: every quiet request answered in {run} "
                            f"({q['ok']['median']:.0f} of {q['sent']['median']:.0f})")  # fmt: skip
+    floor = p99("A-polite", "quiet")
+    if floor is not None:
+        for run in ("A-beside", "C-sdk", NO_HEADROOM_PREFIX + "A-beside", NO_HEADROOM_PREFIX + "C-sdk"):
+            beside = p99(run, "quiet")
+            if beside is not None:
+                out.append(f"FLOOR: quiet p99 TTFT {run} {beside:.0f} ms against A-polite {floor:.0f} ms, a "
+                           f"neighbour at its limit and no more ({beside / floor:.2f} x)")  # fmt: skip
     for run, tenants in summary.items():
         for tenant, s in tenants.items():
             counted = sum(s[f]["median"] for f in FIGURES[1:8] if s[f] is not None)
@@ -652,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(chosen) - set(RUN_NAMES))
     if unknown:
         ap.error(f"unknown runs: {', '.join(unknown)}")
-    tenants_of = runs(args.tokens)
+    tenants_of = runs(args.tokens, args.limit_share)
     quiet = tenants_of["A-alone"][0][0]
     loadavg_before = _loadavg()
     stack = contextlib.ExitStack()
