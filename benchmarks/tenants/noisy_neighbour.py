@@ -30,8 +30,8 @@ Runs (``--runs``, interleaved per round):
 - ``A-alone``: the quiet tenant at 0.3 x C, alone (its baseline);
 - ``A-beside``: the quiet tenant at 0.3 x C beside the noisy one at 3 x C, both standard priority;
 - ``A-polite``: the quiet tenant at 0.3 x C beside a polite one that sends, from the start, what the noisy
-  tenant's rate limit lets in (``--limit-share`` x C, streamed, standard priority): nothing for the router
-  to hold back or refuse. Its quiet p99 is the floor ``A-beside`` can reach on these engines: what a
+  tenant's rate limit lets in (``--limit-share`` x C, non-streamed as the noisy tenant's, standard
+  priority): nothing for the router to refuse. Its quiet p99 is the floor ``A-beside`` can reach on these engines: what a
   neighbour's admitted work costs the quiet tenant in the engines' batches and on the machine's cores;
 - ``B-evict-off`` / ``B-evict-on``: a critical tenant at 0.3 x C beside a sheddable batch-like tenant
   (2 x ``--tokens`` each) at 3 x C, with the router's eviction of in-flight sheddable requests off and on
@@ -103,6 +103,7 @@ class Tenant:
     tokens: int
     priority: str = "standard"
     sdk: bool = False
+    batch_like: bool = False  # non-streamed requests, as a loud tenant sends, without being loud
 
     @property
     def loud(self) -> bool:
@@ -126,7 +127,7 @@ def runs(tokens: int, polite_load: float = 0.3) -> dict[str, tuple[tuple[Tenant,
     return {
         "A-alone": ((quiet,), False),
         "A-beside": ((quiet, Tenant("noisy", 3.0, tokens)), False),
-        "A-polite": ((quiet, Tenant("polite", polite_load, tokens)), False),
+        "A-polite": ((quiet, Tenant("polite", polite_load, tokens, batch_like=True)), False),
         "B-evict-off": ((critical, batch), False),
         "B-evict-on": ((critical, batch), True),
         "C-sdk": ((quiet, Tenant("noisy-sdk", 3.0, tokens, sdk=True)), False),
@@ -373,7 +374,7 @@ async def _tenant_loop(url: str, tenant: Tenant, arrivals: list[float], t0: floa
             out["sent"] += 1
             if tenant.sdk:
                 await _sdk_one(sdk, tenant, t0 + at, out)
-            elif tenant.loud:
+            elif tenant.loud or tenant.batch_like:
                 await _loud_one(session, url, tenant, t0 + at, out)
             else:
                 await _streamed_one(client, tenant, t0 + at, out)
