@@ -44,9 +44,11 @@ async def test_prefixaware_finds_prompts_prefilled_elsewhere_and_follows_cache_r
     ):
         routers = (router_a, router_b)
         for url in (url_a, url_b):  # ready only once it follows both engines' events (issue 50)
+            deadline = asyncio.get_running_loop().time() + 20
             ready = await h.get(url + "/ready")
             while ready.status_code != 200:
-                await asyncio.sleep(0.05)  # bounded by the test's timeout; waits on the condition
+                assert asyncio.get_running_loop().time() < deadline, f"not ready: {ready.json()}"
+                await asyncio.sleep(0.05)  # polls the condition
                 ready = await h.get(url + "/ready")
             assert ready.json()["kv_events_following"] is True
         for router in routers:
