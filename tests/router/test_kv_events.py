@@ -296,7 +296,6 @@ async def test_feed_follows_an_engine_as_soon_as_it_turns_healthy_and_says_when_
     engine.kv_events_endpoint = pub.endpoint
     rec = Recorder()
     rounds: list[int] = []
-
     joined: list[Engine] = []
 
     def engines() -> list[Engine]:
