@@ -36,6 +36,7 @@ import pytest
 from vllm_stack_dev.cluster.control_plane import Cluster
 from vllm_stack_dev.cluster.pod_processes import PodProcesses, RouterProcess
 from vllm_stack_dev.cluster.releases import Helm, namespace_object, place, wait_workloads_ready
+from vllm_stack_dev.testbed.engines import log_tail, wait_ready
 from vllm_stack_dev.testbed.postgres import PostgresError, PostgresServer, find_binaries
 from vllm_stack_dev.waiting import wait_http_ok
 
@@ -55,6 +56,8 @@ SERVICE_ACCOUNT = f"{RELEASE}-router-service-account"
 DATABASE_ENV = "VLLM_STACK_BATCH_DATABASE_URL"
 BATCH_DIR = "/var/lib/vllm-stack/batch"
 SIZE = "2Gi"
+# From the engine answering /health to both routers listing it healthy: discovery's watch, then a probe.
+ROUTABLE_S = 120
 LINES = 6
 VALUES = {
     "servingEngineSpec": {"modelSpec": [{"name": "tiny", "modelURL": CHAT_MODEL, "replicaCount": 1}]},
@@ -157,15 +160,19 @@ def stack(
                 "both router Pods' processes and the engine Pod's",
             )
             routers = sorted(pods.routers.values(), key=lambda r: r.pod)
+            # The engine's own readiness first: a failed start is reported with its log, not as a router
+            # that never finds it.
+            wait_ready(list(pods.engines.values()), READY_TIMEOUT)
             for router in routers:
                 wait_http_ok(f"{router.url}/health", 60, router.process)
             for router in routers:
-                wait_for(
-                    lambda router=router: routable(router, pods),
-                    READY_TIMEOUT,
-                    f"the engine Pod routable by router Pod {router.pod}",
-                    interval=0.5,
-                )
+                try:
+                    wait_for(lambda router=router: routable(router, pods), ROUTABLE_S, "", interval=0.5)
+                except AssertionError:
+                    raise AssertionError(
+                        f"not within {ROUTABLE_S} s: the ready engine Pod routable by router Pod {router.pod}; "
+                        f"its log {router.log}:\n{log_tail(router.log, 40)}"
+                    ) from None
             yield Stack(cluster, helm, pods, routers, database, work / "pods" / "claims" / CLAIM)
     finally:
         helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False)
