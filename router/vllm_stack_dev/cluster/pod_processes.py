@@ -44,6 +44,7 @@ from vllm_stack_dev.testbed.engines import (
     EngineSpec,
     dtype_override,
     launch,
+    log_tail,
     port_for_later,
     spawn_logged,
     stop_group,
@@ -225,9 +226,18 @@ class PodProcesses:
         self.check()
 
     def check(self) -> None:
-        """Raise what went wrong (a process that could not be started, an error of the follower thread)."""
+        """Raise what went wrong: a process that could not be started, an error of the follower thread, or
+        a process that exited while its Pod still exists (a container that died; a test waiting on what that
+        process would serve would otherwise wait for its whole timeout and say nothing of why)."""
         with self._lock:
             problems = [f"{pod}: {why}" for pod, why in self.failed.items()] + self._errors[:3]
+            exited = [(pod, e.process, e.log_path) for pod, e in self.engines.items() if pod not in self.gone]
+            exited += [(pod, r.process, r.log) for pod, r in self.routers.items() if pod not in self.gone]
+        for pod, process, log in exited:
+            if process.poll() is not None:
+                problems.append(
+                    f"{pod}: its process exited with code {process.returncode}; log {log}:\n{log_tail(log, 30)}"
+                )
         if problems:
             raise RuntimeError("pod processes: " + "; ".join(problems))
 
