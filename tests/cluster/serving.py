@@ -14,15 +14,18 @@ from vllm_stack_dev.testbed.engines import Engine, metric_sum
 from tests.conftest import CHAT_MODEL
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """``condition()``'s first truthy value; AssertionError naming ``what`` after ``timeout``."""
+def wait_for(
+    condition: Callable[[], Any], timeout: float, what: str | Callable[[], str], interval: float = 0.05
+) -> Any:
+    """``condition()``'s first truthy value; AssertionError naming ``what`` after ``timeout`` (a callable
+    ``what`` is called then, so the message can carry what is known only at the failure: a log's tail)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+            raise AssertionError(f"not within {timeout:.0f} s: {what() if callable(what) else what}")
         time.sleep(interval)
 
 

@@ -166,13 +166,15 @@ def stack(
             for router in routers:
                 wait_http_ok(f"{router.url}/health", 60, router.process)
             for router in routers:
-                try:
-                    wait_for(lambda router=router: routable(router, pods), ROUTABLE_S, "", interval=0.5)
-                except AssertionError:
-                    raise AssertionError(
-                        f"not within {ROUTABLE_S} s: the ready engine Pod routable by router Pod {router.pod}; "
+                wait_for(
+                    lambda router=router: routable(router, pods),
+                    ROUTABLE_S,
+                    lambda router=router: (
+                        f"the ready engine Pod routable by router Pod {router.pod}; "
                         f"its log {router.log}:\n{log_tail(router.log, 40)}"
-                    ) from None
+                    ),
+                    interval=0.5,
+                )
             yield Stack(cluster, helm, pods, routers, database, work / "pods" / "claims" / CLAIM)
     finally:
         helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False)
