@@ -231,9 +231,11 @@ class PodProcesses:
         process would serve would otherwise wait for its whole timeout and say nothing of why)."""
         with self._lock:
             problems = [f"{pod}: {why}" for pod, why in self.failed.items()] + self._errors[:3]
-            exited = [(pod, e.process, e.log_path) for pod, e in self.engines.items() if pod not in self.gone]
-            exited += [(pod, r.process, r.log) for pod, r in self.routers.items() if pod not in self.gone]
-        for pod, process, log in exited:
+            processes = [
+                (pod, e.process, e.log_path) for pod, e in self.engines.items() if pod not in self.gone
+            ]
+            processes += [(pod, r.process, r.log) for pod, r in self.routers.items() if pod not in self.gone]
+        for pod, process, log in processes:
             if process.poll() is not None:
                 problems.append(
                     f"{pod}: its process exited with code {process.returncode}; log {log}:\n{log_tail(log, 30)}"
