@@ -389,3 +389,75 @@ async def test_replicas_place_a_new_prefix_alike_whatever_each_has_in_flight(tin
             placed[k].append(result.engine.name)
     assert placed[0] == placed[1]
     assert set(placed[0]) == {"e0", "e1"}  # new documents spread over the engines
+
+
+def document(doc: int) -> list[dict]:
+    return [
+        {"role": "system", "content": "Answer from the document."},
+        {"role": "user", "content": f"Document {doc}. " + " ".join(f"line {i} of {doc}" for i in range(60))},
+    ]
+
+
+async def place_on_both(
+    replicas: list, pools: list[list[Engine]], messages: list[dict]
+) -> list[tuple[str, str]]:
+    """Each replica's (engine, reason) for the same request, each with its own engines' view."""
+    import json
+
+    from vllm_stack.scheduling.framework import RequestContext
+
+    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+    out = []
+    for setup, engines in zip(replicas, pools, strict=True):
+        ctx = RequestContext(MODEL, body=body, prompt=json.dumps(messages).encode())
+        for hook in setup.hooks.prepare:
+            assert hook(ctx) is None
+        result = setup.scheduler.schedule(ctx, engines)
+        out.append((result.engine.name, result.reason))
+    return out
+
+
+async def test_replicas_keep_a_cached_prefix_alike_whatever_each_has_in_flight(tiny_model_dir) -> None:  # noqa: ANN001
+    """Under cache pressure (issue 50's workload e) two picker replicas hit fewer prompt tokens than one
+    (33.3% against 37.9%): for a prefix an engine holds, each replica's cost counted its own requests'
+    prefill still ahead there, so one kept the document on its holder and the other copied it. Where
+    every engine's index comes from its events, the work ahead is what the engines publish, the same
+    for both: a replica with a long prefill of its own queued on the holder keeps the hit too."""
+    from vllm_stack.scheduling.index.tokens import ChatTokenizer
+
+    bs = 16
+    replicas = [events_setup(str(tiny_model_dir)) for _ in range(2)]
+    pools = [pool(2, bs), pool(2, bs)]
+    ids = ChatTokenizer(tiny_model_dir).chat_ids({"messages": document(7)})
+    whole = len(ids) // bs
+    held = stored(list(range(whole)), ids[: whole * bs], bs)
+    for setup, engines in zip(replicas, pools, strict=True):
+        picker = setup.plugins["prefix-cache-picker"]
+        picker.apply_events(engines[0], batch(held))
+        picker.apply_events(engines[1], batch({"type": "AllBlocksCleared"}))
+    # Replica 0 has sent e0 prompts it has yet to prefill, worth many times this document.
+    pools[0][0].prefill_tokens, pools[0][0].in_flight = 100_000, 2
+    assert await place_on_both(replicas, pools, document(7)) == [("e0", "prefix_hit")] * 2
+
+
+async def test_replicas_choose_alike_between_two_holders_whatever_each_has_in_flight(tiny_model_dir) -> None:  # noqa: ANN001
+    """Of two engines holding a document, each replica's own work ahead would send it to the engine where
+    that replica has less queued, which differs between replicas; with a shared view both choose alike."""
+    from vllm_stack.scheduling.index.tokens import ChatTokenizer
+
+    bs = 16
+    replicas = [events_setup(str(tiny_model_dir)) for _ in range(2)]
+    pools = [pool(2, bs), pool(2, bs)]
+    for doc in range(8):
+        ids = ChatTokenizer(tiny_model_dir).chat_ids({"messages": document(doc)})
+        whole = len(ids) // bs
+        held = stored([doc * 1000 + b for b in range(whole)], ids[: whole * bs], bs)
+        for setup, engines in zip(replicas, pools, strict=True):
+            for engine in engines:
+                setup.plugins["prefix-cache-picker"].apply_events(engine, batch(held))
+    # Each replica has prompts of its own queued on a different engine.
+    pools[0][0].prefill_tokens, pools[0][0].in_flight = 100_000, 2
+    pools[1][1].prefill_tokens, pools[1][1].in_flight = 100_000, 2
+    for doc in range(8):
+        first, second = await place_on_both(replicas, pools, document(doc))
+        assert first == second and first[1] == "prefix_hit"

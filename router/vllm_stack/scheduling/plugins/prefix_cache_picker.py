@@ -27,9 +27,11 @@ The choice is a cost in prompt tokens: what a hit saves against the work queued 
   ``--prefix-min-match-length``, converted at ``chars_per_token``; 0: no minimum), the request is a new
   prefix: it goes to the engine holding the fewest blocks, then the one with the least work ahead,
   so what is new spreads over the engines' caches and a short shared prefix ends up cached on
-  several engines instead of pulling every conversation onto one. Where every candidate's index
-  comes from its KV events, a hash of the prompt replaces the work ahead, which each router replica
-  knows only of its own requests: replicas then place a new prefix alike.
+  several engines instead of pulling every conversation onto one.
+- Where every candidate's index comes from its KV events, router replicas hold the same fills but each
+  knows only its own requests in flight, so the choice rests on what they all read alike: a new prefix
+  goes by the fill and then a hash of the prompt, and the work ahead is left out of the cost (the two
+  bounds below still keep a hot prefix from piling onto one engine).
 - Two bounds first, so a popular prefix never piles onto one engine: the in-flight bound (requests
   in flight plus engine queue below ``ceil((1 + epsilon) * (total + 1) / n) + slack``) and the share
   bound (an engine's share of the model's last ``share_window`` decisions below
@@ -284,19 +286,17 @@ class PrefixCachePicker:
                 share = blocks / len(keys)
         most = max(cached)
         new_prefix = most == 0 or share < self.match_threshold or most < self.min_match_tokens
-        per_request = self.request_tokens
-        # A new prefix, where every candidate's index entry comes from its KV events: placed by what
-        # every router replica knows alike (the fill, then a hash of what is new in the prompt), not by
-        # this replica's own work ahead (see _agreed_seed).
-        agreed = self._agreed_seed(engines, first, matched) if new_prefix else None
+        # Where every candidate's index entry comes from its KV events, every router replica holds the
+        # same fills: the choice then rests only on what they all read alike (see _shared_view).
+        shared = self._shared_view(engines)
+        agreed = first[min(max(matched), len(first) - 1)] if shared and new_prefix else None
+        ahead_of = [0.0] * len(engines) if shared else self._own_work_ahead(engines)
         best: tuple[float, ...] | None = None
         chosen = 0
         for i, e in enumerate(engines):
             if over[i]:
                 continue
-            # Work ahead of this request there, in prompt tokens: what the router's requests still
-            # have to prefill, plus a share per request in flight (their decoding).
-            ahead = e.prefill_tokens + per_request * e.in_flight
+            ahead = ahead_of[i]
             # Ties go by a hash of the prompt's first block and the engine's name: different prompts
             # spread, and every router replica given the same state makes the same choice.
             if agreed is not None:
@@ -323,21 +323,33 @@ class PrefixCachePicker:
             reason = "prefix_hit" if matched[chosen] == len(keys) else "prefix_partial"
         return engine, reason, here, prompt, keys, recent
 
-    def _agreed_seed(self, engines: Sequence[Engine], first: list[int], matched: list[int]) -> int | None:
-        """The tie-break seed of a new prefix when every candidate's index comes from its KV events (the
-        first block past the longest match: prompts that share only a system prompt spread); None when
-        some engine's does not (then the work ahead breaks ties between equally full engines).
+    def _shared_view(self, engines: Sequence[Engine]) -> bool:
+        """Whether every candidate's index comes from its KV events, so that every router replica
+        following them holds the same fills.
 
-        Why: router replicas following the same engines' events hold the same fills, but each counts
-        only its own requests in flight. A document's second question that reaches another replica
-        before the engine has published the first one's blocks is a new prefix there too; ranked by
-        each replica's own work ahead, the two placed it on different engines (issue 50's routing
-        benchmark, two pickers: in 3 of 3 runs one document was cached on both engines that way, with
-        the fills equal in both replicas' views). Ranked by fill and this seed, both choose alike."""
+        Why it matters: each replica counts only its own requests in flight. A document's next
+        question that reaches another replica before the engine has published the last one's blocks
+        is a new prefix there too; ranked by each replica's own work ahead, two replicas placed it on
+        different engines (issue 50's routing benchmark, two pickers: one document cached on both
+        engines, with the fills equal in both replicas' views). Under cache pressure (workload e) the
+        same held for matched prefixes: where a holder's cost and another engine's were close, each
+        replica's own work ahead tipped the choice, and two pickers hit 33.3% of prompt tokens against
+        one's 37.9% (``picker_replicas_e_check.md``). So with a shared view a new prefix goes by the fill
+        and then a hash of its first block past the longest match (prompts that share only a system
+        prompt spread), and the work ahead is left out: on e two pickers then hit 39.5% against one's
+        40.4%, and one picker is unchanged on a-e (``routing_shared_view_ab.md``). The engines' scraped
+        running and waiting, which every replica reads alike, were tried in its place and were no better
+        than before on d, and lower for one router on e: between two scrapes every decision reads the
+        same figures."""
         events = self.kv_events
-        if events is None or not all(events.follows(e.name) for e in engines):
-            return None
-        return first[min(max(matched), len(first) - 1)]
+        return events is not None and all(events.follows(e.name) for e in engines)
+
+    def _own_work_ahead(self, engines: Sequence[Engine]) -> list[float]:
+        """Work ahead on each engine, in prompt tokens, as this router counts it: what its requests
+        there still have to prefill, plus ``request_tokens`` per request in flight (their decoding).
+        Exact for one router; each of several replicas sees only its own part."""
+        per_request = self.request_tokens
+        return [e.prefill_tokens + per_request * e.in_flight for e in engines]
 
     def claim(self, ctx: RequestContext, engine: Engine, keys: list[int]) -> None:
         """Remember that ``engine`` was sent these blocks and took one of the model's decisions."""
