@@ -151,6 +151,7 @@ def router_config(
     tenants_file: Path | None = None,
     headroom: bool = True,
     headroom_slots: int | None = None,
+    instant_share: bool = False,
 ) -> dict:
     config = {
         "static_backends": backends,
@@ -169,6 +170,8 @@ def router_config(
         config |= {"tenant_headroom_slots": 0}
     elif headroom_slots is not None:
         config |= {"tenant_headroom_slots": headroom_slots}
+    if instant_share:  # past its share by the count of the moment, not the average over seconds
+        config |= {"tenant_share_seconds": 0}
     return config
 
 
@@ -214,6 +217,10 @@ BEFORE_PREFIX = "before/"
 #: active and the headroom never applies: the ``A-alone`` row is its baseline too)
 NO_HEADROOM_RUNS = ("A-beside", "C-sdk")
 NO_HEADROOM_PREFIX = "no-headroom/"
+#: ``--instant-share``: ours with ``tenant_share_seconds`` 0 (a tenant past its share by the count of the
+#: moment, the rule before the averaging), beside the noisy tenant
+INSTANT_SHARE_RUNS = ("A-beside", "C-sdk")
+INSTANT_SHARE_PREFIX = "instant-share/"
 
 
 @contextlib.contextmanager
@@ -499,8 +506,15 @@ def verdicts(summary: dict) -> list[str]:
         s = summary.get(run, {}).get(tenant, {}).get("p99_ms")
         return None if s is None else s["median"]
 
-    for prefix in ("", NO_HEADROOM_PREFIX, BEFORE_PREFIX, LLMD_PREFIX, LLMD_CONC_PREFIX):
-        baseline = ("" if prefix == NO_HEADROOM_PREFIX else prefix) + "A-alone"
+    for prefix in (
+        "",
+        NO_HEADROOM_PREFIX,
+        INSTANT_SHARE_PREFIX,
+        BEFORE_PREFIX,
+        LLMD_PREFIX,
+        LLMD_CONC_PREFIX,
+    ):
+        baseline = ("" if prefix in (NO_HEADROOM_PREFIX, INSTANT_SHARE_PREFIX) else prefix) + "A-alone"
         alone = p99(baseline, "quiet")
         for run in (prefix + "A-beside", prefix + "C-sdk"):
             beside = p99(run, "quiet")
@@ -515,7 +529,9 @@ def verdicts(summary: dict) -> list[str]:
                            f"({q['ok']['median']:.0f} of {q['sent']['median']:.0f})")  # fmt: skip
     floor = p99("A-polite", "quiet")
     if floor is not None:
-        for run in ("A-beside", "C-sdk", NO_HEADROOM_PREFIX + "A-beside", NO_HEADROOM_PREFIX + "C-sdk"):
+        for run in [
+            p + r for p in ("", NO_HEADROOM_PREFIX, INSTANT_SHARE_PREFIX) for r in ("A-beside", "C-sdk")
+        ]:
             beside = p99(run, "quiet")
             if beside is not None:
                 out.append(f"FLOOR: quiet p99 TTFT {run} {beside:.0f} ms against A-polite {floor:.0f} ms, a "
@@ -539,6 +555,8 @@ def render(report: dict) -> str:
         f"{' --tenants' if report.get('tenants_declared') else ''}"
         f"{' --before ' + report['before_tree'] if report.get('before_tree') else ''}"
         f"{' --no-headroom' if report.get('no_headroom') else ''}"
+        f"{' --instant-share' if report.get('instant_share') else ''}"
+        f"{' --limit-share ' + format(report['noisy_limit_share'], 'g') if report.get('tenants_declared') else ''}"
         f"{'' if report.get('headroom_slots') is None else ' --headroom-slots ' + str(report['headroom_slots'])}"
         f"{' --llmd' if report.get('llmd') else ''} --label "
         f"{report['label']}` on {report['machine']} at {report['commit']} "
@@ -573,6 +591,16 @@ def render(report: dict) -> str:
                 "one per engine, the default).",
             ]
             if report.get("no_headroom")
+            else []
+        ),
+        *(
+            [
+                "",
+                f"`{INSTANT_SHARE_PREFIX}` rows: ours with `tenant_share_seconds: 0`, a tenant past its share "
+                "by its requests on the engines at the moment (the rows without a prefix: averaged over 5 s, "
+                "the default).",
+            ]
+            if report.get("instant_share")
             else []
         ),
         *(
@@ -654,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-headroom", action="store_true",
                     help=f"--tenants: also run {', '.join(NO_HEADROOM_RUNS)} through ours with "
                     "tenant_headroom_slots 0 (fair queueing and limits alone), in the same rounds")  # fmt: skip
+    ap.add_argument("--instant-share", action="store_true",
+                    help=f"--tenants: also run {', '.join(INSTANT_SHARE_RUNS)} through ours with "
+                    "tenant_share_seconds 0 (past its share by the count of the moment), in the same rounds")  # fmt: skip
     ap.add_argument("--headroom-slots", type=int,
                     help="--tenants: ours with this tenant_headroom_slots (default: the router's, 1)")  # fmt: skip
     ap.add_argument("--llmd", action="store_true",
@@ -705,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
                     contenders.append((NO_HEADROOM_PREFIX, partial(
                         our_router, router_config(backends, eviction, tenants_file, headroom=False),
                         router_env(), log_dir, f"no-headroom-{run}-{i}")))  # fmt: skip
+                if args.instant_share and tenants_file is not None and run in INSTANT_SHARE_RUNS:
+                    contenders.append((INSTANT_SHARE_PREFIX, partial(our_router, router_config(
+                        backends, eviction, tenants_file, headroom_slots=args.headroom_slots, instant_share=True),
+                        router_env(), log_dir, f"instant-share-{run}-{i}")))  # fmt: skip
                 if args.before and run in BEFORE_RUNS:
                     before_env = router_env() | {"PYTHONPATH": str(Path(args.before) / "router")}
                     contenders.append((BEFORE_PREFIX, partial(our_router, router_config(backends, False),
@@ -757,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_tokens": BATCH_TOKENS_FACTOR * args.tokens,
         "before_tree": args.before,
         "no_headroom": bool(args.no_headroom and args.tenants),
+        "instant_share": bool(args.instant_share and args.tenants),
         "headroom_slots": args.headroom_slots if args.tenants else None,
         "llmd": (
             {

@@ -265,6 +265,7 @@ and the weighted names added. A key routerSpec.config gives itself (`models`, a 
 {{- if and $r.tenants (not (hasKey $config "tenants_file")) }}{{ $_ := set $config "tenants_file" "/etc/vllm-stack/router/tenants.yaml" }}{{ end -}}
 {{- if and $r.tenantHeader (ne $r.tenantHeader "x-llm-d-inference-fairness-id") (not (hasKey $config "tenant_header")) }}{{ $_ := set $config "tenant_header" $r.tenantHeader }}{{ end -}}
 {{- if and (not (kindIs "invalid" $r.tenantHeadroomSlots)) (ne (float64 $r.tenantHeadroomSlots) 1.0) (not (hasKey $config "tenant_headroom_slots")) }}{{ $_ := set $config "tenant_headroom_slots" $r.tenantHeadroomSlots }}{{ end -}}
+{{- if and (not (kindIs "invalid" $r.tenantShareSeconds)) (ne (float64 $r.tenantShareSeconds) 5.0) (not (hasKey $config "tenant_share_seconds")) }}{{ $_ := set $config "tenant_share_seconds" $r.tenantShareSeconds }}{{ end -}}
 {{- with $config }}{{ toYaml . }}{{ end -}}
 {{- end -}}
 

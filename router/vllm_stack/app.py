@@ -171,7 +171,7 @@ class Router:
         )
         setup = self._build_scheduling(config)
         # each tenant's requests on engines (tenant headroom): the director counts and asks
-        self.shares = TenantShares(config.tenants)
+        self.shares = TenantShares(config.tenants, share_seconds=config.tenant_share_seconds)
         self.queue = RequestQueue(
             self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants
         )
@@ -302,6 +302,7 @@ class Router:
         """Settings that can change while running (hot reload): swapped as whole objects."""
         self.config = config
         self.shares.set_tenants(config.tenants)
+        self.shares.share_seconds = config.tenant_share_seconds
         if not config.tenant_headroom_slots:
             self.shares.clear()  # nothing is counted while it is off: a later reload starts from none
         setup = self._with_rate_limits(config, setup)

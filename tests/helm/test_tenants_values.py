@@ -50,21 +50,33 @@ def test_no_tenants_render_nothing_of_theirs(tmp_path) -> None:
     config = yaml.safe_load(data["config.yaml"])
     assert "tenants_file" not in config and "tenant_header" not in config
     assert "tenant_headroom_slots" not in config  # the router's default (1) is not written out
+    assert "tenant_share_seconds" not in config  # nor its 5 s
 
 
-@pytest.mark.parametrize("slots", [0, 2])
-def test_the_tenant_headroom_renders_as_the_routers_setting(tmp_path, slots: int) -> None:
-    objs = render([values_file(tmp_path, {"routerSpec": {"tenantHeadroomSlots": slots}})])
+@pytest.mark.parametrize(
+    ("value", "setting", "given"),
+    [
+        ("tenantHeadroomSlots", "tenant_headroom_slots", 0),
+        ("tenantHeadroomSlots", "tenant_headroom_slots", 2),
+        ("tenantShareSeconds", "tenant_share_seconds", 0),
+        ("tenantShareSeconds", "tenant_share_seconds", 2.5),
+    ],
+)
+def test_the_headroom_values_render_as_the_routers_settings(
+    tmp_path, value: str, setting: str, given: float
+) -> None:
+    objs = render([values_file(tmp_path, {"routerSpec": {value: given}})])
     config = yaml.safe_load(one(objs, "ConfigMap", router_name("ConfigMap"))["data"]["config.yaml"])
-    assert config["tenant_headroom_slots"] == slots
+    assert config[setting] == given
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     loaded = load_config({"static_backends": "http://e:8000"}, str(tmp_path / "config.yaml"))
-    assert loaded.tenant_headroom_slots == slots
+    assert getattr(loaded, setting) == given
 
 
-def test_the_schema_refuses_a_negative_tenant_headroom(tmp_path) -> None:
-    error = render_error([values_file(tmp_path, {"routerSpec": {"tenantHeadroomSlots": -1}})])
-    assert "tenantHeadroomSlots" in error
+@pytest.mark.parametrize("value", ["tenantHeadroomSlots", "tenantShareSeconds"])
+def test_the_schema_refuses_a_negative_headroom_value(tmp_path, value: str) -> None:
+    error = render_error([values_file(tmp_path, {"routerSpec": {value: -1}})])
+    assert value in error
 
 
 @pytest.mark.parametrize(

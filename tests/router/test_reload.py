@@ -140,6 +140,7 @@ PROBES: dict[str, Probe] = {
         lambda r: (plugin(r, "saturation-filter").limits.headroom_slots, r.director.settings.tenant_headroom),
         (0, False),
     ),
+    "tenant_share_seconds": Probe(2.0, lambda r: r.director.shares.share_seconds),
     "disaggregation": Probe(True, lambda r: r.director.settings.disagg is not None),
     "disagg_min_uncached_tokens": Probe(
         512, lambda r: r.scheduler.disaggregation.decider.min_uncached_tokens, base=DISAGG

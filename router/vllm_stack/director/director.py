@@ -188,7 +188,7 @@ class Director:
                 elif ctx.held_back:  # held back by an earlier try; alone now
                     ctx.held_back = False
             elif ctx.tenant != shares.solo:  # (one tenant so far: nothing is counted, nobody held back)
-                shares.note(ctx.tenant)
+                shares.note(ctx.tenant, model, sum(e.in_flight for e in candidates))
         return scheduler.standard(ctx, candidates)
 
     def wake_for(self, model: str) -> bool:

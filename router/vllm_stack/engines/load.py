@@ -37,7 +37,7 @@ saturated once what is there reaches its slots less ``r``, so standard and shedd
 slots to critical requests.
 
 Tenant headroom (``tenant_headroom_slots``, :mod:`vllm_stack.tenants.shares`): for a request whose tenant
-holds more than its share of the model's engines while another tenant is active (the director marks it
+holds more than its share of the model's engines (averaged over seconds) while another tenant is active (the director marks it
 ``held_back`` on the request's context), an engine whose slot count is known is also saturated once what
 is there reaches its slots less the critical reserve and the headroom, so a tenant within its share finds
 a free slot at once instead of waiting behind the one that fills them.

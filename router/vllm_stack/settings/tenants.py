@@ -39,6 +39,14 @@ class TenantsGroup:
         flag="",
         chart="routerSpec.tenantHeadroomSlots",
     )
+    tenant_share_seconds: float = setting(
+        5.0,
+        doc="the time constant over which a tenant's requests on a model's engines are averaged before "
+        "they are measured against its share of the slots, so a tenant within its share is not held back "
+        "when its arrivals bunch up for a moment (0: the count of the moment)",
+        flag="",
+        chart="routerSpec.tenantShareSeconds",
+    )
     tenants: TenantTable = setting(
         factory=TenantTable,
         doc="the declared tenants, read from tenants_file",
@@ -53,6 +61,8 @@ class TenantsGroup:
         it is read."""
         if self.tenant_headroom_slots < 0:
             raise ConfigError("tenant_headroom_slots must be >= 0")
+        if not self.tenant_share_seconds >= 0:  # (NaN too)
+            raise ConfigError("tenant_share_seconds must be >= 0")
         if _HEADER_NAME.fullmatch(self.tenant_header) is None:
             raise ConfigError(
                 f"tenant_header must be a header name (RFC 9110 token), not {self.tenant_header!r}"
