@@ -94,6 +94,18 @@ class Stack:
         body = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
         return self.client.post("/v1/chat/completions", json=body)
 
+    def pod_ready(self, name: str) -> bool:
+        """Whether the API server has the Pod Running with an IP and its Ready condition True."""
+        for pod in self.engine_pods():
+            if pod["metadata"]["name"] == name:
+                status = pod.get("status") or {}
+                ready = any(
+                    c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in status.get("conditions") or ()
+                )
+                return status.get("phase") == "Running" and bool(status.get("podIP")) and ready
+        return False
+
     def engine_pods(self) -> list[dict]:
         return [
             p for p in self.pods.pods()
@@ -255,7 +267,11 @@ def test_scale_up_and_down_under_load_and_an_api_server_restart(stack: Stack) ->
     new_pod = wait_for(lambda: ({p["metadata"]["name"] for p in stack.engine_pods()} - before) or None, 30,
                        "a third engine Pod")  # fmt: skip
     (new_pod,) = new_pod
-    wait_for(lambda: new_pod in stack.discovered(), 10, f"{new_pod} discovered")
+    # Scheduled, Running with an IP and Ready (kwok's part, which takes seconds on a busy machine: CI once
+    # saw the router discover the Pod about 10 s after the scale command, just past a bound of 10 s taken
+    # from the Pod's creation), then the router's part, from then on.
+    wait_for(lambda: stack.pod_ready(new_pod), 60, f"{new_pod} Ready in the API server")
+    wait_for(lambda: new_pod in stack.discovered(), 10, f"{new_pod} discovered once Ready")
     wait_for(lambda: new_pod in stack.routable(), READY_TIMEOUT, f"{new_pod}'s engine routable")
     engine = stack.pods.engine_of(new_pod)
     with Load(stack.url) as load:
