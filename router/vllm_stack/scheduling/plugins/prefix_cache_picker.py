@@ -337,10 +337,10 @@ class PrefixCachePicker:
         one's 37.9% (``picker_replicas_e_check.md``). So with a shared view a new prefix goes by the fill
         and then a hash of its first block past the longest match (prompts that share only a system
         prompt spread), and the work ahead is left out: on e two pickers then hit 39.5% against one's
-        40.4%, and one picker stays within the spreads of the run before, or above them, on a-e (``routing_shared_view_ab.md``). The engines' scraped
-        running and waiting, which every replica reads alike, were tried in its place and were no better
-        than before on d, and lower for one router on e: between two scrapes every decision reads the
-        same figures."""
+        40.4%, and one picker stays within the spreads of the run before, or above them, on a-e
+        (``routing_shared_view_ab.md``). The engines' scraped running and waiting, which every replica
+        reads alike, were tried in its place and were no better than before on d, and lower for one
+        router on e: between two scrapes every decision reads the same figures."""
         events = self.kv_events
         return events is not None and all(events.follows(e.name) for e in engines)
 
