@@ -290,13 +290,16 @@ class PrefixCachePicker:
         # same fills: the choice then rests only on what they all read alike (see _shared_view).
         shared = self._shared_view(engines)
         agreed = first[min(max(matched), len(first) - 1)] if shared and new_prefix else None
-        ahead_of = [0.0] * len(engines) if shared else self._own_work_ahead(engines)
+        per_request = self.request_tokens
         best: tuple[float, ...] | None = None
         chosen = 0
         for i, e in enumerate(engines):
             if over[i]:
                 continue
-            ahead = ahead_of[i]
+            # Work ahead of this request there, in prompt tokens: what this router's requests still have
+            # to prefill, plus a share per request in flight (their decoding). Exact for one router; each
+            # of several replicas sees only its own part, so it is left out with a shared view.
+            ahead = 0.0 if shared else e.prefill_tokens + per_request * e.in_flight
             # Ties go by a hash of the prompt's first block and the engine's name: different prompts
             # spread, and every router replica given the same state makes the same choice.
             if agreed is not None:
@@ -343,13 +346,6 @@ class PrefixCachePicker:
         router on e: between two scrapes every decision reads the same figures."""
         events = self.kv_events
         return events is not None and all(events.follows(e.name) for e in engines)
-
-    def _own_work_ahead(self, engines: Sequence[Engine]) -> list[float]:
-        """Work ahead on each engine, in prompt tokens, as this router counts it: what its requests
-        there still have to prefill, plus ``request_tokens`` per request in flight (their decoding).
-        Exact for one router; each of several replicas sees only its own part."""
-        per_request = self.request_tokens
-        return [e.prefill_tokens + per_request * e.in_flight for e in engines]
 
     def claim(self, ctx: RequestContext, engine: Engine, keys: list[int]) -> None:
         """Remember that ``engine`` was sent these blocks and took one of the model's decisions."""
