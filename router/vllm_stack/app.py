@@ -171,7 +171,7 @@ class Router:
         )
         setup = self._build_scheduling(config)
         # each tenant's requests on engines (tenant headroom): the director counts and asks
-        self.shares = TenantShares(config.tenants, share_seconds=config.tenant_share_seconds)
+        self.shares = TenantShares(config.tenants)
         self.queue = RequestQueue(
             self.metrics, config.queue_max_per_model, config.queue_max_per_band, config.tenants
         )

@@ -193,9 +193,11 @@ class TenantShares:
         if tau <= 0.0:
             return float(held)
         entry = m.average.get(tenant)
-        if entry is None:
-            m.average[tenant] = [0.0, now]
-            return 0.0
+        if (
+            entry is None
+        ):  # its first request (or the averaging just turned on by a reload): from what it holds
+            m.average[tenant] = [float(held), now]
+            return float(held)
         value, at = entry
         value = held + (value - held) * math.exp((at - now) / tau)
         entry[0], entry[1] = value, now
