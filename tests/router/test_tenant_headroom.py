@@ -157,6 +157,17 @@ def test_a_tenant_that_filled_the_fleet_alone_is_past_its_share_from_the_next_te
     assert not other.past_share("m", "noisy", 8)  # nothing known of what it held on m: it counts from 0
 
 
+def test_averaging_turned_on_by_a_reload_starts_from_what_each_tenant_holds() -> None:
+    clock = Clock()
+    shares = TenantShares(share_seconds=0, clock=clock)
+    shares.started("m", "quiet")
+    for _ in range(6):
+        shares.started("m", "noisy")
+    shares.share_seconds = 5.0  # what a reload's tenant_share_seconds does
+    assert shares.past_share("m", "noisy", 8)  # 6 of 8 held: past its half at once, not 0 averaged up
+    assert not shares.past_share("m", "quiet", 8)
+
+
 def test_a_negative_or_missing_share_time_is_refused() -> None:
     for bad in (-1, float("nan")):
         with pytest.raises(ConfigError, match="tenant_share_seconds"):
