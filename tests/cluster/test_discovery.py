@@ -36,7 +36,7 @@ import pytest
 from vllm_stack_dev.cluster.api_proxy import ApiProxy, compact_etcd
 from vllm_stack_dev.cluster.control_plane import Cluster
 from vllm_stack_dev.cluster.pod_processes import PodProcesses
-from vllm_stack_dev.cluster.releases import Helm, place, wait_workloads_ready
+from vllm_stack_dev.cluster.releases import Helm, place, pod_ready, wait_workloads_ready
 from vllm_stack_dev.waiting import wait_http_ok
 
 from tests.cluster.serving import Load, arrivals, requests_in, wait_for
@@ -95,16 +95,11 @@ class Stack:
         return self.client.post("/v1/chat/completions", json=body)
 
     def pod_ready(self, name: str) -> bool:
-        """Whether the API server has the Pod Running with an IP and its Ready condition True."""
-        for pod in self.engine_pods():
-            if pod["metadata"]["name"] == name:
-                status = pod.get("status") or {}
-                ready = any(
-                    c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in status.get("conditions") or ()
-                )
-                return status.get("phase") == "Running" and bool(status.get("podIP")) and ready
-        return False
+        """Whether the API server has the engine Pod Running and Ready, with an IP."""
+        return any(
+            p["metadata"]["name"] == name and pod_ready(p) and bool(p["status"].get("podIP"))
+            for p in self.engine_pods()
+        )
 
     def engine_pods(self) -> list[dict]:
         return [
