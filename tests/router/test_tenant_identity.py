@@ -48,19 +48,25 @@ def test_an_unnamed_key_is_its_own_stable_tenant_that_does_not_show_the_key() ->
     assert identity.of_key(b"sk-secret-key") == name
     assert identity.of_key(None) == DEFAULT_TENANT
     assert "sk-named" not in repr(identity)
-    assert identity.headers == frozenset()  # with keys on, no header is read
+    assert not identity.headers  # with keys on, no header is read
 
 
 def test_the_header_names_the_tenant_without_keys_trimmed_and_bounded() -> None:
-    identity = TenantIdentity({}, keys_on=False, header="X-Team")
-    assert identity.headers == {
-        b"x-team",
-        b"x-llm-d-inference-fairness-id",
-        b"x-gateway-inference-fairness-id",
-    }
+    identity = TenantIdentity({}, keys_on=False)
+    # llm-d's header decides over its deprecated alias (rank 0 before 1)
+    assert identity.headers == {b"x-llm-d-inference-fairness-id": 0, b"x-gateway-inference-fairness-id": 1}
+    # another header configured is the only one read (a gateway that writes it may pass llm-d's through)
+    assert TenantIdentity({}, keys_on=False, header="X-Team").headers == {b"x-team": 0}
     assert identity.of_header(b"  team-b ") == "team-b"
     assert identity.of_header(b"") == DEFAULT_TENANT
     assert identity.of_header(b"x" * 500) == "x" * 64
+
+
+def test_a_header_value_is_read_as_utf8_and_cut_at_64_characters_not_bytes() -> None:
+    identity = TenantIdentity({}, keys_on=False)
+    assert identity.of_header("équipe-é".encode()) == "équipe-é"  # was: latin-1, "Ã©quipe-Ã©"
+    assert identity.of_header("é".encode() * 100) == "é" * 64  # was: 32 and a split character
+    assert identity.of_header(b"team-\xff") == "team-\ufffd"  # not UTF-8: the replacement character
 
 
 def test_a_declaration_reads_both_spellings_and_bounds_the_labels() -> None:
@@ -158,6 +164,34 @@ async def test_without_keys_the_fairness_header_or_its_alias_names_the_tenant() 
                 r = await h.post("/v1/completions", json=BODY, headers=headers)
                 assert r.status_code == 200, r.text
         assert seen == ["team-a", "team-b", DEFAULT_TENANT]
+
+
+async def test_a_client_cannot_override_the_deciding_header_by_sending_another_after_it() -> None:
+    """A gateway wrote the tenant's header; the client appended another (the alias, or the same header
+    again). The configured header decides whatever the order, and its first value (was: the last header
+    of either name won, so a client could spend any tenant's limits and share)."""
+    primary, alias = "x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"
+    async with stubs(StubEngine("a", [BASE])) as urls, running_router(urls) as (url, router), http(url) as h:
+        with tenants_seen(router) as seen:
+            for headers in (
+                [(primary, "team-a"), (alias, "victim")],
+                [(alias, "victim"), (primary, "team-a")],
+                [(primary, "team-a"), (primary, "victim")],
+                [(alias, "team-b"), (alias, "victim")],
+            ):
+                r = await h.post("/v1/completions", json=BODY, headers=headers)
+                assert r.status_code == 200, r.text
+        assert seen == ["team-a", "team-a", "team-a", "team-b"]
+    async with (
+        stubs(StubEngine("a", [BASE])) as urls,
+        running_router(urls, tenant_header="x-team") as (url, router),
+        http(url) as h,
+    ):
+        with tenants_seen(router) as seen:
+            for headers in ([("x-team", "team-a"), (primary, "victim")], [(primary, "victim"), (alias, "v")]):
+                r = await h.post("/v1/completions", json=BODY, headers=headers)
+                assert r.status_code == 200, r.text
+        assert seen == ["team-a", DEFAULT_TENANT]  # with x-team configured, llm-d's header names nobody
 
 
 async def test_with_keys_the_key_names_the_tenant_and_the_header_is_ignored(tmp_path: Path) -> None:

@@ -163,6 +163,7 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
     priority_value: bytes | None = None
     tenant_headers = router.identity.headers  # (empty with client keys: the key names the tenant)
     tenant_value: bytes | None = None
+    tenant_rank = len(tenant_headers)  # the rank of the header tenant_value came from (lower decides)
     # One pass over the headers finds the routed ones and builds the upstream header lines.
     lines: list[bytes] = []
     drop = router.request_drop
@@ -182,7 +183,9 @@ def handle(router: RouterState, conn: HttpConnection, request: HttpRequest) -> N
         elif name == priority_header:
             priority_value = value
         elif name in tenant_headers:
-            tenant_value = value
+            rank = tenant_headers[name]
+            if rank < tenant_rank:  # the configured header over the alias; a repeated one: its first
+                tenant_value, tenant_rank = value, rank
         lines += (name, b": ", value, b"\r\n")
     if connection is not None:  # rare: headers the client declared hop-by-hop stay on this hop
         listed = connection_listed(request.headers)

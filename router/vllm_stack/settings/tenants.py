@@ -23,7 +23,8 @@ class TenantsGroup:
     tenant_header: str = setting(
         FAIRNESS_HEADER,
         doc="the header naming a request's tenant when no client keys are configured "
-        "(x-gateway-inference-fairness-id is read too)",
+        "(with llm-d's default, its alias x-gateway-inference-fairness-id is read too; another header is the "
+        "only one read)",
         chart="routerSpec.tenantHeader",
     )
     tenants_file: str | None = setting(

@@ -10,8 +10,13 @@ In this order:
    deployments with a key per client get fairness per client without editing the file. With keys on,
    the header below is ignored: the key is what the router checked, a header anyone can write.
 2. **No keys**: the fairness header (the ``tenant_header`` setting, by default llm-d's
-   ``x-llm-d-inference-fairness-id``; the Inference Extension's ``x-gateway-inference-fairness-id``
-   is read too, as llm-d reads its deprecated alias), at most 64 characters kept.
+   ``x-llm-d-inference-fairness-id``; with that default the Inference Extension's
+   ``x-gateway-inference-fairness-id`` is read too, as llm-d reads its deprecated alias), its value as
+   UTF-8, at most 64 characters kept. The configured header decides over the alias whatever their
+   order, and a header sent twice by its first value: a client cannot append a second one to override
+   what a gateway in front wrote. A header configured other than llm-d's is the only one read (the
+   operator's gateway writes that one; llm-d's, which it may pass through, would let a client name any
+   tenant).
 3. Otherwise one shared tenant, ``default``.
 
 The key itself is never kept past the lookup, logged or used as a label.
@@ -59,15 +64,19 @@ class TenantIdentity:
     """Resolves a request's tenant (the module's rules), built from one configuration.
 
     ``headers``: the header names the API layer collects the fairness id from as it scans a
-    request's headers; empty when keys decide, so that scan takes nothing then."""
+    request's headers, each with its rank (0 decides over 1; among equals the first sent); empty when
+    keys decide, so that scan takes nothing then."""
 
     __slots__ = ("keyed", "headers", "_names")
 
     def __init__(self, key_names: Mapping[str, str], keys_on: bool, header: str = FAIRNESS_HEADER) -> None:
         self.keyed = keys_on
         self._names = {hashlib.sha256(k.encode()).digest(): n for k, n in key_names.items()}
-        names = {header.lower().encode("latin-1"), FAIRNESS_HEADER.encode(), FAIRNESS_HEADER_ALIAS.encode()}
-        self.headers: frozenset[bytes] = frozenset() if keys_on else frozenset(names)
+        configured = header.lower().encode("latin-1")
+        ranks = {configured: 0}
+        if configured == FAIRNESS_HEADER.encode():
+            ranks[FAIRNESS_HEADER_ALIAS.encode()] = 1
+        self.headers: Mapping[bytes, int] = {} if keys_on else ranks
 
     def __repr__(self) -> str:  # never the keys, nor their digests
         return f"TenantIdentity(keyed={self.keyed}, named_keys={len(self._names)})"
@@ -81,6 +90,7 @@ class TenantIdentity:
 
     @staticmethod
     def of_header(value: bytes) -> str:
-        """The tenant a fairness header names (its value, trimmed; empty: the shared tenant)."""
-        name = value.strip()[:MAX_NAME].decode("latin-1")
+        """The tenant a fairness header names (its value, trimmed, as UTF-8 (a byte that is not: U+FFFD),
+        at most :data:`MAX_NAME` characters; empty: the shared tenant)."""
+        name = value.strip()[: 4 * MAX_NAME].decode("utf-8", "replace")[:MAX_NAME]
         return name or DEFAULT_TENANT
