@@ -20,7 +20,7 @@ from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import metric_value, running_router, stubs
 from vllm_stack.tenants.limiter import RateLimiter
 from vllm_stack.tenants.ratelimit import Decision, TenantLimits
-from vllm_stack.tenants.redis_store import RedisBuckets
+from vllm_stack.tenants.redis_store import MAX_CONNECTIONS, RedisBuckets
 
 pytestmark = pytest.mark.redis
 
@@ -70,6 +70,26 @@ async def test_two_replicas_hold_one_requests_limit_within_one_request(
     refused = [d for d in decisions if not d.allowed]
     assert all(0 < d.retry_after <= 3.0 for d in refused)
     assert all(d.requests is not None and d.requests.remaining < 1 for d in refused)
+
+
+async def test_a_replica_holds_a_bounded_number_of_connections_to_the_store(
+    redis_server: RedisServer,
+) -> None:
+    """600 decisions at once: they share at most MAX_CONNECTIONS connections, waiting for a free one
+    (was: one connection each, as many as requests in flight, for a Redis that answers slowly)."""
+    watcher = redis.asyncio.Redis.from_url(redis_server.url)
+    before = (await watcher.info("stats"))["total_connections_received"]
+    limiter = RateLimiter({}, shared=RedisBuckets(redis_server.url, SLOW_MACHINE))
+    try:
+        decisions = await asyncio.gather(
+            *(_take(limiter, "t", TenantLimits(requests_per_minute=1000), 0) for _ in range(600))
+        )
+    finally:
+        await limiter.close()
+    after = (await watcher.info("stats"))["total_connections_received"]
+    await watcher.aclose()
+    assert sum(d.allowed for d in decisions) == 600
+    assert after - before <= MAX_CONNECTIONS, after - before
 
 
 async def test_two_replicas_hold_one_tokens_limit_and_share_the_corrections(

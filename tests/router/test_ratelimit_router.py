@@ -14,6 +14,7 @@ import yaml
 
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import metric_value, running_router, stubs, wait_for
+from vllm_stack.tenants.ratelimit import Decision, LocalBuckets, TenantLimits
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 TENANT_HEADER = "x-llm-d-inference-fairness-id"
@@ -59,6 +60,7 @@ async def test_answers_carry_the_headers_and_the_limit_answers_429(tmp_path: Pat
     assert error["type"] == error["code"] == "rate_limit_exceeded"
     assert "tenant 't'" in error["message"] and "requests per minute" in error["message"]
     assert int(third.headers["retry-after"]) == 30  # 2 per minute: the next one in 30 s
+    assert third.headers["x-llm-d-request-dropped-reason"] == "rate_limited"  # as llm-d's router says
     assert third.headers["x-ratelimit-remaining-requests"] == "0"
     assert refused == 1
     # the refused one never reached the engine; an undeclared tenant has no limits, nor their headers
@@ -143,3 +145,83 @@ async def test_a_client_gone_before_the_answer_gives_back_its_output_reservation
             second = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
     assert second.status_code == 200, second.headers.get("retry-after")
     assert int(second.headers["x-ratelimit-remaining-tokens"]) > 100_000 - 100
+
+
+async def test_the_queues_own_refusal_of_a_limited_tenant_carries_its_rate_limit_headers(
+    tmp_path: Path,
+) -> None:
+    """Every answer of a limited tenant carries OpenAI's headers: a 429 queue_full too (was: only the
+    answers relayed from an engine, and the rate limit's own 429)."""
+    engine = StubEngine()
+    engine.waiting = 9  # saturated: standard requests wait in the router's queue
+    tenants = tenants_file(tmp_path, requests_per_minute=100)
+    async with (
+        stubs(engine) as urls,
+        running_router(urls, tenants_file=tenants, queue_max_per_band=1, queue_timeout=30) as (url, router),
+        httpx.AsyncClient(base_url=url, timeout=30, headers=TENANT) as http,
+    ):
+        await wait_for(
+            lambda: (t := router.registry.engines()[0].fresh_telemetry()) is not None and t.waiting == 9,
+            what="the engine's saturation scraped",
+        )
+        waiting = asyncio.ensure_future(http.post("/v1/chat/completions", json=CHAT))
+        await wait_for(lambda: router.queue.length == 1, what="the first request waiting")
+        refused = await http.post("/v1/chat/completions", json=CHAT)
+        engine.waiting = 0
+        answered = await asyncio.wait_for(waiting, 30)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert refused.headers["x-llm-d-request-dropped-reason"] == "queue_full"
+    assert RATE_HEADERS - {h for h in RATE_HEADERS if h.endswith("-tokens")} <= set(refused.headers)
+    assert refused.headers["x-ratelimit-remaining-requests"] == "98"
+    assert answered.status_code == 200
+
+
+class _SlowStore:
+    """A shared store that takes at once (as Redis runs its script) and answers when ``reply`` is set."""
+
+    url = "redis://stand-in"
+
+    def __init__(self) -> None:
+        self.buckets = LocalBuckets()
+        self.taken = asyncio.Event()
+        self.reply = asyncio.Event()
+        self.adjusts: list[int] = []
+
+    async def take(self, tenant: str, limits: TenantLimits, tokens: int) -> Decision:
+        decision = self.buckets.take(tenant, limits, tokens)
+        self.taken.set()
+        await self.reply.wait()
+        return decision
+
+    async def adjust(self, tenant: str, limits: TenantLimits, delta: int) -> None:
+        self.adjusts.append(delta)
+        self.buckets.adjust(tenant, limits, delta)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_client_gone_while_the_shared_store_decides_gets_its_tokens_back(tmp_path: Path) -> None:
+    """The store took a reservation and its answer was still on the way when the client left: once it
+    comes, the tokens go back (was: the cancelled wait dropped the decision, and a minute's tokens with
+    it)."""
+    engine = StubEngine(max_model_len=10**7)
+    tenants = tenants_file(tmp_path, tokens_per_minute=100_000)
+    async with stubs(engine) as urls, running_router(urls, tenants_file=tenants) as (url, router):
+        store = _SlowStore()
+        router.rate_limiter.shared = store
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers=TENANT) as http:
+            gone = asyncio.ensure_future(
+                http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50_000})
+            )
+            await asyncio.wait_for(store.taken.wait(), 10)
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+            await wait_for(lambda: _finished(router, "client_closed") == 1, what="the router seeing it go")
+            store.reply.set()
+            await wait_for(lambda: len(store.adjusts) == 1, what="the reservation given back")
+            assert store.adjusts[0] <= -50_000, store.adjusts
+            second = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+    assert second.status_code == 200
+    assert int(second.headers["x-ratelimit-remaining-tokens"]) > 100_000 - 100
+    assert not engine.seen or len(engine.seen) == 1  # the gone one never reached the engine

@@ -10,9 +10,11 @@ decision waits in the request's cycle state for the answer's ``usage``. Refused:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from vllm_stack.engines.engine import Engine
@@ -94,7 +96,24 @@ class RateLimitGate:
         pending: Awaitable[Decision],
         prompt: int,
     ) -> Refusal | None:
-        return self._decided(ctx, tenant, limits, await pending, prompt)
+        decided = asyncio.ensure_future(pending)
+        try:
+            decision = await asyncio.shield(decided)
+        except asyncio.CancelledError:
+            # the request ended while the store decided (its client left, its routing timed out): the
+            # store may have taken a reservation, which goes back once it answers
+            decided.add_done_callback(partial(self._abandoned, tenant, limits))
+            raise
+        return self._decided(ctx, tenant, limits, decision, prompt)
+
+    def _abandoned(self, tenant: str, limits: TenantLimits, decided: asyncio.Future[Decision]) -> None:
+        """A shared store's decision for a request that ended before it came: its tokens back (as for a
+        client that left while queued; the request itself stays counted, as every admitted one)."""
+        if decided.cancelled() or decided.exception() is not None:
+            return
+        decision = decided.result()
+        if decision.allowed:
+            self.limiter.settle(tenant, limits, decision, "client_closed", None, decision.reserved)
 
     def _decided(
         self, ctx: RequestContext, tenant: str, limits: TenantLimits, decision: Decision, prompt: int

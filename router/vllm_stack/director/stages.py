@@ -147,7 +147,12 @@ class DirectedRequest:
     # ---- the end -----------------------------------------------------------------------------------------
     def _fail(self, error: RouterError, outcome: str = RELEASED) -> None:
         """Answer with an error of the router's own (only while nothing was forwarded); an attempt's
-        booking still open is settled as ``outcome``."""
+        booking still open is settled as ``outcome``. A rate-limited tenant's ``x-ratelimit-*`` headers,
+        which its admission put on the answer (vllm_stack.director.rate_gate), come with it: every answer
+        of a limited tenant carries them, a refusal by the queue too."""
+        extra = self.ctx.response_headers
+        if extra and not self.done:
+            error.headers = [*error.headers, *_header_pairs(extra)]
         self._end(str(error.status), outcome, None, error)
 
     def _end(
@@ -506,3 +511,13 @@ class DirectedRequest:
     def engine_name(self) -> str:
         """The engine of the current (or last) attempt, "none" before one was picked."""
         return self.engine.name if self.engine is not None else "none"
+
+
+def _header_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
+    """CRLF-terminated header lines (``RequestContext.response_headers``) as (name, value) pairs."""
+    pairs = []
+    for line in lines.split(b"\r\n"):
+        name, sep, value = line.partition(b": ")
+        if sep:
+            pairs.append((name, value))
+    return pairs

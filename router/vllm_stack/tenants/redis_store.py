@@ -22,6 +22,11 @@ KEY_PREFIX = "vllm-stack:ratelimit:"
 #: router's ``rate_limit_store_timeout``).
 TIMEOUT = 0.5
 
+#: Connections one router keeps to the store at most: a decision holds one for its round trip, so with
+#: Redis slow the pool would otherwise open one per request in flight; beyond this a decision waits for a
+#: free one (within the timeout, then fails open like any other failure of the store).
+MAX_CONNECTIONS = 64
+
 #: The longest a tenant's hash is kept (seconds until full; its TTL): the levels are bounded (one
 #: request per request, one minute of debt per token), so this only guards against a stored level from
 #: elsewhere turning PEXPIRE's argument into nonsense (a float's exponent, which Redis refuses).
@@ -93,9 +98,15 @@ class RedisBuckets:
         import redis.asyncio  # noqa: PLC0415 - only with a shared store configured
 
         self.url = url
-        self._client: Any = redis.asyncio.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout,  # waiting for a free connection
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            health_check_interval=30,
         )
+        self._client: Any = redis.asyncio.Redis.from_pool(pool)  # closing the client closes the pool
         self._script = self._client.register_script(SCRIPT)
 
     async def take(self, tenant: str, limits: TenantLimits, tokens: int) -> Decision:
