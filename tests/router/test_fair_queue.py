@@ -17,7 +17,7 @@ import pytest
 from tests.fakes.stub_engine import StubEngine
 from tests.router.helpers import http, running_router, stubs, wait_for
 from tests.router.test_priority_queue import Req
-from vllm_stack.director.queue import RequestQueue
+from vllm_stack.director.queue import RETURNING_BOUND, RequestQueue
 from vllm_stack.metrics import RouterMetrics
 from vllm_stack.tenants.declaration import TenantSpec, TenantTable
 
@@ -124,6 +124,56 @@ async def test_a_full_band_pushes_out_the_heaviest_tenants_newest_before_refusin
     sample = metrics.registry.get_sample_value
     labels = {"model": "m", "class": "standard"}
     assert sample("vllm_stack_router_queue_exits_total", {**labels, "outcome": "displaced"}) == 2
+    queue.close()
+
+
+async def test_a_tenant_that_keeps_one_request_waiting_takes_turns_with_a_backlogged_one() -> None:
+    """Tenant a sends its next request whenever its last one left; b has a backlog, same weight. They
+    leave in turn (was: a came back at the band's time, its own last tag, and took every turn)."""
+    queue = RequestQueue(RouterMetrics(), max_per_model=100)
+    log: list[str] = []
+    room = [0]
+    for i in range(20):
+        assert queue.add("m", req(f"b{i}", "b", log, room))
+    sent = 0
+    for _ in range(20):
+        if sent == 0 or f"a{sent - 1}" in log:  # its last one left: it sends the next
+            assert queue.add("m", req(f"a{sent}", "a", log, room))
+            sent += 1
+        drain(queue, room, 1)
+    a_turns = sum(r.startswith("a") for r in log)
+    assert 9 <= a_turns <= 11, log  # half the turns, not all of them
+    queue.close()
+
+
+async def test_the_tags_a_band_remembers_stay_bounded_with_many_tenants_coming_and_going() -> None:
+    """Each of 3,000 tenants (named by a header: the client's to make up) waits once and leaves ahead of
+    the band's time, beside a backlogged one: what the band keeps of them stays bounded."""
+    queue = RequestQueue(RouterMetrics(), max_per_model=10_000)
+    log: list[str] = []
+    room = [0]
+    for i in range(3000):
+        assert queue.add("m", req(f"b{i}", "b", log, room))
+    for i in range(3000):
+        assert queue.add("m", req(f"x{i}", f"made-up-{i}", log, room))
+        drain(queue, room, 1)
+        assert len(queue._queues["m"].bands[0].returning) <= RETURNING_BOUND
+    queue.close()
+
+
+async def test_among_equally_heavy_tenants_the_one_that_began_waiting_last_gives_way() -> None:
+    """As docs/tenants.md says: a full band pushes out the newest request of its heaviest tenant; among
+    equals, the tenant that began waiting last (was: the first, whose oldest requests waited longest)."""
+    queue = RequestQueue(RouterMetrics(), max_per_model=100, max_per_band=4)
+    log: list[str] = []
+    room = [0]
+    a = [req(f"a{i}", "a", log, room) for i in range(2)]
+    b = [req(f"b{i}", "b", log, room) for i in range(2)]
+    for r in (a[0], a[1], b[0], b[1]):
+        assert queue.add("m", r)
+    assert queue.add("m", req("c0", "c", log, room))
+    assert b[1].was_displaced
+    assert not any(r.was_displaced for r in (a[0], a[1], b[0]))
     queue.close()
 
 

@@ -14,7 +14,10 @@ start-time fair queueing, in which each tenant carries a virtual tag that grows 
 each of its departures and the tenant with the smallest tag goes next. Under saturation tenants of
 weights 2 and 1 leave 2:1, and a tenant sending ten times another's requests cannot put the other's
 behind all of its own. A tenant that starts waiting takes the band's current virtual time as its tag
-(an idle tenant banks no credit). Weights come from the tenants declaration (1 when undeclared).
+(an idle tenant banks no credit), or the tag its last departure moved it to when that is later: a
+tenant whose last waiting request just left is ahead of the band's time by its turn, and coming back
+at once must not give it the turn again (a tenant keeping one request waiting would otherwise take
+every turn ahead of a backlogged one). Weights come from the tenants declaration (1 when undeclared).
 
 It leaves when the scheduler gives it an engine: the queue tries its head whenever room may have
 appeared (a request on one of the model's engines ended, an engine's figures were scraped, the
@@ -52,6 +55,11 @@ from vllm_stack.tenants.declaration import TenantTable
 TICK = 0.5
 
 _tag = attrgetter("tag")
+
+#: Tenants a band remembers as having left ahead of its virtual time (beyond: those the band's time has
+#: passed are dropped, then all of them: a band with more tenants coming and going than this is
+#: fair by arrival for the ones it forgot)
+RETURNING_BOUND = 1024
 
 #: Exits that turn the request away, as the tenants' rejection reasons (metrics.REJECTION_REASONS)
 _REJECTED = {"displaced": "queue_full", "timeout": "queue_timeout"}
@@ -99,7 +107,7 @@ class _Flow:
 class _Band:
     """The waiting requests of one priority value of one model."""
 
-    __slots__ = ("priority", "flows", "heap", "vtime", "size")
+    __slots__ = ("priority", "flows", "heap", "vtime", "size", "returning")
 
     def __init__(self, priority: int) -> None:
         self.priority = priority
@@ -107,6 +115,22 @@ class _Band:
         self.heap: list[tuple[float, int, _Flow]] = []  # (tag, entry sequence, flow): stale ones skipped
         self.vtime = 0.0  # the tag of the last departure: where a tenant that starts waiting begins
         self.size = 0
+        self.returning: dict[str, float] = {}  # tenant -> its tag as its last request left, if ahead
+
+    def start_tag(self, tenant: str) -> float:
+        """Where a tenant that starts waiting begins: the band's time, or its own tag if that is later."""
+        return max(self.vtime, self.returning.pop(tenant, 0.0))
+
+    def left(self, flow: _Flow) -> None:
+        """``flow``'s last waiting request left: its tag is remembered while ahead of the band's time."""
+        if flow.tag <= self.vtime:
+            return
+        returning = self.returning
+        returning[flow.tenant] = flow.tag
+        if len(returning) > RETURNING_BOUND:
+            vtime = self.vtime
+            ahead = {t: tag for t, tag in returning.items() if tag > vtime}
+            self.returning = ahead if len(ahead) <= RETURNING_BOUND // 2 else {}
 
     def next_flow(self) -> _Flow | None:
         """The tenant whose turn it is (the smallest tag), stale heap entries dropped."""
@@ -119,8 +143,10 @@ class _Band:
         return None
 
     def heaviest(self) -> _Flow | None:
-        """The tenant with the most waiting per unit of weight (the newest arrival among equals)."""
-        return max(self.flows.values(), key=lambda f: len(f.requests) / f.weight, default=None)
+        """The tenant with the most waiting per unit of weight; among equals, the one that began waiting
+        last (``flows`` keeps that order: a tenant's entry goes as its last request leaves, and ``max``
+        keeps the first maximum of the reversed order)."""
+        return max(reversed(self.flows.values()), key=lambda f: len(f.requests) / f.weight, default=None)
 
 
 class _ModelQueue:
@@ -188,7 +214,7 @@ class RequestQueue:
             q.order.sort(reverse=True)
         flow = band.flows.get(tenant)
         if flow is None:
-            flow = band.flows[tenant] = _Flow(tenant, self.tenants.weight(tenant), band.vtime)
+            flow = band.flows[tenant] = _Flow(tenant, self.tenants.weight(tenant), band.start_tag(tenant))
         self._seq += 1
         request.queue_seq = self._seq
         request.queued_at = time.perf_counter()
@@ -271,6 +297,7 @@ class RequestQueue:
         if not requests:
             flow.entry = 0  # its heap entry is stale
             del band.flows[flow.tenant]
+            band.left(flow)
         if not band.size:
             del q.bands[band.priority]
             q.order.remove(band.priority)
