@@ -171,7 +171,7 @@ async def test_the_queues_own_refusal_of_a_limited_tenant_carries_its_rate_limit
         answered = await asyncio.wait_for(waiting, 30)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
     assert refused.headers["x-llm-d-request-dropped-reason"] == "queue_full"
-    assert RATE_HEADERS - {h for h in RATE_HEADERS if h.endswith("-tokens")} <= set(refused.headers)
+    assert {h for h in RATE_HEADERS if h.endswith("-requests")} <= set(refused.headers)
     assert refused.headers["x-ratelimit-remaining-requests"] == "98"
     assert answered.status_code == 200
 
@@ -224,4 +224,4 @@ async def test_a_client_gone_while_the_shared_store_decides_gets_its_tokens_back
             second = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
     assert second.status_code == 200
     assert int(second.headers["x-ratelimit-remaining-tokens"]) > 100_000 - 100
-    assert not engine.seen or len(engine.seen) == 1  # the gone one never reached the engine
+    assert len(engine.seen) == 1  # the second only: the gone one never reached the engine

@@ -19,6 +19,7 @@ import aiohttp
 from vllm_stack.director.stages import DirectedRequest
 from vllm_stack.engines.booking import FAILURE, RELEASED, SUCCESS
 from vllm_stack.errors import RouterError, error_body
+from vllm_stack.relay.headers import header_fields
 from vllm_stack.scheduling.framework import RequestContext
 
 if TYPE_CHECKING:
@@ -118,16 +119,12 @@ class BatchLineRequest(DirectedRequest):
         engine = self.engine
         if engine is not None and engine.head_lines:  # an external provider: its own key, not the engines'
             key = None
-            for line in engine.head_lines.split(b"\r\n"):
-                name, sep, value = line.partition(b": ")
-                if sep:
-                    headers[name.decode("latin-1")] = value.decode("latin-1")
+            for name, value in header_fields(engine.head_lines):
+                headers[name.decode("latin-1")] = value.decode("latin-1")
         if key:
             headers["authorization"] = key.decode("latin-1")
-        for line in ctx.upstream_headers.split(b"\r\n"):  # a pre-request plugin's header lines
-            name, sep, value = line.partition(b":")
-            if sep:
-                headers[name.strip().decode("latin-1")] = value.strip().decode("latin-1")
+        for name, value in header_fields(ctx.upstream_headers):  # a pre-request plugin's header lines
+            headers[name.decode("latin-1")] = value.decode("latin-1")
         return headers
 
     async def _post(self) -> None:

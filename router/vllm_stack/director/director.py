@@ -59,13 +59,10 @@ _ERRORS: dict[str, tuple[int, str, str, bool]] = {
     ),
 }
 
-#: Reasons a request is dropped (by the queue, or the rate limits before it): their answers name it in
-#: :data:`DROPPED_REASON`, as llm-d's router does (the rejection metric's reasons; eviction adds its own)
-_DROPPED: dict[str, bytes] = {
-    Reason.QUEUE_FULL: b"queue_full",
-    Reason.QUEUE_TIMEOUT: b"queue_timeout",
-    Reason.RATE_LIMITED: b"rate_limited",
-}
+#: Reasons a request is dropped (by the queue, or the rate limits before it): their answers name the
+#: reason in :data:`DROPPED_REASON`, as llm-d's router does (the rejection metric's reasons; eviction
+#: adds its own)
+_DROPPED = frozenset({Reason.QUEUE_FULL, Reason.QUEUE_TIMEOUT, Reason.RATE_LIMITED})
 
 
 def engines_asleep(model: str, waking: bool) -> RouterError:
@@ -222,9 +219,8 @@ class Director:
             return RouterError(500, "The router could not route the request.", code="internal_error")
         status, code, default, retry = mapped
         headers = _RETRY_AFTER if retry else []
-        dropped = _DROPPED.get(reason)
-        if dropped is not None:
-            headers = [*headers, (DROPPED_REASON, dropped)]
+        if reason in _DROPPED:
+            headers = [*headers, (DROPPED_REASON, reason.encode())]
         return RouterError(
             status,
             message or default.format(model=model),

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from vllm_stack.engines.booking import RELEASED, EngineBooking
 from vllm_stack.engines.engine import Engine
 from vllm_stack.errors import RouterError
+from vllm_stack.relay.headers import header_fields
 from vllm_stack.scheduling.config import Hooks
 from vllm_stack.scheduling.framework import Completion, Reason, Refusal, RequestContext, SchedulingResult
 
@@ -152,7 +153,7 @@ class DirectedRequest:
         of a limited tenant carries them, a refusal by the queue too."""
         extra = self.ctx.response_headers
         if extra and not self.done:
-            error.headers = [*error.headers, *_header_pairs(extra)]
+            error.headers = [*error.headers, *header_fields(extra)]
         self._end(str(error.status), outcome, None, error)
 
     def _end(
@@ -511,13 +512,3 @@ class DirectedRequest:
     def engine_name(self) -> str:
         """The engine of the current (or last) attempt, "none" before one was picked."""
         return self.engine.name if self.engine is not None else "none"
-
-
-def _header_pairs(lines: bytes) -> list[tuple[bytes, bytes]]:
-    """CRLF-terminated header lines (``RequestContext.response_headers``) as (name, value) pairs."""
-    pairs = []
-    for line in lines.split(b"\r\n"):
-        name, sep, value = line.partition(b": ")
-        if sep:
-            pairs.append((name, value))
-    return pairs

@@ -25,6 +25,7 @@ from vllm_stack.epp.paths import headerless, refusal
 from vllm_stack.epp.request import PickedRequest
 from vllm_stack.errors import RouterError, error_body, no_healthy_engine
 from vllm_stack.extproc import wire
+from vllm_stack.relay.headers import header_fields
 from vllm_stack.relay.leg import ANSWER_END_BYTES
 from vllm_stack.request_id import new_request_id, valid_request_id
 
@@ -63,10 +64,8 @@ class StreamService(Protocol):
 
 def _lines(block: bytes) -> Iterable[tuple[str, str]]:
     """``name: value`` pairs of header lines (what pre-request plugins add upstream)."""
-    for line in block.split(b"\r\n"):
-        name, sep, value = line.partition(b":")
-        if sep:
-            yield name.strip().decode("latin-1").lower(), value.strip().decode("latin-1")
+    for name, value in header_fields(block):
+        yield name.decode("latin-1").lower(), value.decode("latin-1")
 
 
 class Exchange:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -21,6 +23,16 @@ HOP_BY_HOP = frozenset(
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"authorization", b"x-api-key"}
 
 _NOTHING: frozenset[bytes] = frozenset()
+
+
+def header_fields(block: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """The (name, value) pairs of CRLF-separated ``name: value`` header lines, each part stripped (the
+    lines a plugin or the rate limits add, a provider's own); a line without a colon, such as the empty
+    one after the last CRLF, is skipped."""
+    for line in block.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if sep:
+            yield name.strip(), value.strip()
 
 
 def connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:

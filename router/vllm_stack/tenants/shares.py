@@ -193,9 +193,8 @@ class TenantShares:
         if tau <= 0.0:
             return float(held)
         entry = m.average.get(tenant)
-        if (
-            entry is None
-        ):  # its first request (or the averaging just turned on by a reload): from what it holds
+        if entry is None:
+            # its first request (or the averaging just turned on by a reload): from what it holds
             m.average[tenant] = [float(held), now]
             return float(held)
         value, at = entry
